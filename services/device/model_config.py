@@ -1,0 +1,168 @@
+"""Architecture hyper-parameters of a llama-family model, read from GGUF metadata or an HF config.json.
+
+Only what the device's forward pass needs is kept. Supported architectures: ``llama`` (Llama,
+SmolLM, Mistral-style dense models without sliding window) and ``qwen2`` (adds q/k/v biases).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+class ModelLoadError(ValueError):
+    """A model file or directory cannot be loaded; the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a decoder-only llama-family transformer.
+
+    ``rope_scaling`` follows the Hugging Face ``rope_parameters`` dict (``rope_type`` plus that
+    type's keys, e.g. ``factor``), or is ``None`` for plain RoPE. ``rope_freq_factors`` holds
+    llama.cpp's ``rope_freqs.weight`` (per-frequency divisors, ``head_dim // 2`` values) that GGUF
+    converters write instead of llama3 scaling parameters.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    rope_scaling: dict[str, Any] | None = None
+    rope_freq_factors: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+    @property
+    def q_size(self) -> int:
+        """Width of the query projection output (``num_heads * head_dim``)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the key (and of the value) projection output (``num_kv_heads * head_dim``)."""
+        return self.num_kv_heads * self.head_dim
+
+
+def config_from_gguf(fields: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]], path: Path) -> ModelConfig:
+    """Build a ``ModelConfig`` from GGUF scalar metadata (key -> value) and the tensor shapes.
+
+    ``tensor_shapes`` maps GGUF tensor names to row-major shapes (``token_embd.weight`` is
+    ``(vocab, hidden)``). Keys follow the GGUF spec (``{arch}.block_count``, ...); ``vocab_size``
+    falls back to the embedding's row count; rope scaling comes from
+    ``{arch}.rope.scaling.*``. Raises ``ModelLoadError`` naming ``path`` for an unsupported
+    architecture or a missing key.
+    """
+    arch = fields.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+
+    def need(key: str) -> Any:
+        try:
+            return fields[f"{arch}.{key}"]
+        except KeyError:
+            raise ModelLoadError(f"{path}: GGUF metadata key {arch}.{key!r} is missing") from None
+
+    hidden = int(need("embedding_length"))
+    num_heads = int(need("attention.head_count"))
+    head_dim = int(fields.get(f"{arch}.rope.dimension_count") or hidden // num_heads)
+    if "token_embd.weight" not in tensor_shapes:
+        raise ModelLoadError(f"{path}: tensor 'token_embd.weight' is missing")
+    vocab = fields.get(f"{arch}.vocab_size") or tensor_shapes["token_embd.weight"][0]
+    eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in fields]
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(fields.get(f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(need("context_length")),
+        tie_word_embeddings="output.weight" not in tensor_shapes,
+        attention_bias="blk.0.attn_q.bias" in tensor_shapes,
+        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
+        rope_scaling=_gguf_rope_scaling(fields, arch, path),
+    )
+
+
+def _gguf_rope_scaling(fields: Mapping[str, Any], arch: str, path: Path) -> dict[str, Any] | None:
+    """Translate ``{arch}.rope.scaling.*`` keys into an HF-style ``rope_parameters`` dict."""
+    kind = fields.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ModelLoadError(f"{path}: unsupported GGUF rope scaling type {kind!r}")
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(fields[f"{arch}.rope.scaling.factor"])}
+    if kind == "yarn":
+        scaling["original_max_position_embeddings"] = int(fields[f"{arch}.rope.scaling.original_context_length"])
+    return scaling
+
+
+def config_from_hf(raw: Mapping[str, Any], eos_extra: list[int], path: Path) -> ModelConfig:
+    """Build a ``ModelConfig`` from a parsed Hugging Face ``config.json``.
+
+    ``eos_extra`` adds end-of-sequence ids from ``generation_config.json``. Reads both the
+    transformers 5 ``rope_parameters`` key and the older ``rope_theta`` / ``rope_scaling`` keys.
+    Raises ``ModelLoadError`` naming ``path`` for an unsupported architecture, activation, rope
+    type or sliding-window attention.
+    """
+    arch = raw.get("model_type")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"{path}: unsupported model_type {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{path}: unsupported hidden_act {raw['hidden_act']!r} (only silu)")
+    if raw.get("use_sliding_window") or raw.get("mlp_bias"):
+        raise ModelLoadError(f"{path}: sliding-window attention and MLP biases are not supported")
+    try:
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+        rope_type = rope.setdefault("rope_type", rope.pop("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ModelLoadError(f"{path}: unsupported rope_type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        num_heads = int(raw["num_attention_heads"])
+        eos = raw.get("eos_token_id")
+        eos_ids = ([] if eos is None else [eos] if isinstance(eos, int) else list(eos)) + eos_extra
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // num_heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; Llama has them (and an o_proj bias) only when asked.
+            attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos_ids)),
+            rope_scaling=None if rope_type == "default" else rope,
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"{path}: config.json lacks required key {exc.args[0]!r}") from None

@@ -1,0 +1,302 @@
+"""Load a llama-family checkpoint (GGUF file or Hugging Face directory) into host tensors.
+
+Tensors come back under Hugging Face names (``model.layers.{i}.self_attn.q_proj.weight``, ...) in
+HF layout, whatever the source format, so the model has one naming scheme to consume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import mmap
+import struct
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf.quants import dequantize
+from safetensors import safe_open
+
+from stageserve.device.model_config import ModelConfig, ModelLoadError, config_from_gguf, config_from_hf
+
+__all__ = ["ModelLoadError", "expected_shapes", "load_weights"]
+
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def load_weights(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a model's config and weights as CPU tensors of ``dtype`` under HF names.
+
+    ``path`` is a ``.gguf`` file (F32/F16/BF16/Q8_0/Q4_0/Q4_1/K-quants, dequantized with
+    ``gguf.quants.dequantize``) or an HF directory (``config.json`` plus one or more
+    ``*.safetensors``). Every tensor of ``expected_shapes(config)`` is present with that shape;
+    ``model.layers.{i}.self_attn.o_proj.bias`` may also be present.
+
+    Raises:
+        ModelLoadError: unsupported architecture, missing or misshapen tensor, or a corrupt or
+            truncated file; the message names the file.
+    """
+    path = Path(path)
+    if path.is_dir():
+        config, weights = _load_hf_dir(path, dtype)
+    elif path.is_file():
+        config, weights = _load_gguf(path, dtype)
+    else:
+        raise ModelLoadError(f"{path}: no such file or directory")
+    _check_shapes(config, weights, path)
+    return config, weights
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape ``[out_features, in_features]`` (or ``[n]``) that a model needs."""
+    c = config
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (c.hidden_size,),
+            p + "post_attention_layernorm.weight": (c.hidden_size,),
+            p + "self_attn.q_proj.weight": (c.q_size, c.hidden_size),
+            p + "self_attn.k_proj.weight": (c.kv_size, c.hidden_size),
+            p + "self_attn.v_proj.weight": (c.kv_size, c.hidden_size),
+            p + "self_attn.o_proj.weight": (c.hidden_size, c.q_size),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+        }
+        if c.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (c.q_size,), p + "self_attn.k_proj.bias": (c.kv_size,),
+                       p + "self_attn.v_proj.bias": (c.kv_size,)}
+    return shapes
+
+
+def _check_shapes(config: ModelConfig, weights: dict[str, torch.Tensor], path: Path) -> None:
+    for name, shape in expected_shapes(config).items():
+        if name not in weights:
+            raise ModelLoadError(f"{path}: tensor {name!r} is missing")
+        if tuple(weights[name].shape) != shape:
+            raise ModelLoadError(f"{path}: tensor {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
+
+
+# ---- GGUF -------------------------------------------------------------------------------------
+# The header is parsed here rather than with gguf.GGUFReader: the reader decodes every tokenizer
+# string through numpy memmap slicing (~2 s for a 49k-token vocabulary); skipping those arrays with
+# struct takes ~30 ms. Type codes, block sizes and the K-quant dequantizers still come from `gguf`.
+
+_SCALAR_FORMATS = {
+    gguf.GGUFValueType.UINT8: "<B", gguf.GGUFValueType.INT8: "<b", gguf.GGUFValueType.UINT16: "<H",
+    gguf.GGUFValueType.INT16: "<h", gguf.GGUFValueType.UINT32: "<I", gguf.GGUFValueType.INT32: "<i",
+    gguf.GGUFValueType.FLOAT32: "<f", gguf.GGUFValueType.BOOL: "<?", gguf.GGUFValueType.UINT64: "<Q",
+    gguf.GGUFValueType.INT64: "<q", gguf.GGUFValueType.FLOAT64: "<d",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # row-major (GGML lists dimensions innermost first)
+    qtype: gguf.GGMLQuantizationType
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+class _HeaderReader:
+    """Sequential little-endian reader over a GGUF header (spec: ggml/docs/gguf.md)."""
+
+    def __init__(self, buffer: mmap.mmap) -> None:
+        self.buffer, self.pos = buffer, 0
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.buffer, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        length = self.scalar("<Q")
+        self.pos += length
+        return self.buffer[self.pos - length : self.pos].decode("utf-8")
+
+    def value(self, vtype: int) -> Any:
+        """Decode one value; arrays are skipped (returned as None) since no config key needs one."""
+        if vtype == gguf.GGUFValueType.STRING:
+            return self.string()
+        if vtype == gguf.GGUFValueType.ARRAY:
+            etype, count = self.scalar("<I"), self.scalar("<Q")
+            if etype in _SCALAR_FORMATS:
+                self.pos += count * struct.calcsize(_SCALAR_FORMATS[etype])
+            else:
+                for _ in range(count):
+                    self.value(etype)
+            return None
+        return self.scalar(_SCALAR_FORMATS[gguf.GGUFValueType(vtype)])
+
+
+def _read_gguf_header(buffer: mmap.mmap, path: Path) -> tuple[dict[str, Any], list[_GGUFTensor]]:
+    """Parse metadata (arrays skipped) and tensor infos; check every tensor lies inside the file."""
+    reader = _HeaderReader(buffer)
+    if len(buffer) < 24 or reader.scalar("<I") != gguf.GGUF_MAGIC:
+        raise ModelLoadError(f"{path}: not a GGUF file (bad magic)")
+    version = reader.scalar("<I")
+    if version not in (2, 3):
+        raise ModelLoadError(f"{path}: unsupported GGUF version {version}")
+    tensor_count, kv_count = reader.scalar("<Q"), reader.scalar("<Q")
+    fields = {}
+    for _ in range(kv_count):
+        key = reader.string()
+        fields[key] = reader.value(reader.scalar("<I"))
+    infos = []
+    for _ in range(tensor_count):
+        name = reader.string()
+        dims = [reader.scalar("<Q") for _ in range(reader.scalar("<I"))]
+        qtype, offset = gguf.GGMLQuantizationType(reader.scalar("<I")), reader.scalar("<Q")
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        infos.append(_GGUFTensor(name, tuple(reversed(dims)), qtype, offset, math.prod(dims) // block * block_bytes))
+    alignment = int(fields.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
+    data_start = -(-reader.pos // alignment) * alignment
+    infos = [dataclasses.replace(t, offset=data_start + t.offset) for t in infos]
+    for t in infos:
+        if t.offset + t.nbytes > len(buffer):
+            raise ModelLoadError(f"{path}: truncated: tensor {t.name!r} needs bytes up to {t.offset + t.nbytes}, file has {len(buffer)}")
+    return fields, infos
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY) as buffer:
+        try:
+            fields, infos = _read_gguf_header(buffer, path)
+        except (struct.error, ValueError, KeyError, UnicodeDecodeError) as exc:
+            if isinstance(exc, ModelLoadError):
+                raise
+            raise ModelLoadError(f"{path}: corrupt or truncated GGUF header ({type(exc).__name__}: {exc})") from exc
+        config = config_from_gguf(fields, {t.name: t.shape for t in infos}, path)
+        weights: dict[str, torch.Tensor] = {}
+        for info in infos:
+            raw = torch.frombuffer(buffer, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
+            tensor = _dequantize(raw, info, path)
+            if info.name == "rope_freqs.weight":
+                config = dataclasses.replace(config, rope_freq_factors=tuple(tensor.tolist()))
+                continue
+            hf_name = _hf_name(info.name)
+            if hf_name is None:
+                raise ModelLoadError(f"{path}: unexpected tensor {info.name!r} for architecture {config.architecture!r}")
+            if config.architecture == "llama" and (".attn_q." in info.name or ".attn_k." in info.name):
+                tensor = _unpermute_rope_rows(tensor, config.num_heads if ".attn_q." in info.name else config.num_kv_heads)
+            # Copy: the result must not alias the mapping, which is closed on return.
+            weights[hf_name] = tensor.to(dtype, copy=True)
+            del raw, tensor
+    return config, weights
+
+
+def _dequantize(raw: torch.Tensor, info: _GGUFTensor, path: Path) -> torch.Tensor:
+    """GGUF tensor bytes (uint8 [nbytes]) -> float tensor of ``info.shape``.
+
+    Block formats follow ggml-quants.c: Q8_0 = f16 scale d + 32 int8 (x = d*q); Q4_0 = d + 32
+    nibbles (x = d*(q-8)); Q4_1 = d, f16 min m + 32 nibbles (x = d*q + m); nibble j of a block sits
+    in byte j%16, low half for j<16. These run vectorised in torch (multi-threaded); other types
+    go through ``gguf.quants.dequantize`` (numpy).
+    """
+    t, shape = gguf.GGMLQuantizationType, info.shape
+    if info.qtype in (t.F32, t.F16, t.BF16):
+        return raw.view({t.F32: torch.float32, t.F16: torch.float16, t.BF16: torch.bfloat16}[info.qtype]).view(shape)
+    if info.qtype == t.Q8_0:
+        blocks = raw.view(-1, 34)
+        return (blocks[:, 2:].view(torch.int8).float() * _f16_column(blocks, 0)).view(shape)
+    if info.qtype in (t.Q4_0, t.Q4_1):
+        blocks = raw.view(-1, 18 if info.qtype == t.Q4_0 else 20)
+        qs = blocks[:, -16:]
+        q = torch.cat((qs & 0x0F, qs >> 4), dim=1).float()  # [blocks, 32]
+        if info.qtype == t.Q4_0:
+            return ((q - 8.0) * _f16_column(blocks, 0)).view(shape)
+        return torch.addcmul(_f16_column(blocks, 2), q, _f16_column(blocks, 0)).view(shape)
+    try:
+        return torch.from_numpy(dequantize(raw.numpy(), info.qtype).astype(np.float32, copy=False)).view(shape)
+    except (ValueError, NotImplementedError) as exc:
+        raise ModelLoadError(f"{path}: tensor {info.name!r} of type {info.qtype.name} cannot be dequantized: {exc}") from exc
+
+
+def _f16_column(blocks: torch.Tensor, byte: int) -> torch.Tensor:
+    """The float16 stored at ``byte`` of each block (uint8 [blocks, bytes]) as float32 [blocks, 1]."""
+    return blocks[:, byte : byte + 2].contiguous().view(torch.float16).float()
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    blk, _, rest = gguf_name.partition(".")
+    index, _, suffix = rest.partition(".")
+    if blk != "blk" or not index.isdigit() or suffix not in _GGUF_LAYER_NAMES:
+        return None
+    return f"model.layers.{index}.{_GGUF_LAYER_NAMES[suffix]}"
+
+
+def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation so HF's rotate-half RoPE applies.
+
+    llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel.permute``) reorders each head's rows from
+    halves ``[x0..x(d/2-1), x(d/2)..]`` to interleaved pairs for GGML's adjacent-pair RoPE; this is
+    the inverse (as in transformers' ``LlamaTensorProcessor._reverse_permute_weights``).
+    Works for weights ``[heads*d, in]`` and biases ``[heads*d]``.
+    """
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+# ---- Hugging Face directory -----------------------------------------------------------------
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    config_file = path / "config.json"
+    raw = _read_json(config_file)
+    generation = _read_json(path / "generation_config.json") if (path / "generation_config.json").is_file() else {}
+    eos = generation.get("eos_token_id")
+    eos_extra = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    config = config_from_hf(raw, eos_extra, config_file)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors files")
+    wanted = expected_shapes(config).keys() | {f"model.layers.{i}.self_attn.o_proj.bias" for i in range(config.num_layers)}
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as handle:
+                for name in handle.keys():
+                    if name in wanted:
+                        weights[name] = handle.get_tensor(name).to(dtype)
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # safetensors raises SafetensorError / OSError on bad headers or sizes
+            raise ModelLoadError(f"{file}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
+    return config, weights
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        return json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{file}: missing") from None
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{file}: cannot be parsed as JSON: {exc}") from exc

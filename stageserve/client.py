@@ -1,0 +1,87 @@
+"""``stageserve generate``: a small client that streams a generation to the terminal.
+
+Prints text as it arrives on stdout, then usage and timing on stderr: time to first token (TTFT),
+mean inter-token latency (ITL) and tokens/s. On a gRPC error it prints the status code name and
+message and exits with 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import grpc
+
+from stageserve.v1 import common_pb2, prepare_pb2, prepare_pb2_grpc
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", nargs="?", default="", help="raw prompt text (no chat template)")
+    parser.add_argument("--chat", default="", help="a user chat message, rendered with the model's chat template")
+    parser.add_argument("--target", default="127.0.0.1:50051", help="prepare's address (HOST:PORT)")
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=None, help="default 1.0; 0 = greedy")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+
+
+def build_request(args: argparse.Namespace) -> prepare_pb2.GenerateRequest:
+    """The GenerateRequest for the command-line flags (only the flags given are set)."""
+    request = prepare_pb2.GenerateRequest(top_k=args.top_k, stop=args.stop)
+    if args.chat:
+        request.messages.append(prepare_pb2.ChatMessage(role="user", content=args.chat))
+    else:
+        request.prompt = args.prompt
+    for field in ("max_tokens", "temperature", "top_p", "seed"):
+        value = getattr(args, field)
+        if value is not None:
+            setattr(request, field, value)
+    return request
+
+
+def stream(target: str, request: prepare_pb2.GenerateRequest, timeout_s: float | None = None) -> int:
+    """Stream ``request`` to stdout; print usage and timing to stderr. Returns the exit code."""
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    last = None
+    with grpc.insecure_channel(target) as channel:
+        stub = prepare_pb2_grpc.GenerationStub(channel)
+        try:
+            for chunk in stub.GenerateStream(request, timeout=timeout_s):
+                now = time.perf_counter()
+                arrivals.extend([now] * len(chunk.token_ids))
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                last = chunk
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print()
+    if last is not None:
+        reason = common_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+        ttft_ms = (arrivals[0] - start) * 1e3 if arrivals else float("nan")
+        itl_ms = (arrivals[-1] - arrivals[0]) * 1e3 / (len(arrivals) - 1) if len(arrivals) > 1 else float("nan")
+        elapsed = time.perf_counter() - start
+        print(
+            f"[finish={reason} prompt_tokens={last.usage.prompt_tokens} completion_tokens={last.usage.completion_tokens} "
+            f"ttft={ttft_ms:.1f} ms itl={itl_ms:.1f} ms {last.usage.completion_tokens / elapsed:.1f} tokens/s]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def stream_chat(target: str, message: str) -> int:
+    """Stream a greedy chat answer to one user message (what ``make run`` shows)."""
+    request = prepare_pb2.GenerateRequest(messages=[prepare_pb2.ChatMessage(role="user", content=message)], temperature=0.0)
+    return stream(target, request)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.prompt and not args.chat:
+        print("error: give a prompt or --chat TEXT", file=sys.stderr)
+        return 2
+    return stream(args.target, build_request(args), args.timeout)

@@ -1,0 +1,247 @@
+"""``stageserve up``: the three services as local child processes, on the embedded model by default.
+
+Starts device, then reclaim (dials device), then prepare (dials both), each on its own port, waits
+until all three report readiness through ``grpc.health.v1``, optionally streams one chat answer, and
+stops all three cleanly (SIGTERM, then SIGKILL after a grace period) on Ctrl-C or SIGTERM.
+:class:`ServiceProcess` and :func:`start_pipeline` are also what the integration tests use, so the
+tests start the services exactly the way users do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SERVICE_NAMES = {
+    "prepare": "stageserve.v1.Generation",
+    "device": "stageserve.v1.Device",
+    "reclaim": "stageserve.v1.Reclaim",
+}
+
+
+class ServiceProcess:
+    """One stageserve service running as a child process (``python -m stageserve ROLE ...``).
+
+    The service binds ``--port`` (0 = ephemeral) and writes the bound port to a port file, which
+    :meth:`wait_port` reads. Output goes to ``log_path``.
+
+    Args:
+        role: ``prepare``, ``device`` or ``reclaim``.
+        args: extra command-line flags for the service.
+        workdir: folder for the port file.
+        port: port to bind (0 = ephemeral).
+        log_path: file that receives the process's stdout and stderr; None = inherit ours.
+    """
+
+    def __init__(self, role: str, args: list[str], workdir: Path, port: int = 0, log_path: Path | None = None) -> None:
+        self.role = role
+        self.port_file = workdir / f"{role}.port"
+        self.port_file.unlink(missing_ok=True)
+        self.log_path = log_path
+        self.command = [sys.executable, "-m", "stageserve", role, "--port", str(port), "--port-file", str(self.port_file), *args]
+        self.process: subprocess.Popen | None = None
+        self.port: int | None = None
+
+    def start(self) -> "ServiceProcess":
+        """Start the process (returns at once)."""
+        out = open(self.log_path, "ab") if self.log_path else None
+        try:
+            self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT if out else None)
+        finally:
+            if out:
+                out.close()
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    @property
+    def address(self) -> str:
+        """``127.0.0.1:PORT`` once the port is known."""
+        if self.port is None:
+            raise RuntimeError(f"{self.role}: port not known yet; call wait_port() first")
+        return f"127.0.0.1:{self.port}"
+
+    def wait_port(self, timeout_s: float = 120.0) -> int:
+        """Wait for the port file; returns the bound port.
+
+        Raises:
+            RuntimeError: the process exited first (its log path is named), or the timeout passed.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.port_file.exists():
+                self.port = int(self.port_file.read_text())
+                return self.port
+            self._raise_if_exited()
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.role} did not report its port within {timeout_s:.0f} s (log: {self.log_path})")
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Wait until the service's readiness (its full service name) is SERVING.
+
+        Raises:
+            RuntimeError: the process exited first, or the timeout passed.
+        """
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            request = health_pb2.HealthCheckRequest(service=SERVICE_NAMES[self.role])
+            while time.monotonic() < deadline:
+                self._raise_if_exited()
+                try:
+                    if stub.Check(request, timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
+        raise RuntimeError(f"{self.role} was not ready within {timeout_s:.0f} s (log: {self.log_path})")
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM, wait up to ``timeout_s``, then SIGKILL. Returns the exit code (None if never started)."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def _raise_if_exited(self) -> None:
+        assert self.process is not None
+        if self.process.poll() is not None:
+            raise RuntimeError(f"{self.role} exited with code {self.process.returncode} (log: {self.log_path})")
+
+
+@dataclass
+class Pipeline:
+    """The three services of one local deployment."""
+
+    device: ServiceProcess
+    reclaim: ServiceProcess
+    prepare: ServiceProcess
+
+    @property
+    def processes(self) -> list[ServiceProcess]:
+        return [self.prepare, self.reclaim, self.device]
+
+    def stop(self, timeout_s: float = 30.0) -> dict[str, int | None]:
+        """Stop prepare, reclaim, then device (the order in which nothing dials a stopped peer)."""
+        return {p.role: p.stop(timeout_s) for p in self.processes}
+
+
+def start_pipeline(
+    workdir: Path,
+    device_args: list[str] = (),
+    reclaim_args: list[str] = (),
+    prepare_args: list[str] = (),
+    ports: tuple[int, int, int] = (0, 0, 0),
+    log_dir: Path | None = None,
+    ready_timeout_s: float = 300.0,
+) -> Pipeline:
+    """Start device, reclaim and prepare; return once all three are ready.
+
+    Args:
+        ports: (prepare, device, reclaim) ports; 0 = ephemeral.
+        log_dir: where each service's log goes (``ROLE.log``); None = inherit our stdout/stderr.
+
+    Raises:
+        RuntimeError: a service exited or was not ready in time; every started process is stopped first.
+    """
+    def log(role: str) -> Path | None:
+        return log_dir / f"{role}.log" if log_dir else None
+
+    prepare_port, device_port, reclaim_port = ports
+    started: list[ServiceProcess] = []
+    try:
+        device = ServiceProcess("device", list(device_args), workdir, device_port, log("device")).start()
+        started.append(device)
+        device.wait_port()
+        reclaim = ServiceProcess("reclaim", ["--device", device.address, *reclaim_args], workdir, reclaim_port, log("reclaim")).start()
+        started.append(reclaim)
+        reclaim.wait_port()
+        prepare = ServiceProcess(
+            "prepare", ["--device", device.address, "--reclaim", reclaim.address, *prepare_args], workdir, prepare_port, log("prepare")
+        ).start()
+        started.append(prepare)
+        prepare.wait_port()
+        for process in (device, reclaim, prepare):
+            process.wait_ready(ready_timeout_s)
+        return Pipeline(device=device, reclaim=reclaim, prepare=prepare)
+    except BaseException:
+        for process in reversed(started):
+            process.stop(timeout_s=10)
+        raise
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="", help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--port", type=int, default=50051, help="prepare's port (public API)")
+    parser.add_argument("--device-port", type=int, default=50052)
+    parser.add_argument("--reclaim-port", type=int, default=50053)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "npu"])
+    parser.add_argument("--dispatch", default="async", choices=["async", "sync"])
+    parser.add_argument("--pipeline-depth", type=int, default=2)
+    parser.add_argument("--chat", default="", help="once ready, stream the answer to this chat message")
+    parser.add_argument("--once", action="store_true", help="with --chat: stop the services after the answer")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the three services, optionally stream one chat answer, serve until Ctrl-C/SIGTERM."""
+    from stageserve import client
+
+    model_args = ["--model", args.model] if args.model else []
+    device_args = [*model_args, "--dtype", args.dtype, "--backend", args.backend, "--dispatch", args.dispatch,
+                   "--pipeline-depth", str(args.pipeline_depth)]
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with tempfile.TemporaryDirectory(prefix="stageserve-up-") as tmp:
+        print("starting device, reclaim and prepare (loading the model and warming up)...", file=sys.stderr, flush=True)
+        try:
+            pipeline = start_pipeline(
+                Path(tmp), device_args=device_args, reclaim_args=model_args, prepare_args=model_args,
+                ports=(args.port, args.device_port, args.reclaim_port),
+            )
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        try:
+            print(
+                f"ready: prepare (Generation API) {pipeline.prepare.address}, device {pipeline.device.address}, "
+                f"reclaim {pipeline.reclaim.address}\n"
+                f"  try: stageserve generate --target {pipeline.prepare.address} --chat \"Tell me a joke\"\n"
+                f"       grpcurl -plaintext {pipeline.prepare.address} list\n"
+                "Ctrl-C stops all three.",
+                file=sys.stderr, flush=True,
+            )
+            code = 0
+            if args.chat:
+                code = client.stream_chat(pipeline.prepare.address, args.chat)
+                if args.once:
+                    return code
+            while not stop.wait(0.5):
+                if any(p.process.poll() is not None for p in pipeline.processes):
+                    print("error: a service exited; stopping the others", file=sys.stderr)
+                    code = 1
+                    break
+            return code
+        finally:
+            codes = pipeline.stop()
+            print(f"stopped: {codes}", file=sys.stderr)
