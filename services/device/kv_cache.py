@@ -1,0 +1,85 @@
+"""Paged key/value cache: fixed-size blocks of token slots, shared by all sequences.
+
+A sequence owns a list of block ids (its block table, kept by the prepare service's block pool);
+token ``p`` of that sequence lives in flat slot ``block_table[p // block_size] * block_size +
+p % block_size``. Paging as in vLLM (Kwon et al. 2023, "Efficient Memory Management for Large
+Language Model Serving with PagedAttention").
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from stageserve.device.model_config import ModelConfig
+
+
+class PagedKVCache:
+    """K and V pools for every layer, each one tensor ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    The pools are zero-filled: attention reads padded slots under a mask, and a masked NaN from
+    uninitialised memory would still poison ``softmax(scores) @ V``.
+    """
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Per-layer flat views [num_slots, num_kv_heads, head_dim], made once for the hot path.
+        self.k_slots = [layer.view(-1, *shape[-2:]) for layer in self.k]
+        self.v_slots = [layer.view(-1, *shape[-2:]) for layer in self.v]
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots per layer (``num_blocks * block_size``)."""
+        return self.num_blocks * self.block_size
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store new keys/values ``[T, num_kv_heads, head_dim]`` of ``layer`` at flat slots ``slot_mapping`` ``[T]`` int64."""
+        self.k_slots[layer].index_copy_(0, slot_mapping, k)
+        self.v_slots[layer].index_copy_(0, slot_mapping, v)
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, K and V together."""
+    return 2 * config.num_layers * block_size * config.kv_size * dtype.itemsize
+
+
+def num_blocks_for_memory(config: ModelConfig, block_size: int, dtype: torch.dtype, memory_bytes: int) -> int:
+    """How many whole blocks fit in ``memory_bytes`` (0 when not even one does)."""
+    return max(0, memory_bytes // bytes_per_block(config, block_size, dtype))
+
+
+def available_memory_bytes(device: torch.device | str) -> int:
+    """Free memory on ``device`` in bytes.
+
+    Accelerators answer through their torch device module's ``mem_get_info`` (``torch.cuda``,
+    ``torch.npu`` once ``torch_npu`` is imported); the CPU reads ``MemAvailable`` from
+    ``/proc/meminfo``, falling back to ``os.sysconf`` free pages where that file does not exist.
+    """
+    device = torch.device(device)
+    if device.type != "cpu":
+        free, _total = torch.get_device_module(device.type).mem_get_info(device)
+        return int(free)
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the file counts kB
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_memory_budget(device: torch.device | str, fraction: float) -> int:
+    """Bytes for the KV pools: ``fraction`` (0 < fraction <= 1) of the memory free on ``device`` now.
+
+    Call after the weights are loaded and warm-up has run, so their memory is already taken.
+    Raises ``ValueError`` for a fraction outside (0, 1].
+    """
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    return int(available_memory_bytes(device) * fraction)
