@@ -18,6 +18,7 @@ COMMANDS = {
     "reclaim": ("stageserve.reclaim.main", "run the reclaim service (completion, detokenize, publish)"),
     "up": ("stageserve.launcher", "start all three services locally on the embedded model"),
     "generate": ("stageserve.client", "stream a generation from a running prepare service"),
+    "trace": ("stageserve.trace_tools.main", "merge, analyze and plot the services' Chrome traces"),
 }
 
 
