@@ -1,0 +1,93 @@
+"""Decode step time and tokens/s of the device's model against Hugging Face transformers ``generate``.
+
+Both sides run in this one process, on the same GGUF file, dtype, torch threads, batch and context,
+one after the other for each batch size, so the ratio is measured side by side:
+
+- **stageserve**: ``LlamaModel`` over the paged KV cache plus the on-device sampler (greedy), one
+  batched decode step per token, prompts of ``--context`` tokens prefilled first;
+- **transformers**: ``AutoModelForCausalLM.generate`` (greedy, static batch, KV cache), decode time
+  per step = (time for 1 + N new tokens − time for 1 new token) / N, so the prefill is excluded.
+
+Prints a Markdown table (median of ``--repeats`` runs). Usage::
+
+    python benchmarks/decode_step.py --dtype bfloat16 --batch 1 8 32 64 --context 128 --steps 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from stageserve.device.kv_cache import PagedKVCache
+from stageserve.device.model import LlamaModel, build_forward_batch
+from stageserve.model_files import embedded_model_path
+
+BLOCK_SIZE = 16
+
+
+def ours_decode_ms(model: LlamaModel, batch: int, context: int, steps: int) -> float:
+    """Median ms of one batched greedy decode step at ``batch`` rows, context ``context`` → ``context+steps``."""
+    blocks_per_row = (context + steps) // BLOCK_SIZE + 1
+    cache = PagedKVCache(model.config, batch * blocks_per_row, BLOCK_SIZE, model.dtype, "cpu")
+    tables = [list(range(r * blocks_per_row, (r + 1) * blocks_per_row)) for r in range(batch)]
+    prompt = [(7 * i) % 1000 + 10 for i in range(context)]
+    tokens = []
+    with torch.inference_mode():
+        for r in range(batch):  # prefill each row alone; only decode is timed
+            logits = model.forward(build_forward_batch([(prompt, 0, tables[r], True)], BLOCK_SIZE, "cpu"), cache)
+            tokens.append(int(logits.argmax(-1)))
+        times = []
+        for step in range(steps):
+            start = time.perf_counter()
+            rows = [([tokens[r]], context + step, tables[r], True) for r in range(batch)]
+            logits = model.forward(build_forward_batch(rows, BLOCK_SIZE, "cpu"), cache)
+            tokens = logits.argmax(-1).tolist()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[2:]) * 1e3
+
+
+def transformers_decode_ms(hf_model, batch: int, context: int, steps: int) -> float:
+    """Decode ms per step of ``generate`` (greedy, static batch), prefill subtracted."""
+    ids = torch.tensor([[(7 * i) % 1000 + 10 for i in range(context)]] * batch)
+    mask = torch.ones_like(ids)
+
+    def timed(new_tokens: int) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            hf_model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start
+
+    timed(2)  # warm-up
+    return (timed(1 + steps) - timed(1)) / steps * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    path = embedded_model_path()
+    ours = LlamaModel.from_path(path, dtype, "cpu")
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    print(f"model {path.name}, dtype {args.dtype}, threads {args.threads}, context {args.context}, {args.steps} decode steps, median of {args.repeats}")
+    print("| batch | stageserve step ms | stageserve tokens/s | transformers step ms | transformers tokens/s | ratio |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for batch in args.batch:
+        ours_ms = statistics.median(ours_decode_ms(ours, batch, args.context, args.steps) for _ in range(args.repeats))
+        hf_ms = statistics.median(transformers_decode_ms(hf, batch, args.context, args.steps) for _ in range(args.repeats))
+        print(f"| {batch} | {ours_ms:.1f} | {batch / ours_ms * 1e3:.0f} | {hf_ms:.1f} | {batch / hf_ms * 1e3:.0f} | {hf_ms / ours_ms:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
