@@ -185,29 +185,31 @@ def _read_gguf_header(buffer: mmap.mmap, path: Path) -> tuple[dict[str, Any], li
 
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY) as buffer:
-        try:
-            fields, infos = _read_gguf_header(buffer, path)
-        except (struct.error, ValueError, KeyError, UnicodeDecodeError) as exc:
-            if isinstance(exc, ModelLoadError):
-                raise
-            raise ModelLoadError(f"{path}: corrupt or truncated GGUF header ({type(exc).__name__}: {exc})") from exc
+    if path.stat().st_size == 0:
+        raise ModelLoadError(f"{path}: empty file")
+    with open(path, "rb") as file:
+        # Copy-on-write so torch.frombuffer gets a writable buffer; the mapping is released once
+        # the last tensor viewing it is gone (every returned tensor is a copy).
+        buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        fields, infos = _read_gguf_header(buffer, path)
         config = config_from_gguf(fields, {t.name: t.shape for t in infos}, path)
-        weights: dict[str, torch.Tensor] = {}
-        for info in infos:
-            raw = torch.frombuffer(buffer, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
-            tensor = _dequantize(raw, info, path)
-            if info.name == "rope_freqs.weight":
-                config = dataclasses.replace(config, rope_freq_factors=tuple(tensor.tolist()))
-                continue
-            hf_name = _hf_name(info.name)
-            if hf_name is None:
-                raise ModelLoadError(f"{path}: unexpected tensor {info.name!r} for architecture {config.architecture!r}")
-            if config.architecture == "llama" and (".attn_q." in info.name or ".attn_k." in info.name):
-                tensor = _unpermute_rope_rows(tensor, config.num_heads if ".attn_q." in info.name else config.num_kv_heads)
-            # Copy: the result must not alias the mapping, which is closed on return.
-            weights[hf_name] = tensor.to(dtype, copy=True)
-            del raw, tensor
+    except ModelLoadError:
+        raise
+    except (struct.error, ValueError, KeyError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: corrupt or truncated GGUF header ({type(exc).__name__}: {exc})") from exc
+    weights: dict[str, torch.Tensor] = {}
+    for info in infos:
+        tensor = _dequantize(torch.frombuffer(buffer, dtype=torch.uint8, count=info.nbytes, offset=info.offset), info, path)
+        if info.name == "rope_freqs.weight":
+            config = dataclasses.replace(config, rope_freq_factors=tuple(tensor.tolist()))
+            continue
+        hf_name = _hf_name(info.name)
+        if hf_name is None:
+            raise ModelLoadError(f"{path}: unexpected tensor {info.name!r} for architecture {config.architecture!r}")
+        if config.architecture == "llama" and (".attn_q." in info.name or ".attn_k." in info.name):
+            tensor = _unpermute_rope_rows(tensor, config.num_heads if ".attn_q." in info.name else config.num_kv_heads)
+        weights[hf_name] = tensor.to(dtype, copy=True)
     return config, weights
 
 

@@ -1,0 +1,124 @@
+"""The public ``stageserve.v1.Generation`` servicer.
+
+Each RPC handler validates, hands the request to the :class:`~stageserve.prepare.engine.Engine`
+and turns the request's events into responses. The request id comes from the request field,
+else the ``x-request-id`` metadata, else is generated; it is echoed in every response and in the
+``x-request-id`` response header. When the RPC ends on the client's side (cancel, disconnect,
+deadline) ``context.add_callback`` aborts the request in the scheduler, which frees its KV blocks.
+A request ends with exactly one terminal message: its last chunk (finish reason, usage) or a gRPC
+status raised through ``context.abort``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Iterator
+
+import grpc
+
+from stageserve.prepare.engine import Engine, RequestHandle
+from stageserve.prepare.errors import RequestError
+from stageserve.prepare.validation import tokenize_prompt, validate_generate_request, validate_request_id
+from stageserve.v1 import prepare_pb2, prepare_pb2_grpc, reclaim_pb2
+
+REQUEST_ID_HEADER = "x-request-id"
+
+
+def stream_chunk(request_id: str, event: reclaim_pb2.SequenceEvent) -> prepare_pb2.GenerateStreamResponse:
+    """One ``GenerateStreamResponse`` from one published event (finish fields and usage on the last)."""
+    chunk = prepare_pb2.GenerateStreamResponse(
+        request_id=request_id, text=event.text, token_ids=event.token_ids, logprobs=event.logprobs, finish_reason=event.finish_reason,
+    )
+    if event.finish_reason:
+        chunk.stop_string = event.stop_string
+        if event.HasField("stop_token_id"):
+            chunk.stop_token_id = event.stop_token_id
+        chunk.usage.prompt_tokens = event.prompt_tokens
+        chunk.usage.completion_tokens = event.completion_tokens
+    return chunk
+
+
+class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
+    """Serves the public API on top of ``engine``; ``tokenizer`` is the served model's tokenizer."""
+
+    def __init__(self, engine: Engine, tokenizer) -> None:
+        self._engine = engine
+        self._tokenizer = tokenizer
+
+    def GenerateStream(self, request: prepare_pb2.GenerateRequest, context: grpc.ServicerContext) -> Iterator[prepare_pb2.GenerateStreamResponse]:
+        handle = self._accept(request, context)
+        request_id = handle.request.request_id
+        for event in self._events(handle, context):
+            if event.text or event.token_ids or event.finish_reason:
+                yield stream_chunk(request_id, event)
+
+    def Generate(self, request: prepare_pb2.GenerateRequest, context: grpc.ServicerContext) -> prepare_pb2.GenerateResponse:
+        handle = self._accept(request, context)
+        response = prepare_pb2.GenerateResponse(request_id=handle.request.request_id)
+        text = []
+        for event in self._events(handle, context):
+            text.append(event.text)
+            response.token_ids.extend(event.token_ids)
+            response.logprobs.extend(event.logprobs)
+            if event.finish_reason:
+                final = stream_chunk(handle.request.request_id, event)
+                response.finish_reason, response.stop_string = final.finish_reason, final.stop_string
+                if final.HasField("stop_token_id"):
+                    response.stop_token_id = final.stop_token_id
+                response.usage.CopyFrom(final.usage)
+        response.text = "".join(text)
+        return response
+
+    def Abort(self, request: prepare_pb2.AbortRequest, context: grpc.ServicerContext) -> prepare_pb2.AbortResponse:
+        return prepare_pb2.AbortResponse(aborted=self._engine.abort(request.request_id))
+
+    def Tokenize(self, request: prepare_pb2.TokenizeRequest, context: grpc.ServicerContext) -> prepare_pb2.TokenizeResponse:
+        try:
+            ids = tokenize_prompt(self._tokenizer, prompt=request.prompt, messages=request.messages)
+        except RequestError as error:
+            context.abort(error.code, error.message)
+        return prepare_pb2.TokenizeResponse(token_ids=ids, tokens=self._tokenizer.convert_ids_to_tokens(ids), count=len(ids))
+
+    def GetModelInfo(self, request: prepare_pb2.GetModelInfoRequest, context: grpc.ServicerContext) -> prepare_pb2.ModelInfo:
+        try:
+            load = self._engine.load()
+        except RequestError as error:
+            context.abort(error.code, error.message)
+        attach = load.attach
+        return prepare_pb2.ModelInfo(
+            model_name=attach.model_name,
+            vocab_size=attach.vocab_size,
+            max_model_len=attach.max_model_len,
+            eos_token_ids=attach.eos_token_ids,
+            backend=attach.backend,
+            dtype=attach.dtype,
+            dispatch=attach.dispatch,
+            pipeline_depth=attach.pipeline_depth,
+            kv_block_size=attach.kv_block_size,
+            kv_blocks_total=load.kv_blocks_total,
+            kv_blocks_free=load.kv_blocks_free,
+            running_requests=load.running,
+            waiting_requests=load.waiting,
+            max_num_seqs=attach.max_num_seqs,
+        )
+
+    def _accept(self, request: prepare_pb2.GenerateRequest, context: grpc.ServicerContext) -> RequestHandle:
+        """Resolve the id, validate, submit; abort the RPC with the error's status if any step refuses."""
+        header_id = dict(context.invocation_metadata()).get(REQUEST_ID_HEADER, "")
+        request_id = request.request_id or header_id or uuid.uuid4().hex
+        try:
+            context.send_initial_metadata(((REQUEST_ID_HEADER, validate_request_id(request_id)),))
+            limits = self._engine.model_limits()
+            handle = self._engine.submit(validate_generate_request(request, request_id, self._tokenizer, limits))
+        except RequestError as error:
+            context.abort(error.code, error.message)
+        if not context.add_callback(lambda: self._engine.cancel(handle)):
+            self._engine.cancel(handle)  # the RPC already ended
+        return handle
+
+    @staticmethod
+    def _events(handle: RequestHandle, context: grpc.ServicerContext) -> Iterator[reclaim_pb2.SequenceEvent]:
+        try:
+            yield from handle.events()
+        except RequestError as error:
+            context.abort(error.code, error.message)

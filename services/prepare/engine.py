@@ -1,0 +1,367 @@
+"""The step loop: ties the scheduler to the device (plans out, receipts in) and to reclaim
+(published ``StepEvents`` in), and routes each request's events to the RPC that waits for it.
+
+Threads and who calls what (everything shares one lock and condition):
+
+- the step loop thread (:meth:`Engine._run`): waits for a credit and work, schedules, sends;
+- the links' reader threads: :meth:`Engine.on_receipt`, :meth:`Engine.on_step_events`;
+- the connector (``links.py``): :meth:`Engine.open_session` / :meth:`Engine.close_session`;
+- RPC handler threads: :meth:`Engine.submit`, :meth:`Engine.abort`, :meth:`Engine.cancel`, figures.
+
+A *session* is one attached device plus one reclaim subscription; it owns a fresh
+:class:`~stageserve.prepare.scheduler.Scheduler` and ``pipeline_depth`` credits (a plan takes one;
+its publication or its refusal returns it). When either peer goes away the session ends and every
+request in it fails with ``UNAVAILABLE``.
+
+Every accepted request ends with exactly one terminal item on its :class:`RequestHandle`: its
+event with a finish reason, or a :class:`RequestError`. :meth:`Engine._end` is the one place that
+removes a request from the active set, so a second terminal is impossible.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import grpc
+
+from stageserve.prepare.errors import RequestError, unavailable
+from stageserve.prepare.scheduler import AbortOutcome, ScheduledStep, Scheduler, SchedulerConfig
+from stageserve.prepare.validation import GenerationRequest, ModelLimits
+from stageserve.v1 import common_pb2, device_pb2, reclaim_pb2
+
+log = logging.getLogger(__name__)
+
+_CLIENT_GONE = object()  # handle sentinel: the RPC ended on the client's side, stop waiting
+
+
+class RequestHandle:
+    """One accepted request's outcomes, in order, for the RPC handler that serves it."""
+
+    def __init__(self, request: GenerationRequest) -> None:
+        self.request = request
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def put(self, item: reclaim_pb2.SequenceEvent | RequestError) -> None:
+        self._queue.put(item)
+
+    def client_gone(self) -> None:
+        """Wake the handler: the client cancelled, disconnected or hit its deadline."""
+        self._queue.put(_CLIENT_GONE)
+
+    def events(self) -> Iterator[reclaim_pb2.SequenceEvent]:
+        """Yield the request's events up to and including the one with a finish reason.
+
+        Ends early (without error) once the client is gone.
+
+        Raises:
+            RequestError: the request ended with this gRPC status instead.
+        """
+        while True:
+            item = self._queue.get()
+            if item is _CLIENT_GONE:
+                return
+            if isinstance(item, RequestError):
+                raise item
+            yield item
+            if item.finish_reason:
+                return
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """Current figures for ``GetModelInfo`` (blocks: KV blocks; free = holding no sequence's KV)."""
+
+    attach: device_pb2.AttachReply
+    running: int
+    waiting: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+
+
+@dataclass(eq=False)
+class _Session:
+    number: int
+    attach: device_pb2.AttachReply
+    scheduler: Scheduler
+    send_plan: Callable[[device_pb2.StepPlan], None]
+    credits: int
+    sent_at: dict[int, float] = field(default_factory=dict)  # unpublished step id -> time.monotonic() at send
+
+
+def build_step_plan(step: ScheduledStep) -> device_pb2.StepPlan:
+    """The wire form of a scheduled step: flat repeated fields; one ``SequenceStart`` per new sequence only."""
+    return device_pb2.StepPlan(
+        step_id=step.step_id,
+        started=[
+            common_pb2.SequenceStart(
+                seq_index=seq.seq_index,
+                generation=seq.generation,
+                request_id=seq.request.request_id,
+                sampling=seq.request.sampling,
+                stop=seq.request.stop,
+                prompt_token_ids=seq.request.prompt_token_ids,
+            )
+            for seq in step.started
+        ],
+        finished=step.finished,
+        seq_index=step.seq_index,
+        generation=step.generation,
+        start_pos=step.start_pos,
+        num_tokens=step.num_tokens,
+        token_ids=step.token_ids,
+        sample=step.sample,
+        num_new_blocks=step.num_new_blocks,
+        new_block_ids=step.new_block_ids,
+        aborted=step.aborted,
+    )
+
+
+def local_abort_event(request: GenerationRequest) -> reclaim_pb2.SequenceEvent:
+    """The terminal event of a request aborted before it reached the device (no tokens)."""
+    return reclaim_pb2.SequenceEvent(
+        request_id=request.request_id,
+        finish_reason=common_pb2.FINISH_REASON_ABORT,
+        prompt_tokens=request.num_prompt_tokens,
+    )
+
+
+class Engine:
+    """Continuous batching over the current session; see the module docstring.
+
+    Args:
+        max_prefill_chunk: prompt tokens of one sequence per step at most (``--max-prefill-chunk``).
+        max_waiting: waiting-queue bound (``--max-waiting``).
+    """
+
+    def __init__(self, max_prefill_chunk: int, max_waiting: int) -> None:
+        self._max_prefill_chunk = max_prefill_chunk
+        self._max_waiting = max_waiting
+        self._cond = threading.Condition()
+        self._session: _Session | None = None
+        self._active: dict[str, RequestHandle] = {}
+        self._draining = False
+        self._stopping = False
+        # Carried from one session to the next (see Scheduler's arguments).
+        self._generations: list[int] = []
+        self._next_step_id = 1
+        self._last_instance_id = ""
+        self._indices_in_use: list[int] = []
+        self._thread = threading.Thread(target=self._run, name="prepare-step-loop", daemon=True)
+
+    # ---- the step loop ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the step loop (after :meth:`drain`)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+
+    def _ready_to_step(self) -> bool:
+        session = self._session
+        return self._stopping or (session is not None and session.credits > 0 and session.scheduler.has_work())
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                # 1. wait for a session with a free credit and something to send
+                self._cond.wait_for(self._ready_to_step)
+                if self._stopping:
+                    return
+                session = self._session
+                # 2. schedule the next step; it holds a credit until published or refused
+                step = session.scheduler.schedule()
+                if step is None:  # has_work() promised a step; never spin on a broken promise
+                    log.error("scheduler had work but built no step")
+                    self._cond.wait(0.1)
+                    continue
+                session.credits -= 1
+                session.sent_at[step.step_id] = time.monotonic()
+            # 3. build the plan (flat arrays) and send it; only this thread sends, so plans keep their order
+            session.send_plan(build_step_plan(step))
+
+    # ---- the session (driven by the connector) --------------------------------------------------
+    def open_session(self, number: int, attach: device_pb2.AttachReply, send_plan: Callable[[device_pb2.StepPlan], None]) -> None:
+        """Start session ``number`` (chosen by the caller, increasing) on a freshly attached device.
+
+        A device with the instance id of the previous session still holds that session's sequences:
+        their indices are listed as ``finished`` in the first plan.
+
+        Raises:
+            ValueError: the ``AttachReply`` describes an unusable device (no KV blocks, no sequences).
+        """
+        if min(attach.max_num_seqs, attach.max_step_tokens, attach.kv_num_blocks, attach.kv_block_size, attach.max_model_len) < 1:
+            raise ValueError(f"the device reported unusable limits: {attach}")
+        config = SchedulerConfig.from_attach(attach, self._max_prefill_chunk, self._max_waiting)
+        with self._cond:
+            stale = self._indices_in_use if attach.instance_id == self._last_instance_id else ()
+            scheduler = Scheduler(config, self._generations, stale, first_step_id=self._next_step_id)
+            self._session = _Session(number, attach, scheduler, send_plan, credits=max(1, attach.pipeline_depth))
+            self._cond.notify_all()
+
+    def close_session(self, number: int, reason: str) -> None:
+        """End session ``number``: every request in it fails with ``UNAVAILABLE`` naming ``reason``."""
+        with self._cond:
+            session = self._session
+            if session is None or session.number != number:
+                return
+            scheduler = session.scheduler
+            self._generations, self._next_step_id = scheduler.generations, scheduler.next_step_id
+            self._last_instance_id, self._indices_in_use = session.attach.instance_id, scheduler.seq_indices_in_use
+            self._session = None
+            error = unavailable(f"{reason}; the request did not finish, retry it")
+            for handle in list(self._active.values()):
+                self._end(handle, error)
+            log.warning("session %d closed (%s)", number, reason)
+
+    def oldest_unpublished_step(self, number: int) -> tuple[int, float] | None:
+        """``(step_id, seconds since sent)`` of session ``number``'s oldest unpublished step, if any."""
+        with self._cond:
+            session = self._session
+            if session is None or session.number != number or not session.sent_at:
+                return None
+            step_id = min(session.sent_at)
+            return step_id, time.monotonic() - session.sent_at[step_id]
+
+    def on_receipt(self, number: int, receipt: device_pb2.StepReceipt) -> None:
+        """A device receipt; a refused plan fails the requests with rows in it (``INTERNAL``)."""
+        if not receipt.error:
+            return
+        with self._cond:
+            session = self._current(number)
+            if session is None or session.sent_at.pop(receipt.step_id, None) is None:
+                return
+            log.error("device refused step %d: %s", receipt.step_id, receipt.error)
+            error = RequestError(grpc.StatusCode.INTERNAL, f"the device refused step {receipt.step_id}: {receipt.error}")
+            for request in session.scheduler.fail_step(receipt.step_id):
+                self._end_request(request, error)
+            session.credits += 1
+            self._cond.notify_all()
+
+    def on_step_events(self, number: int, step_events: reclaim_pb2.StepEvents) -> None:
+        """One step published by reclaim: update the scheduler, route its events, return the credit."""
+        with self._cond:
+            session = self._current(number)
+            if session is None or step_events.device_instance_id not in ("", session.attach.instance_id):
+                return
+            if session.sent_at.pop(step_events.step_id, None) is None:
+                return  # not a step of this session (another subscriber's, or an older session's)
+            for request, event in session.scheduler.update_from_output(step_events):
+                if event.error_code:
+                    self._end_request(request, RequestError.from_wire(event.error_code, event.error_message))
+                elif event.finish_reason:
+                    self._end_request(request, event)
+                elif (handle := self._active.get(request.request_id)) is not None and handle.request is request:
+                    handle.put(event)
+            session.credits += 1
+            self._cond.notify_all()
+
+    def _current(self, number: int) -> _Session | None:
+        session = self._session
+        return session if session is not None and session.number == number else None
+
+    # ---- requests (RPC handler threads) ------------------------------------------------------------
+    def model_limits(self) -> ModelLimits:
+        """The attached model's vocabulary and context sizes.
+
+        Raises:
+            RequestError: ``UNAVAILABLE`` while draining or while no device is attached.
+        """
+        with self._cond:
+            attach = self._require_session().attach
+            return ModelLimits(attach.vocab_size, attach.max_model_len)
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Accept a validated request; its outcomes arrive on the returned handle.
+
+        Raises:
+            RequestError: ``UNAVAILABLE`` (draining, or not connected), ``ALREADY_EXISTS`` (its id is
+                active), ``RESOURCE_EXHAUSTED`` (queue full, or it can never fit the KV cache).
+        """
+        with self._cond:
+            session = self._require_session()
+            if request.request_id in self._active:
+                raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already running; use another id")
+            session.scheduler.add_request(request)
+            handle = RequestHandle(request)
+            self._active[request.request_id] = handle
+            self._cond.notify_all()
+            return handle
+
+    def abort(self, request_id: str) -> bool:
+        """Abort the active request ``request_id`` (the Abort RPC); ``False`` if none is active."""
+        with self._cond:
+            handle = self._active.get(request_id)
+            if handle is None:
+                return False
+            self._abort(handle)
+            return True
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """The RPC of ``handle`` ended (client cancel, disconnect, deadline, or normal end): abort
+        the request if it still runs, and stop its handler from waiting."""
+        with self._cond:
+            if self._active.get(handle.request.request_id) is handle:
+                self._abort(handle)
+        handle.client_gone()
+
+    def _abort(self, handle: RequestHandle) -> None:
+        session = self._session
+        outcome = session.scheduler.abort(handle.request) if session is not None else AbortOutcome.NOT_FOUND
+        if outcome is AbortOutcome.REMOVED_WAITING:
+            self._end(handle, local_abort_event(handle.request))
+        elif outcome is AbortOutcome.FORWARDED:
+            self._cond.notify_all()  # the abort rides in the next plan, an empty one if need be
+
+    def _require_session(self) -> _Session:
+        if self._draining:
+            raise unavailable("server is draining; retry on another replica")
+        if self._session is None:
+            raise unavailable("prepare is not connected to the device and reclaim services; retry shortly")
+        return self._session
+
+    def _end_request(self, request: GenerationRequest, item: reclaim_pb2.SequenceEvent | RequestError) -> None:
+        handle = self._active.get(request.request_id)
+        if handle is not None and handle.request is request:
+            self._end(handle, item)
+
+    def _end(self, handle: RequestHandle, item: reclaim_pb2.SequenceEvent | RequestError) -> None:
+        """Deliver the terminal ``item`` of an active request (the only place a request leaves the active set)."""
+        del self._active[handle.request.request_id]
+        handle.put(item)
+        self._cond.notify_all()
+
+    # ---- figures and shutdown ----------------------------------------------------------------------
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def load(self) -> EngineLoad:
+        """The attached device's facts and the current load.
+
+        Raises:
+            RequestError: ``UNAVAILABLE`` while no device is attached.
+        """
+        with self._cond:
+            session = self._session
+            if session is None:
+                raise unavailable("prepare is not connected to the device and reclaim services; retry shortly")
+            blocks = session.scheduler.block_manager
+            return EngineLoad(session.attach, session.scheduler.num_running, session.scheduler.num_waiting, blocks.num_free, blocks.num_blocks)
+
+    def drain(self, timeout_s: float) -> None:
+        """Refuse new requests (``UNAVAILABLE``) and wait up to ``timeout_s`` for the active ones;
+        those still running then fail with ``UNAVAILABLE``."""
+        with self._cond:
+            self._draining = True
+            if not self._cond.wait_for(lambda: not self._active, timeout=timeout_s):
+                error = unavailable(f"the server shut down before the request finished (drain timeout {timeout_s:g} s); retry it")
+                for handle in list(self._active.values()):
+                    self._end(handle, error)

@@ -1,0 +1,398 @@
+"""Iteration-level continuous batching: which rows the next step carries.
+
+The API is symmetric, as in vLLM v1 and nano-vllm: :meth:`Scheduler.schedule` builds the next
+:class:`ScheduledStep`, :meth:`Scheduler.update_from_output` takes a step's published
+``StepEvents`` back (and :meth:`Scheduler.fail_step` a step the device refused). No gRPC and no
+threads here: the step loop drives it under one lock, and unit tests drive it with hand-built events.
+
+One step, built in this order within ``max_step_tokens`` tokens:
+
+1. ``finished`` = seq indices freed since the last plan, ``aborted`` = request ids aborted since.
+2. a decode row (1 token, the placeholder ``-1``) for every running sequence past its prompt.
+   These always fit: a sequence starts decoding only after a prompt row that sampled, and that
+   row took a budget token of the step before, so decode rows never outnumber ``max_step_tokens``;
+3. the next prefill chunk (at most ``max_prefill_chunk`` tokens) of every admitted sequence still
+   in its prompt, first admitted first;
+4. admissions from the waiting queue (first come, first served), each with its first chunk.
+
+**Admission policy (never deadlocks, no preemption).** A request is admitted when a seq index is
+free and the KV pool can *reserve* every block it may ever write: ``prompt + max_tokens - 1``
+tokens (the last sampled token is never fed back). Blocks leave the free list only as rows reach
+them, but a running sequence can always grow, so every admitted sequence runs to its end and
+returns its blocks. A request that could not fit even the empty pool is refused at
+:meth:`add_request` with ``RESOURCE_EXHAUSTED`` naming the sizes, so the head of the waiting queue
+always fits once the running sequences are done; it is never overtaken (no starvation). The cost:
+a request that stops early held its reservation meanwhile.
+
+**Finish lag.** A sequence gets no more rows once reclaim reports its finish, once it has been
+given ``max_tokens`` sampling rows, or once it is aborted or failed. Its blocks and seq index are
+freed only when it is finished (its terminal event was published, or prepare ended it locally) and
+no unpublished step has a row of it; then its index is listed in the next plan's ``finished`` and
+reused only after that plan, with the generation bumped.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence as SequenceType
+
+from stageserve.prepare.block_manager import BlockManager, BlockTable
+from stageserve.prepare.errors import resource_exhausted
+from stageserve.prepare.validation import GenerationRequest
+from stageserve.v1 import device_pb2, reclaim_pb2
+
+PLACEHOLDER_TOKEN = -1  # decode input the device fills with the token it sampled last for the sequence
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits the scheduler plans within.
+
+    Attributes:
+        max_num_seqs: seq indices ``[0, max_num_seqs)`` (the device's sequence table).
+        max_step_tokens: tokens one step may carry (prefill chunks + decode rows).
+        kv_num_blocks, kv_block_size: the device's KV pool (blocks; tokens per block).
+        max_prefill_chunk: prompt tokens of one sequence per step at most.
+        max_waiting: requests the waiting queue holds at most.
+    """
+
+    max_num_seqs: int
+    max_step_tokens: int
+    kv_num_blocks: int
+    kv_block_size: int
+    max_prefill_chunk: int
+    max_waiting: int
+
+    @classmethod
+    def from_attach(cls, reply: device_pb2.AttachReply, max_prefill_chunk: int, max_waiting: int) -> "SchedulerConfig":
+        """The device's limits from its ``AttachReply`` plus prepare's own flags."""
+        return cls(
+            max_num_seqs=reply.max_num_seqs,
+            max_step_tokens=reply.max_step_tokens,
+            kv_num_blocks=reply.kv_num_blocks,
+            kv_block_size=reply.kv_block_size,
+            max_prefill_chunk=max_prefill_chunk,
+            max_waiting=max_waiting,
+        )
+
+
+class AbortOutcome(enum.Enum):
+    """What :meth:`Scheduler.abort` did."""
+
+    NOT_FOUND = "not_found"              # unknown, or its finish was already reported
+    REMOVED_WAITING = "removed_waiting"  # never reached the device; the caller ends the request
+    FORWARDED = "forwarded"              # no more rows; reclaim publishes its terminal event
+
+
+@dataclass(eq=False)
+class Sequence:
+    """An admitted request's state in the scheduler (identity compares).
+
+    Attributes:
+        num_kv_tokens: positions ``[0, num_kv_tokens)`` are written by steps already scheduled.
+        num_sampled: sampling rows scheduled so far (at most ``request.max_tokens``).
+        steps_in_flight: scheduled steps with a row of this sequence, not yet published or refused.
+        stopped: gets no more rows.
+        finished: its terminal event was published by reclaim, or prepare ended it locally.
+        abort_forwarded: its request id was put in a plan's ``aborted`` list.
+    """
+
+    request: GenerationRequest
+    seq_index: int
+    generation: int
+    blocks: BlockTable
+    num_kv_tokens: int = 0
+    num_sampled: int = 0
+    steps_in_flight: int = 0
+    stopped: bool = False
+    finished: bool = False
+    abort_forwarded: bool = False
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_kv_tokens < self.request.num_prompt_tokens
+
+
+@dataclass(eq=False)
+class ScheduledStep:
+    """One step as the scheduler built it: the ``StepPlan`` fields as flat lists (row ``r`` has
+    ``num_tokens[r]`` tokens in ``token_ids`` and ``num_new_blocks[r]`` ids in ``new_block_ids``),
+    plus ``rows``, the host-side sequence of each row."""
+
+    step_id: int
+    finished: list[int]
+    aborted: list[str]
+    started: list[Sequence] = field(default_factory=list)
+    rows: list[Sequence] = field(default_factory=list)
+    seq_index: list[int] = field(default_factory=list)
+    generation: list[int] = field(default_factory=list)
+    start_pos: list[int] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    sample: list[bool] = field(default_factory=list)
+    num_new_blocks: list[int] = field(default_factory=list)
+    new_block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.rows or self.finished or self.aborted)
+
+
+class Scheduler:
+    """Waiting queue, running sequences, KV blocks and seq indices of one device session.
+
+    Args:
+        config: the limits (see :class:`SchedulerConfig`).
+        generations: last generation used per seq index, carried over from a previous session so
+            that numbers keep increasing (ignored unless it has ``max_num_seqs`` entries).
+        stale_seq_indices: indices a previous session left in use on the same device instance;
+            listed in the first plan's ``finished`` and reused only after it.
+        first_step_id: the first step's id; a new session continues its predecessor's numbering so
+            that a late ``StepEvents`` of an old step can never be taken for a new one.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        generations: SequenceType[int] = (),
+        stale_seq_indices: Iterable[int] = (),
+        first_step_id: int = 1,
+    ) -> None:
+        self.config = config
+        self.block_manager = BlockManager(config.kv_num_blocks, config.kv_block_size)
+        self._generations = list(generations) if len(generations) == config.max_num_seqs else [0] * config.max_num_seqs
+        self._pending_finished = sorted(set(stale_seq_indices))
+        self._free_indices = deque(i for i in range(config.max_num_seqs) if i not in set(self._pending_finished))
+        self._pending_aborts: list[str] = []
+        self._waiting: deque[GenerationRequest] = deque()
+        self._running: list[Sequence] = []  # admission order
+        self._by_index: dict[int, Sequence] = {}
+        self._by_request: dict[GenerationRequest, Sequence] = {}
+        self._in_flight: dict[int, ScheduledStep] = {}
+        self._next_step_id = first_step_id
+
+    # ---- figures -------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Sequences holding a seq index (including those waiting for their last step to publish)."""
+        return len(self._running)
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def next_step_id(self) -> int:
+        return self._next_step_id
+
+    @property
+    def generations(self) -> list[int]:
+        """Last generation used per seq index (to carry over into a new session)."""
+        return list(self._generations)
+
+    @property
+    def seq_indices_in_use(self) -> list[int]:
+        """Indices the device may still hold state for (held, or freed but not yet listed)."""
+        return sorted([*self._by_index, *self._pending_finished])
+
+    def requests(self) -> list[GenerationRequest]:
+        """Every request the scheduler holds, waiting or running."""
+        return [*self._waiting, *(seq.request for seq in self._running)]
+
+    @staticmethod
+    def max_kv_tokens(request: GenerationRequest) -> int:
+        """KV entries a request writes at most: its prompt and every sampled token but the last."""
+        return request.num_prompt_tokens + request.max_tokens - 1
+
+    # ---- requests in -----------------------------------------------------------------------------
+    def add_request(self, request: GenerationRequest) -> None:
+        """Queue a validated request for admission.
+
+        Raises:
+            RequestError: ``RESOURCE_EXHAUSTED`` when the waiting queue is full, or when the request
+                needs more KV blocks than the whole pool has.
+        """
+        if len(self._waiting) >= self.config.max_waiting:
+            raise resource_exhausted(f"the waiting queue is full ({self.config.max_waiting} requests); retry later")
+        kv_tokens = self.max_kv_tokens(request)
+        needed = self.block_manager.blocks_for_tokens(kv_tokens)
+        if needed > self.block_manager.num_blocks:
+            raise resource_exhausted(
+                f"the request needs {needed} KV blocks (prompt {request.num_prompt_tokens} + max_tokens {request.max_tokens}"
+                f" - 1 = {kv_tokens} tokens, {self.block_manager.block_size} per block) but the KV cache has"
+                f" {self.block_manager.num_blocks} blocks in all; lower max_tokens or shorten the prompt"
+            )
+        self._waiting.append(request)
+
+    def abort(self, request: GenerationRequest) -> AbortOutcome:
+        """Stop scheduling ``request``: drop it from the waiting queue, or forward the abort to reclaim."""
+        seq = self._by_request.get(request)
+        if seq is None:
+            if request in self._waiting:
+                self._waiting.remove(request)
+                return AbortOutcome.REMOVED_WAITING
+            return AbortOutcome.NOT_FOUND
+        if seq.finished:
+            return AbortOutcome.NOT_FOUND
+        seq.stopped = True
+        if not seq.abort_forwarded:
+            seq.abort_forwarded = True
+            self._pending_aborts.append(request.request_id)
+        return AbortOutcome.FORWARDED
+
+    # ---- schedule --------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        """Whether :meth:`schedule` would return a step now."""
+        if self._pending_aborts or any(not seq.stopped for seq in self._running):
+            return True
+        if not self._waiting:
+            return False
+        # Listing freed indices in a plan is what lets a waiting request take one.
+        return bool(self._pending_finished) or self._can_admit(self._waiting[0])
+
+    def schedule(self) -> ScheduledStep | None:
+        """Build the next step (see the module docstring for the order), or ``None`` if there is
+        nothing to send. The step counts as in flight until published or refused."""
+        if not self.has_work():
+            return None
+        step = ScheduledStep(step_id=self._next_step_id, finished=self._pending_finished, aborted=self._pending_aborts)
+        self._pending_finished, self._pending_aborts = [], []
+        budget = self.config.max_step_tokens
+        budget = self._schedule_decode_rows(step, budget)
+        budget = self._schedule_prefill_chunks(step, budget)
+        self._admit(step, budget)
+        self._free_indices.extend(step.finished)  # the device drops them after this step
+        if step.is_empty:
+            return None
+        self._in_flight[step.step_id] = step
+        self._next_step_id += 1
+        return step
+
+    def _schedule_decode_rows(self, step: ScheduledStep, budget: int) -> int:
+        for seq in self._running:
+            if not (seq.stopped or seq.in_prefill):
+                budget -= self._add_row(step, seq, 1)
+        return budget
+
+    def _schedule_prefill_chunks(self, step: ScheduledStep, budget: int) -> int:
+        for seq in self._running:
+            if budget == 0:
+                break
+            if not seq.stopped and seq.in_prefill:
+                budget -= self._add_row(step, seq, min(seq.request.num_prompt_tokens - seq.num_kv_tokens, self.config.max_prefill_chunk, budget))
+        return budget
+
+    def _can_admit(self, request: GenerationRequest) -> bool:
+        return bool(self._free_indices) and self.block_manager.can_allocate(self.max_kv_tokens(request))
+
+    def _admit(self, step: ScheduledStep, budget: int) -> None:
+        while budget > 0 and self._waiting and self._can_admit(self._waiting[0]):
+            request = self._waiting.popleft()
+            index = self._free_indices.popleft()
+            self._generations[index] += 1
+            seq = Sequence(request, index, self._generations[index], self.block_manager.allocate(self.max_kv_tokens(request)))
+            self._running.append(seq)
+            self._by_index[index] = seq
+            self._by_request[request] = seq
+            step.started.append(seq)
+            budget -= self._add_row(step, seq, min(request.num_prompt_tokens, self.config.max_prefill_chunk, budget))
+
+    def _add_row(self, step: ScheduledStep, seq: Sequence, num_tokens: int) -> int:
+        """Append one row of ``num_tokens`` tokens for ``seq``; return ``num_tokens``."""
+        start, end = seq.num_kv_tokens, seq.num_kv_tokens + num_tokens
+        prompt_tokens = seq.request.num_prompt_tokens
+        new_blocks = self.block_manager.append_slots(seq.blocks, end)
+        sample = end >= prompt_tokens
+        step.rows.append(seq)
+        step.seq_index.append(seq.seq_index)
+        step.generation.append(seq.generation)
+        step.start_pos.append(start)
+        step.num_tokens.append(num_tokens)
+        if start < prompt_tokens:
+            step.token_ids.extend(seq.request.prompt_token_ids[start:end])
+        else:
+            step.token_ids.append(PLACEHOLDER_TOKEN)
+        step.sample.append(sample)
+        step.num_new_blocks.append(len(new_blocks))
+        step.new_block_ids.extend(new_blocks)
+        seq.num_kv_tokens = end
+        seq.steps_in_flight += 1
+        if sample:
+            seq.num_sampled += 1
+            if seq.num_sampled >= seq.request.max_tokens:
+                seq.stopped = True
+        return num_tokens
+
+    # ---- outputs back ------------------------------------------------------------------------------
+    def update_from_output(self, step_events: reclaim_pb2.StepEvents) -> list[tuple[GenerationRequest, reclaim_pb2.SequenceEvent]]:
+        """Take one published step: note finishes, release the step, free what is done.
+
+        Returns:
+            ``(request, event)`` for every event of a live sequence (matched by seq index,
+            generation and request id), in event order; events of anything else are stale and dropped.
+        """
+        routed = []
+        touched = []
+        for event in step_events.events:
+            seq = self._by_index.get(event.seq_index)
+            if seq is None or seq.generation != event.generation or seq.request.request_id != event.request_id:
+                continue
+            routed.append((seq.request, event))
+            if event.finish_reason or event.error_code:
+                seq.stopped = seq.finished = True
+                touched.append(seq)
+        step = self._in_flight.pop(step_events.step_id, None)
+        if step is not None:
+            touched.extend(self._release_rows(step))
+        self._free_done(touched)
+        return routed
+
+    def fail_step(self, step_id: int) -> list[GenerationRequest]:
+        """The device refused step ``step_id`` (nothing ran): end every request with a row in it.
+
+        The plan's ``aborted`` ids and still-free ``finished`` indices are listed again in the next
+        plan; failed sequences that reclaim already knows are aborted there too, so it drops them.
+
+        Returns:
+            the requests to fail (each once; the caller sends their terminal error).
+        """
+        step = self._in_flight.pop(step_id, None)
+        if step is None:
+            return []
+        self._pending_aborts[:0] = step.aborted
+        for index in step.finished:
+            if index not in self._by_index and index in self._free_indices:
+                self._free_indices.remove(index)
+                self._pending_finished.append(index)
+        failed = []
+        started = set(step.started)
+        for seq in dict.fromkeys(step.rows):
+            if seq.finished:
+                continue
+            seq.stopped = seq.finished = True
+            failed.append(seq.request)
+            if seq not in started and not seq.abort_forwarded:
+                seq.abort_forwarded = True
+                self._pending_aborts.append(seq.request.request_id)
+        self._free_done(self._release_rows(step))
+        return failed
+
+    def _release_rows(self, step: ScheduledStep) -> list[Sequence]:
+        for seq in step.rows:
+            seq.steps_in_flight -= 1
+        return step.rows
+
+    def _free_done(self, candidates: Iterable[Sequence]) -> None:
+        for seq in candidates:
+            if seq.finished and seq.steps_in_flight == 0 and self._by_index.get(seq.seq_index) is seq:
+                self.block_manager.free(seq.blocks)
+                del self._by_index[seq.seq_index]
+                del self._by_request[seq.request]
+                self._running.remove(seq)
+                self._pending_finished.append(seq.seq_index)

@@ -1,0 +1,241 @@
+"""Turn a public ``GenerateRequest`` into a validated :class:`GenerationRequest`, or refuse it.
+
+Every refusal is a :class:`RequestError` with ``INVALID_ARGUMENT`` whose message names the field
+and the allowed values, so a client knows what to change.
+
+Defaults (the public API's documented ones, made concrete here so the device and reclaim see
+exact values):
+
+- ``max_tokens``: ``min(256, max_model_len - prompt_tokens)``; an explicit value is never
+  capped: ``prompt_tokens + max_tokens > max_model_len`` is refused, naming both numbers.
+- ``temperature`` 1.0, ``top_p`` 1.0, ``repetition_penalty`` 1.0 (off).
+- ``seed``: a random 63-bit number per request (63 bits so it also fits a signed 64-bit integer).
+
+Prompt forms: ``prompt`` is tokenized as is (with the tokenizer's own special tokens, e.g. a
+BOS for llama-family tokenizers); ``messages`` are rendered with the model's chat template
+(``apply_chat_template(..., add_generation_prompt=True)``), then tokenized without adding special
+tokens again; ``prompt_token_ids`` are taken as given after a range check.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Sequence
+
+from stageserve.prepare.errors import invalid_argument
+from stageserve.v1 import common_pb2, prepare_pb2
+
+DEFAULT_MAX_TOKENS = 256
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_REQUEST_ID_CHARS = 256
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What validation needs to know about the served model (from the device's ``AttachReply``).
+
+    Attributes:
+        vocab_size: token ids are ``[0, vocab_size)``.
+        max_model_len: context length in tokens (prompt + completion).
+    """
+
+    vocab_size: int
+    max_model_len: int
+
+
+@dataclass(frozen=True, eq=False)
+class GenerationRequest:
+    """A validated request, ready for the scheduler; identity (``is``) tells two requests apart.
+
+    Attributes:
+        request_id: the client's id (or a generated one).
+        prompt_token_ids: the prompt, ``len >= 1``.
+        max_tokens: completion tokens at most, ``>= 1``, ``prompt + max_tokens <= max_model_len``.
+        sampling: concrete sampling parameters for the device.
+        stop: stop conditions for reclaim (``max_tokens`` and ``prompt_tokens`` filled in).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling: common_pb2.SamplingParams
+    stop: common_pb2.StopParams
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+def validate_request_id(request_id: str) -> str:
+    """Check a client-chosen request id (field or ``x-request-id``).
+
+    Raises:
+        RequestError: ``INVALID_ARGUMENT`` when it is longer than 256 characters or not printable
+            ASCII (it travels in the ``x-request-id`` header).
+    """
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise invalid_argument(f"request_id: {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed")
+    if not all(" " <= ch <= "~" for ch in request_id):
+        raise invalid_argument(f"request_id: {request_id!r} holds characters outside printable ASCII; use letters, digits and punctuation")
+    return request_id
+
+
+def render_chat(messages: Sequence[prepare_pb2.ChatMessage], tokenizer) -> list[int]:
+    """Token ids of ``messages`` rendered with the tokenizer's chat template, ending with the
+    assistant's generation prompt.
+
+    Raises:
+        RequestError: ``INVALID_ARGUMENT`` for an unknown role, or when the template rejects the
+            messages (e.g. a template that requires alternating roles).
+    """
+    for i, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            raise invalid_argument(f"messages[{i}].role: {message.role!r} is not one of {', '.join(CHAT_ROLES)}")
+    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # jinja2 errors, or "no chat template" from transformers
+        raise invalid_argument(f"messages: the model's chat template cannot render them ({exc}); send a raw prompt instead") from exc
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def tokenize_prompt(
+    tokenizer,
+    prompt: str = "",
+    messages: Sequence[prepare_pb2.ChatMessage] = (),
+    prompt_token_ids: Sequence[int] = (),
+) -> list[int]:
+    """The prompt's token ids from exactly one of its three forms (ids are returned unchecked).
+
+    Raises:
+        RequestError: ``INVALID_ARGUMENT`` when none or several forms are set, a chat message is
+            bad, or the prompt tokenizes to nothing.
+    """
+    given = [name for name, value in (("prompt", prompt), ("messages", messages), ("prompt_token_ids", prompt_token_ids)) if value]
+    if len(given) != 1:
+        what = "none" if not given else " and ".join(given)
+        raise invalid_argument(f"prompt: set exactly one of prompt (non-empty text), messages, prompt_token_ids; got {what}")
+    if prompt_token_ids:
+        return list(prompt_token_ids)
+    ids = render_chat(messages, tokenizer) if messages else list(tokenizer.encode(prompt, add_special_tokens=True))
+    if not ids:
+        raise invalid_argument(f"{given[0]}: tokenizes to 0 tokens; give some text")
+    return ids
+
+
+def validate_generate_request(
+    request: prepare_pb2.GenerateRequest, request_id: str, tokenizer, limits: ModelLimits
+) -> GenerationRequest:
+    """Validate ``request`` against the model and fill the defaults (see the module docstring).
+
+    Args:
+        request: the client's request.
+        request_id: the id to serve it under (already resolved from the field / metadata).
+        tokenizer: a Hugging Face tokenizer (``encode``, ``apply_chat_template``).
+        limits: the served model's vocabulary and context sizes.
+
+    Raises:
+        RequestError: ``INVALID_ARGUMENT`` naming the first bad field and its allowed range.
+    """
+    ids = tokenize_prompt(tokenizer, request.prompt, request.messages, request.prompt_token_ids)
+    _check_token_ids("prompt_token_ids", ids, limits.vocab_size)
+    max_tokens = _max_tokens(request, len(ids), limits.max_model_len)
+    sampling = common_pb2.SamplingParams(
+        temperature=_temperature(request),
+        top_p=_in_range("top_p", request.top_p if request.HasField("top_p") else 1.0, low=0.0, low_open=True),
+        top_k=request.top_k,
+        min_p=_in_range("min_p", request.min_p, low=0.0, low_open=False),
+        repetition_penalty=_repetition_penalty(request),
+        seed=request.seed if request.HasField("seed") else secrets.randbits(63),
+        logprobs=_at_most("logprobs", request.logprobs, MAX_LOGPROBS),
+    )
+    if request.min_tokens > max_tokens:
+        raise invalid_argument(f"min_tokens: {request.min_tokens} is more than max_tokens ({max_tokens}); use at most {max_tokens}")
+    _check_stop_strings(request.stop)
+    _at_most("stop_token_ids", len(request.stop_token_ids), MAX_STOP_TOKEN_IDS, what="entries")
+    _check_token_ids("stop_token_ids", request.stop_token_ids, limits.vocab_size)
+    stop = common_pb2.StopParams(
+        max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
+        stop=request.stop,
+        stop_token_ids=request.stop_token_ids,
+        ignore_eos=request.ignore_eos,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        prompt_tokens=len(ids),
+    )
+    return GenerationRequest(request_id=request_id, prompt_token_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stop)
+
+
+def _check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
+    for i, token_id in enumerate(ids):
+        if not 0 <= token_id < vocab_size:
+            raise invalid_argument(f"{field}[{i}]: token id {token_id} is outside the vocabulary [0, {vocab_size})")
+
+
+def _max_tokens(request: prepare_pb2.GenerateRequest, prompt_tokens: int, max_model_len: int) -> int:
+    remaining = max_model_len - prompt_tokens
+    if remaining < 1:
+        raise invalid_argument(
+            f"prompt: {prompt_tokens} tokens leave no room in the model's context of {max_model_len} tokens;"
+            f" use at most {max_model_len - 1} prompt tokens"
+        )
+    if not request.HasField("max_tokens"):
+        return min(DEFAULT_MAX_TOKENS, remaining)
+    if request.max_tokens == 0:
+        raise invalid_argument(f"max_tokens: must be at least 1 (at most {remaining} for this prompt); leave it unset for the default")
+    if request.max_tokens > remaining:
+        raise invalid_argument(
+            f"max_tokens: prompt ({prompt_tokens} tokens) + max_tokens ({request.max_tokens}) = {prompt_tokens + request.max_tokens}"
+            f" exceeds the model's context of {max_model_len} tokens; use max_tokens <= {remaining}"
+        )
+    return request.max_tokens
+
+
+def _temperature(request: prepare_pb2.GenerateRequest) -> float:
+    if not request.HasField("temperature"):
+        return 1.0
+    value = request.temperature
+    if not math.isfinite(value) or value < 0:
+        raise invalid_argument(f"temperature: {value} is not allowed; use a finite number >= 0 (0 = greedy)")
+    return value
+
+
+def _repetition_penalty(request: prepare_pb2.GenerateRequest) -> float:
+    if not request.HasField("repetition_penalty"):
+        return 1.0
+    value = request.repetition_penalty
+    if not math.isfinite(value) or value <= 0:
+        raise invalid_argument(f"repetition_penalty: {value} is not allowed; use a finite number > 0 (1 = off)")
+    return value
+
+
+def _in_range(field: str, value: float, low: float, low_open: bool) -> float:
+    """Check ``value`` in ``(low, 1]`` (``low_open``) or ``[low, 1]``; NaN fails both."""
+    inside = (low < value <= 1.0) if low_open else (low <= value <= 1.0)
+    if not inside:
+        interval = f"({low:g}, 1]" if low_open else f"[{low:g}, 1]"
+        raise invalid_argument(f"{field}: {value} is outside {interval}")
+    return value
+
+
+def _at_most(field: str, value: int, limit: int, what: str = "") -> int:
+    if value > limit:
+        unit = f" {what}" if what else ""
+        raise invalid_argument(f"{field}: {value}{unit} is more than the maximum of {limit}")
+    return value
+
+
+def _check_stop_strings(stop: Sequence[str]) -> None:
+    _at_most("stop", len(stop), MAX_STOP_STRINGS, what="strings")
+    for i, text in enumerate(stop):
+        if not text:
+            raise invalid_argument(f"stop[{i}]: empty stop string; remove it")
+        if len(text) > MAX_STOP_STRING_CHARS:
+            raise invalid_argument(f"stop[{i}]: {len(text)} characters; at most {MAX_STOP_STRING_CHARS} are allowed")
+

@@ -1,0 +1,227 @@
+"""The reclaim service: the device's completion stream in, ``Reclaim.Subscribe`` streams out.
+
+:class:`DeviceLink` owns the connection to the device: ``Device.Attach`` (EOS ids, sequence table,
+instance id), then the ``Device.Complete`` bidi stream, whose events it feeds to a
+:class:`~stageserve.reclaim.completion.CompletionHandler` (the gRPC-free core), publishing each
+step's ``StepEvents`` and sending ``SlotRelease`` for each step it has read. A device that is not
+up is retried with exponential backoff; a broken stream fails every live request with
+``UNAVAILABLE`` terminal events (published, so prepare learns) and is re-dialled.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import grpc
+
+from stageserve.reclaim.completion import CompletionHandler
+from stageserve.reclaim.detokenizer import IncrementalDetokenizer, decoder_for
+from stageserve.reclaim.publisher import Publisher, Subscription
+from stageserve.reclaim.ticket_book import DeviceProtocolError
+from stageserve.server import GRPC_OPTIONS, ServiceServer
+from stageserve.tokenizer import load_tokenizer
+from stageserve.v1 import device_pb2, device_pb2_grpc, reclaim_pb2, reclaim_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "stageserve.v1.Reclaim"
+ATTACH_TIMEOUT_S = 5.0
+INITIAL_BACKOFF_S = 0.2
+MAX_BACKOFF_S = 5.0
+
+
+@dataclass(frozen=True)
+class _StreamEnd:
+    """Inbox item: the device stream is over (or reclaim is stopping), and why."""
+
+    reason: str
+
+
+class DeviceLink:
+    """Connection to one device: attach, run its completion stream, reconnect with backoff.
+
+    Args:
+        target: the device's ``HOST:PORT``.
+        detokenizer: shared incremental detokenizer.
+        publisher: where each step's ``StepEvents`` go.
+        completion_timeout_s: see :class:`~stageserve.reclaim.ticket_book.TicketBook`.
+        set_attached: called with ``True`` once attached, ``False`` when the stream is lost.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        detokenizer: IncrementalDetokenizer,
+        publisher: Publisher,
+        completion_timeout_s: float,
+        set_attached: Callable[[bool], None],
+    ) -> None:
+        self._target = target
+        self._detokenizer = detokenizer
+        self._publisher = publisher
+        self._completion_timeout_s = completion_timeout_s
+        self._set_attached = set_attached
+        self._channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
+        self._stub = device_pb2_grpc.DeviceStub(self._channel)
+        self._stopping = threading.Event()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live = 0  # live sequences, for drain
+        self._idle = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="device-link", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is live (or ``timeout_s`` passes); return whether none is."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._live == 0, timeout_s)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Fail what is still live (``UNAVAILABLE``, published), close the stream and end the thread."""
+        self._stopping.set()
+        self._inbox.put(_StreamEnd("reclaim is shutting down"))
+        self._thread.join(timeout_s)
+        self._channel.close()
+
+    def _run(self) -> None:
+        backoff_s = INITIAL_BACKOFF_S
+        while not self._stopping.is_set():
+            try:
+                attach = self._stub.Attach(device_pb2.AttachRequest(peer="reclaim"), timeout=ATTACH_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                log.warning("device %s not reachable (%s); retrying in %.1f s", self._target, exc.code().name, backoff_s)
+                self._stopping.wait(backoff_s)
+                backoff_s = min(2 * backoff_s, MAX_BACKOFF_S)
+                continue
+            log.info("attached to device %s (instance %s, model %s)", self._target, attach.instance_id, attach.model_name)
+            received, reason = self._serve(CompletionHandler(attach, self._detokenizer, self._completion_timeout_s))
+            if received:
+                backoff_s = INITIAL_BACKOFF_S
+            if not self._stopping.is_set():
+                log.warning("device stream lost (%s); reconnecting in %.1f s", reason, backoff_s)
+                self._stopping.wait(backoff_s)
+
+    def _serve(self, handler: CompletionHandler) -> tuple[bool, str]:
+        """Run one Complete stream until it ends, then fail what is left. Returns (any event received, why it ended)."""
+        releases: queue.SimpleQueue = queue.SimpleQueue()
+        call = self._stub.Complete(iter(releases.get, None))
+        self._inbox = inbox = queue.SimpleQueue()
+        threading.Thread(target=_receive, args=(call, inbox), name="device-receive", daemon=True).start()
+        if self._stopping.is_set():  # stop() may have signalled the previous inbox
+            inbox.put(_StreamEnd("reclaim is shutting down"))
+        self._set_attached(True)
+        try:
+            received, reason = self._loop(handler, inbox, releases)
+        except Exception as exc:  # a bug must not end the link: fail what is live, then reconnect
+            log.exception("handling the device stream failed")
+            received, reason = True, f"reclaim internal error: {exc!r}"
+        self._set_attached(False)
+        releases.put(None)
+        call.cancel()
+        message = f"device {self._target} stream ended ({reason}) with the request in flight"
+        for outcome in handler.fail_in_flight(message):
+            self._publisher.publish(outcome.events)
+        self._note_live(0)
+        return received, reason
+
+    def _loop(self, handler: CompletionHandler, inbox: queue.SimpleQueue, releases: queue.SimpleQueue) -> tuple[bool, str]:
+        """The main loop over one device stream. Returns (any event received, why it ended)."""
+        received = False
+        while True:
+            # 1. Receive the next device event, or wake when the oldest step's completion deadline passes.
+            deadline_s = handler.next_deadline_s()
+            try:
+                item = inbox.get(timeout=None if deadline_s is None else max(0.0, deadline_s - time.monotonic()))
+            except queue.Empty:
+                item = None
+            if isinstance(item, _StreamEnd):
+                return received, item.reason
+            received = received or item is not None
+            # 2. Dispatch on the event's kind (ticket: register sequences; output: process rows), or time out steps.
+            try:
+                outcomes = handler.expire(time.monotonic()) if item is None else handler.handle(item, time.monotonic())
+            except DeviceProtocolError as exc:
+                log.error("device %s broke the completion protocol: %s", self._target, exc)
+                return received, str(exc)
+            # 3. Publish each ready step's StepEvents, in step order; 4. release its slot to the device.
+            for outcome in outcomes:
+                if outcome.events is not None:
+                    self._publisher.publish(outcome.events)
+                if outcome.release_ticket:
+                    releases.put(device_pb2.SlotRelease(ticket=outcome.release_ticket))
+            self._note_live(handler.live_count)
+
+    def _note_live(self, live: int) -> None:
+        if live != self._live:
+            with self._idle:
+                self._live = live
+                self._idle.notify_all()
+
+
+def _receive(call, inbox: queue.SimpleQueue) -> None:
+    """Move the device stream's events into ``inbox``; end with a :class:`_StreamEnd`."""
+    try:
+        for event in call:
+            inbox.put(event)
+        inbox.put(_StreamEnd("the device closed the stream"))
+    except grpc.RpcError as exc:
+        inbox.put(_StreamEnd(f"{exc.code().name}: {exc.details()}"))
+
+
+class ReclaimServicer(reclaim_pb2_grpc.ReclaimServicer):
+    """``Reclaim.Subscribe``: stream every published ``StepEvents`` from now on."""
+
+    def __init__(self, publisher: Publisher) -> None:
+        self._publisher = publisher
+
+    def Subscribe(self, request: reclaim_pb2.SubscribeRequest, context: grpc.ServicerContext):
+        subscription: Subscription = self._publisher.subscribe(request.peer or context.peer())
+        context.add_callback(lambda: self._publisher.unsubscribe(subscription))
+        yield from subscription
+        if subscription.drop_reason:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, subscription.drop_reason)
+
+
+def serve(
+    *,
+    device: str,
+    model_path: Path,
+    completion_timeout_s: float,
+    host: str,
+    port: int,
+    port_file: Path | None,
+    drain_timeout_s: float,
+    subscriber_queue_steps: int,
+) -> int:
+    """Run the reclaim service until SIGTERM/SIGINT; return the exit code (0 after a drain).
+
+    Readiness (``stageserve.v1.Reclaim``) is SERVING only while the tokenizer is loaded and the
+    device is attached. On SIGTERM: NOT_SERVING, wait up to ``drain_timeout_s`` for live requests
+    to finish, fail the rest with ``UNAVAILABLE``, end the subscriber streams, stop.
+    """
+    server = ServiceServer(SERVICE_NAME, host, port, port_file=port_file)
+    publisher = Publisher(subscriber_queue_steps)
+    server.add_servicer(reclaim_pb2_grpc.add_ReclaimServicer_to_server, ReclaimServicer(publisher))
+    server.start([SERVICE_NAME])
+    draining = threading.Event()
+    detokenizer = IncrementalDetokenizer(decoder_for(load_tokenizer(model_path)))
+    log.info("tokenizer loaded from %s", model_path.name)
+    link = DeviceLink(device, detokenizer, publisher, completion_timeout_s, lambda up: server.set_ready(up and not draining.is_set()))
+    link.start()
+
+    def drain() -> None:
+        draining.set()
+        if not link.wait_idle(drain_timeout_s):
+            log.warning("drain timeout (%g s) passed with requests live; failing them", drain_timeout_s)
+        link.stop()
+        publisher.close()
+
+    server.run_until_stopped(drain)
+    return 0

@@ -1,0 +1,140 @@
+"""Request validation with the embedded model's real tokenizer: every bad field is
+INVALID_ARGUMENT with a message naming the field; defaults are filled in."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+
+from stageserve.prepare.errors import RequestError
+from stageserve.prepare.validation import (
+    DEFAULT_MAX_TOKENS,
+    ModelLimits,
+    tokenize_prompt,
+    validate_generate_request,
+    validate_request_id,
+)
+from stageserve.v1 import prepare_pb2
+
+LIMITS = ModelLimits(vocab_size=49152, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from stageserve.model_files import embedded_model_path
+    from stageserve.tokenizer import load_tokenizer
+
+    return load_tokenizer(embedded_model_path())
+
+
+def validate(tokenizer, limits=LIMITS, **fields):
+    return validate_generate_request(prepare_pb2.GenerateRequest(**fields), "req-1", tokenizer, limits)
+
+
+def refused(tokenizer, limits=LIMITS, **fields) -> str:
+    with pytest.raises(RequestError) as error:
+        validate(tokenizer, limits, **fields)
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    return error.value.message
+
+
+def user(text: str) -> prepare_pb2.ChatMessage:
+    return prepare_pb2.ChatMessage(role="user", content=text)
+
+
+def test_defaults_are_filled_in(tokenizer):
+    request = validate(tokenizer, prompt="Hello there")
+    assert request.request_id == "req-1"
+    assert request.prompt_token_ids == tokenizer.encode("Hello there")
+    assert request.max_tokens == DEFAULT_MAX_TOKENS
+    sampling = request.sampling
+    assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p, sampling.repetition_penalty) == (1.0, 1.0, 0, 0.0, 1.0)
+    assert 0 <= sampling.seed < 2**63
+    assert request.stop.max_tokens == DEFAULT_MAX_TOKENS and request.stop.prompt_tokens == len(request.prompt_token_ids)
+    assert validate(tokenizer, prompt="Hello there").sampling.seed != sampling.seed  # random per request
+
+
+def test_explicit_values_are_kept(tokenizer):
+    request = validate(
+        tokenizer, prompt_token_ids=[1, 2, 3], max_tokens=7, temperature=0.0, top_p=0.5, top_k=40, min_p=0.1,
+        repetition_penalty=1.3, seed=11, stop=["\n"], stop_token_ids=[5], ignore_eos=True, min_tokens=2, logprobs=20,
+        include_stop_str_in_output=True,
+    )
+    assert request.prompt_token_ids == [1, 2, 3] and request.max_tokens == 7
+    assert request.sampling.temperature == 0.0 and math.isclose(request.sampling.top_p, 0.5) and request.sampling.top_k == 40
+    assert request.sampling.seed == 11 and request.sampling.logprobs == 20
+    stop = request.stop
+    assert (list(stop.stop), list(stop.stop_token_ids), stop.ignore_eos, stop.min_tokens, stop.include_stop_str_in_output) == (["\n"], [5], True, 2, True)
+    assert stop.prompt_tokens == 3
+
+
+def test_chat_messages_use_the_chat_template(tokenizer):
+    messages = [prepare_pb2.ChatMessage(role="system", content="Be brief."), user("What is the capital of France?")]
+    request = validate(tokenizer, messages=messages)
+    expected = tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=True, return_dict=False,
+    )
+    assert request.prompt_token_ids == list(expected)
+    assert tokenizer.decode(request.prompt_token_ids).endswith("<|im_start|>assistant\n")
+
+
+def test_default_max_tokens_is_capped_by_the_remaining_context(tokenizer):
+    request = validate(tokenizer, ModelLimits(49152, 20), prompt_token_ids=list(range(12)))
+    assert request.max_tokens == 8
+    assert validate(tokenizer, ModelLimits(49152, 20), prompt_token_ids=list(range(12)), max_tokens=8).max_tokens == 8
+
+
+def test_tokenize_prompt_matches_validation(tokenizer):
+    assert tokenize_prompt(tokenizer, messages=[user("hi")]) == validate(tokenizer, messages=[user("hi")]).prompt_token_ids
+
+
+@pytest.mark.parametrize(
+    "fields, expected",
+    [
+        (dict(), "set exactly one of prompt"),
+        (dict(prompt=""), "prompt"),
+        (dict(prompt="hi", prompt_token_ids=[1]), "prompt and prompt_token_ids"),
+        (dict(prompt="hi", messages=[user("hi")]), "prompt and messages"),
+        (dict(messages=[prepare_pb2.ChatMessage(role="wizard", content="hi")]), "messages[0].role: 'wizard' is not one of system, user, assistant"),
+        (dict(prompt_token_ids=[1, 49152]), "prompt_token_ids[1]: token id 49152 is outside the vocabulary [0, 49152)"),
+        (dict(prompt_token_ids=[-3]), "prompt_token_ids[0]"),
+        (dict(prompt="hi", max_tokens=0), "max_tokens: must be at least 1"),
+        (dict(prompt="hi", temperature=-0.5), "temperature"),
+        (dict(prompt="hi", temperature=math.inf), "temperature"),
+        (dict(prompt="hi", temperature=math.nan), "temperature"),
+        (dict(prompt="hi", top_p=0.0), "top_p: 0.0 is outside (0, 1]"),
+        (dict(prompt="hi", top_p=1.5), "top_p: 1.5 is outside (0, 1]"),
+        (dict(prompt="hi", top_p=math.nan), "top_p"),
+        (dict(prompt="hi", min_p=-0.1), "min_p"),
+        (dict(prompt="hi", min_p=1.5), "min_p: 1.5 is outside [0, 1]"),
+        (dict(prompt="hi", repetition_penalty=0.0), "repetition_penalty"),
+        (dict(prompt="hi", repetition_penalty=-1.0), "repetition_penalty"),
+        (dict(prompt="hi", logprobs=21), "logprobs: 21 is more than the maximum of 20"),
+        (dict(prompt="hi", max_tokens=4, min_tokens=5), "min_tokens: 5 is more than max_tokens (4)"),
+        (dict(prompt="hi", stop=[f"s{i}" for i in range(17)]), "stop: 17 strings is more than the maximum of 16"),
+        (dict(prompt="hi", stop=["ok", ""]), "stop[1]: empty"),
+        (dict(prompt="hi", stop_token_ids=[60000]), "stop_token_ids[0]"),
+    ],
+)
+def test_bad_field_is_invalid_argument_naming_it(tokenizer, fields, expected):
+    assert expected in refused(tokenizer, **fields)
+
+
+def test_prompt_plus_max_tokens_over_the_context_names_both_numbers(tokenizer):
+    message = refused(tokenizer, ModelLimits(49152, 20), prompt_token_ids=list(range(12)), max_tokens=9)
+    assert "max_tokens" in message and "12" in message and "9" in message and "20" in message and "<= 8" in message
+
+
+def test_prompt_that_fills_the_context_is_refused(tokenizer):
+    message = refused(tokenizer, ModelLimits(49152, 20), prompt_token_ids=list(range(20)))
+    assert "20 tokens" in message and "at most 19" in message
+
+
+def test_request_id_checks():
+    assert validate_request_id("abc-123") == "abc-123"
+    for bad, expected in (("x" * 257, "257 characters"), ("héllo", "printable ASCII"), ("a\nb", "printable ASCII")):
+        with pytest.raises(RequestError) as error:
+            validate_request_id(bad)
+        assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT and expected in error.value.message
