@@ -349,9 +349,25 @@ class Scheduler:
                 touched.append(seq)
         step = self._in_flight.pop(step_events.step_id, None)
         if step is not None:
+            if step_events.error_code:
+                routed += self._fail_rows_without_event(step, step_events)
             touched.extend(self._release_rows(step))
         self._free_done(touched)
         return routed
+
+    def _fail_rows_without_event(self, step: ScheduledStep, step_events: reclaim_pb2.StepEvents) -> list[tuple[GenerationRequest, reclaim_pb2.SequenceEvent]]:
+        """A failed step's sequences that reclaim could not name (rows that did not sample) fail too."""
+        failed = []
+        for seq in dict.fromkeys(step.rows):
+            if seq.finished:
+                continue
+            seq.stopped = seq.finished = True
+            event = reclaim_pb2.SequenceEvent(
+                request_id=seq.request.request_id, seq_index=seq.seq_index, generation=seq.generation,
+                error_code=step_events.error_code, error_message=step_events.error_message,
+            )
+            failed.append((seq.request, event))
+        return failed
 
     def fail_step(self, step_id: int) -> list[GenerationRequest]:
         """The device refused step ``step_id`` (nothing ran): end every request with a row in it.

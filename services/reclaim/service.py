@@ -184,6 +184,8 @@ class ReclaimServicer(reclaim_pb2_grpc.ReclaimServicer):
     def Subscribe(self, request: reclaim_pb2.SubscribeRequest, context: grpc.ServicerContext):
         subscription: Subscription = self._publisher.subscribe(request.peer or context.peer())
         context.add_callback(lambda: self._publisher.unsubscribe(subscription))
+        # Headers now, so the subscriber knows it is subscribed before it sends any plan.
+        context.send_initial_metadata(())
         yield from subscription
         if subscription.drop_reason:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, subscription.drop_reason)

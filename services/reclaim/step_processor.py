@@ -151,6 +151,7 @@ class StepProcessor:
     def fail_step(self, ticket: device_pb2.CompletionTicket, code: int, message: str) -> reclaim_pb2.StepEvents:
         """Abort the ticket's aborted ids, then fail every live sequence of its step with ``code``."""
         step = self._new_step(ticket)
+        step.error_code, step.error_message = code, message
         self._abort(ticket.aborted, step)
         members = [(start.seq_index, start.generation) for start in ticket.started]
         members += zip(ticket.seq_index, ticket.generation)

@@ -14,16 +14,20 @@ class SubscribeRequest(_message.Message):
     def __init__(self, peer: _Optional[str] = ...) -> None: ...
 
 class StepEvents(_message.Message):
-    __slots__ = ("step_id", "ticket", "events", "device_instance_id")
+    __slots__ = ("step_id", "ticket", "events", "device_instance_id", "error_code", "error_message")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     ticket: int
     events: _containers.RepeatedCompositeFieldContainer[SequenceEvent]
     device_instance_id: str
-    def __init__(self, step_id: _Optional[int] = ..., ticket: _Optional[int] = ..., events: _Optional[_Iterable[_Union[SequenceEvent, _Mapping]]] = ..., device_instance_id: _Optional[str] = ...) -> None: ...
+    error_code: int
+    error_message: str
+    def __init__(self, step_id: _Optional[int] = ..., ticket: _Optional[int] = ..., events: _Optional[_Iterable[_Union[SequenceEvent, _Mapping]]] = ..., device_instance_id: _Optional[str] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class SequenceEvent(_message.Message):
     __slots__ = ("request_id", "seq_index", "generation", "token_ids", "text", "logprobs", "finish_reason", "stop_string", "stop_token_id", "prompt_tokens", "completion_tokens", "error_code", "error_message")

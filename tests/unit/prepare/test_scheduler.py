@@ -326,6 +326,24 @@ def test_error_event_finishes_the_sequence():
     assert scheduler.num_running == 0 and scheduler.block_manager.num_used == 0
 
 
+def test_failed_step_fails_sequences_whose_rows_did_not_sample():
+    """A step-level failure fails a sequence whose earlier prefill chunk ran in that step, although
+    reclaim (which only knows sampling rows) could not name it in an event."""
+    scheduler = make_scheduler(max_step_tokens=16, max_prefill_chunk=8)
+    scheduler.add_request(make_request("a", prompt_tokens=4, max_tokens=8))
+    scheduler.add_request(make_request("b", prompt_tokens=20, max_tokens=8))
+    first = scheduler.schedule()
+    assert rows(first) == [("a", 0, 4, True), ("b", 0, 8, False)]
+    failure = reclaim_pb2.StepEvents(
+        step_id=first.step_id, error_code=grpc.StatusCode.INTERNAL.value[0], error_message="device step failed",
+        events=[event(first, "a", error_code=grpc.StatusCode.INTERNAL.value[0], tokens=())],
+    )
+    routed = scheduler.update_from_output(failure)
+    assert sorted((request.request_id, e.error_code) for request, e in routed) == [("a", 13), ("b", 13)]
+    assert [e.error_message for request, e in routed if request.request_id == "b"] == ["device step failed"]
+    assert scheduler.num_running == 0 and scheduler.block_manager.num_used == 0
+
+
 def test_new_session_carries_generations_and_lists_stale_indices():
     old = make_scheduler(max_num_seqs=4)
     old.add_request(make_request("a", 2, 8))
