@@ -1,0 +1,237 @@
+"""Per-sequence state of the device, indexed by ``seq_index`` in ``[0, max_num_seqs)``.
+
+Two halves with different owners:
+
+- Host metadata, read and written only by the submitting thread at submit time (`admit`):
+  generation, "started and not finished", "a sampling row has been submitted" (so a placeholder
+  can be resolved), block tables, how many tokens each sequence has sampled, and per-sequence
+  sampling stage flags. `admit` checks a step against it and commits the step atomically.
+- Device tensors, written only inside a step's device work (stream order, or the CPU compute
+  thread), so a write never races a step still in flight: the last sampled token per sequence,
+  the sampling parameters packed as ``[fields, N]`` tensors (a step's `SamplingTensors` is one
+  gather per dtype), and the repetition-penalty presence mask.
+
+A new prepare stream calls `reset`: only host metadata is cleared; device values of a sequence
+are never read before that sequence's `SequenceStart` (and, for the last token, its first
+sampling row) has rewritten them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import reduce
+from operator import or_
+
+import torch
+
+from stageserve.device.backends import to_device
+from stageserve.device.sampler import GREEDY_TEMPERATURE_EPS, SamplingTensors
+from stageserve.device.step_plan import PlanError, StartedSequence, Step
+
+# Per-sequence sampling stage bits; OR-ed over a step's sampling rows into its host flags.
+_SAMPLED = 1  # not greedy
+_TOP_K = 2  # not greedy and top_k > 0
+_TOP_P = 4  # not greedy and top_p < 1
+_MIN_P = 8  # not greedy and min_p > 0
+_PENALTY = 16  # repetition_penalty != 1
+
+
+@dataclass
+class StagedStarts:
+    """Device tensors that write a step's new sequences into the table (built at stage time).
+
+    Attributes:
+        seq_index: ``[k]`` int64.
+        floats: ``[4, k]`` float32: temperature (0 when greedy), top_p, min_p, repetition_penalty.
+        ints: ``[2, k]`` int64: top_k, seed (uint64 bits as int64).
+        presence_rows, presence_tokens: ``[P]`` int64 coordinates of prompt tokens of sequences
+            with a repetition penalty; ``None`` when there are none.
+    """
+
+    seq_index: torch.Tensor
+    floats: torch.Tensor
+    ints: torch.Tensor
+    presence_rows: torch.Tensor | None
+    presence_tokens: torch.Tensor | None
+
+
+class SequenceTable:
+    """Host metadata and device tensors of ``max_num_seqs`` sequences.
+
+    Args:
+        max_num_seqs: table size N.
+        vocab_size: V, width of the presence mask.
+        block_size: tokens per KV block (for the block-table capacity check).
+        device: where the device tensors live.
+    """
+
+    def __init__(self, max_num_seqs: int, vocab_size: int, block_size: int, device: torch.device) -> None:
+        n = max_num_seqs
+        self.max_num_seqs, self.vocab_size, self.block_size, self.device = n, vocab_size, block_size, device
+        self.last_token = torch.zeros(n, dtype=torch.int64, device=device)  # [N]
+        self.floats = torch.ones(4, n, dtype=torch.float32, device=device)  # [4, N], see StagedStarts
+        self.ints = torch.zeros(2, n, dtype=torch.int64, device=device)  # [2, N]
+        self.presence = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)  # [N, V]
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every sequence (host metadata only; see the module docstring)."""
+        n = self.max_num_seqs
+        self._generation = [0] * n
+        self._active = [False] * n
+        self._has_token = [False] * n
+        self._block_tables: list[list[int]] = [[] for _ in range(n)]
+        self._num_sampled = [0] * n
+        self._flags = [0] * n
+        self._top_logprobs = [0] * n
+
+    def active_count(self) -> int:
+        """Sequences started and not finished."""
+        return sum(self._active)
+
+    # ---- host: submit time ---------------------------------------------------------------------
+
+    def admit(self, step: Step) -> None:
+        """Check ``step`` against the table, then commit it; nothing changes when it is refused.
+
+        Fills ``step.block_tables``, ``step.sampled_top_logprobs``, ``step.sampled_step_index``
+        and ``step.sampling_flags``. The block tables handed out are live lists: consume them
+        (build the forward batch) before admitting the next step.
+
+        Raises:
+            PlanError: a row names a sequence that is not started or with a stale generation, a
+                placeholder has no sampled token to stand for (or sits in a multi-token row), or a
+                block table is too short for the row's tokens. The message names row and field.
+        """
+        self._check(step)
+        self._commit(step)
+
+    def _check(self, step: Step) -> None:
+        started = {s.seq_index: s for s in step.started}
+        token_ids, num_tokens, num_new_blocks = step.token_ids, step.num_tokens, step.num_new_blocks
+        offset = 0
+        for row, (seq, generation) in enumerate(zip(step.seq_index, step.generation)):
+            where = f"step {step.step_id} row {row} (seq_index {seq})"
+            start = started.get(seq)
+            if start is not None:
+                current, has_token, blocks = start.generation, False, 0
+            elif self._active[seq]:
+                current, has_token, blocks = self._generation[seq], self._has_token[seq], len(self._block_tables[seq])
+            else:
+                raise PlanError(f"{where}: sequence is not started; send its SequenceStart in started first")
+            if generation != current:
+                raise PlanError(f"{where}: generation {generation} is stale; the sequence's generation is {current}")
+            n = num_tokens[row]
+            if step.has_placeholder:
+                if n == 1:
+                    if token_ids[offset] == -1 and not has_token:
+                        raise PlanError(f"{where}: token_ids placeholder -1 but no token has been sampled for this sequence yet")
+                elif -1 in token_ids[offset : offset + n]:
+                    raise PlanError(f"{where}: placeholder -1 is only allowed in single-token (decode) rows")
+            if (blocks + num_new_blocks[row]) * self.block_size < step.start_pos[row] + n:
+                raise PlanError(
+                    f"{where}: block table of {blocks + num_new_blocks[row]} blocks cannot hold "
+                    f"start_pos + num_tokens = {step.start_pos[row] + n} tokens; append blocks with new_block_ids"
+                )
+            offset += n
+
+    def _commit(self, step: Step) -> None:
+        for start in step.started:
+            self._start(start)
+        tables, new_blocks = self._block_tables, step.new_block_ids
+        offset = 0
+        for seq, count in zip(step.seq_index, step.num_new_blocks):
+            if count:
+                tables[seq].extend(new_blocks[offset : offset + count])
+                offset += count
+        step.block_tables = [tables[seq] for seq in step.seq_index]
+        sampled = step.sampled_seq_index
+        step.sampled_top_logprobs = [self._top_logprobs[seq] for seq in sampled]
+        step.sampled_step_index = [self._num_sampled[seq] for seq in sampled]
+        step.sampling_flags = reduce(or_, [self._flags[seq] for seq in sampled], 0)
+        for seq in sampled:
+            self._has_token[seq] = True
+            self._num_sampled[seq] += 1
+        for seq in step.finished:
+            self._active[seq] = False
+            tables[seq] = []  # a new list: rows of this step keep the old one
+
+    def _start(self, start: StartedSequence) -> None:
+        seq, params = start.seq_index, start.sampling
+        self._generation[seq] = start.generation
+        self._active[seq] = True
+        self._has_token[seq] = False
+        self._block_tables[seq] = []
+        self._num_sampled[seq] = 0
+        self._top_logprobs[seq] = params.logprobs
+        greedy = params.temperature < GREEDY_TEMPERATURE_EPS or params.top_k == 1
+        flags = _PENALTY if params.repetition_penalty != 1.0 else 0
+        if not greedy:
+            flags |= _SAMPLED
+            flags |= _TOP_K if params.top_k > 0 else 0
+            flags |= _TOP_P if params.top_p < 1.0 else 0
+            flags |= _MIN_P if params.min_p > 0.0 else 0
+        self._flags[seq] = flags
+
+    # ---- device: stage time (uploads) and step time (stream order) -----------------------------
+
+    def stage_starts(self, started: list[StartedSequence]) -> StagedStarts:
+        """Upload the parameters and prompt presence of ``started`` (non-empty) to the device."""
+        floats, ints, rows, tokens = [[], [], [], []], [[], []], [], []
+        for start in started:
+            p = start.sampling
+            greedy = p.temperature < GREEDY_TEMPERATURE_EPS or p.top_k == 1
+            for column, value in zip(floats, (0.0 if greedy else p.temperature, p.top_p, p.min_p, p.repetition_penalty)):
+                column.append(value)
+            ints[0].append(p.top_k)
+            ints[1].append(p.seed - (1 << 64) if p.seed >= 1 << 63 else p.seed)
+            if p.repetition_penalty != 1.0 and start.prompt_token_ids:
+                rows += [start.seq_index] * len(start.prompt_token_ids)
+                tokens += start.prompt_token_ids
+        device = self.device
+        return StagedStarts(
+            seq_index=to_device([s.seq_index for s in started], torch.int64, device),
+            floats=to_device(floats, torch.float32, device),
+            ints=to_device(ints, torch.int64, device),
+            presence_rows=to_device(rows, torch.int64, device) if rows else None,
+            presence_tokens=to_device(tokens, torch.int64, device) if tokens else None,
+        )
+
+    def apply_starts(self, staged: StagedStarts) -> None:
+        """Write new sequences' parameters and prompt presence (inside the step's device work)."""
+        self.floats[:, staged.seq_index] = staged.floats
+        self.ints[:, staged.seq_index] = staged.ints
+        self.presence[staged.seq_index] = False
+        if staged.presence_rows is not None:
+            self.presence[staged.presence_rows, staged.presence_tokens] = True
+
+    def sampling_tensors(self, step: Step, rows: torch.Tensor, step_index: torch.Tensor) -> SamplingTensors:
+        """The step's `SamplingTensors` for sampling rows ``rows`` ``[S]`` int64 (seq_index), by gather.
+
+        ``step_index`` ``[S]`` int64 is each row's output index (from ``step.sampled_step_index``).
+        """
+        floats = self.floats[:, rows]  # [4, S]
+        ints = self.ints[:, rows]  # [2, S]
+        flags = step.sampling_flags
+        return SamplingTensors(
+            temperature=floats[0],
+            top_p=floats[1],
+            min_p=floats[2],
+            repetition_penalty=floats[3],
+            top_k=ints[0],
+            seed=ints[1],
+            step_index=step_index,
+            all_greedy=not flags & _SAMPLED,
+            any_top_k=bool(flags & _TOP_K),
+            any_top_p=bool(flags & _TOP_P),
+            any_min_p=bool(flags & _MIN_P),
+            any_penalty=bool(flags & _PENALTY),
+            max_logprobs=max(step.sampled_top_logprobs, default=0),
+        )
+
+    def record_sampled(self, rows: torch.Tensor, token_ids: torch.Tensor, any_penalty: bool) -> None:
+        """Store sampled ``token_ids`` ``[S]`` int64 as the last token of ``rows`` ``[S]``; mark presence."""
+        self.last_token[rows] = token_ids
+        if any_penalty:
+            self.presence[rows, token_ids] = True
+

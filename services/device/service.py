@@ -1,0 +1,317 @@
+"""The ``stageserve.v1.Device`` servicer: Attach, Execute (prepare's plans), Complete (reclaim's stream).
+
+How the streams are driven (see ``docs/pipeline-protocol.md``):
+
+- **Execute** (one at a time; a second gets ``FAILED_PRECONDITION``). Opening it resets the
+  sequence table. Per plan: 1. decode and check it (`step_plan`), 2. wait for a free output slot
+  (the only wait: for reclaim's ``SlotRelease``, never for a completion), 3. check it against the
+  sequence table and commit, 4. submit; the executor pushes the `CompletionTicket` to the outbox
+  before the step's output can be; 5. answer the ``StepReceipt``. A refused plan gets a receipt
+  with ``error`` set and ticket 0; the stream and the service carry on.
+- **Complete** (one reclaim at a time). Streams the outbox (tickets and outputs, in submission
+  order) and reads ``SlotRelease`` messages. Events wait in the outbox while no reclaim is
+  attached; the slots bound that backlog. When the stream ends, the slots of tickets it was sent
+  and did not release are released (after their steps complete), and their outputs are dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from stageserve.device.executor import CompletionTicket, StepExecutor, StepResult
+from stageserve.device.sequence_table import SequenceTable
+from stageserve.device.step_plan import PlanError, PlanLimits, decode_plan
+from stageserve.v1 import common_pb2, device_pb2, device_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "stageserve.v1.Device"
+# How often blocked stream loops look at whether their RPC is still alive (seconds).
+_POLL_S = 0.1
+
+
+class CompletionOutbox:
+    """Reclaim-bound events in submission order; thread-safe.
+
+    Filled by the executor (``push_ticket`` at submit, ``push_output`` on the completion lane),
+    drained by the attached Complete stream.
+    """
+
+    def __init__(self) -> None:
+        self._events: collections.deque[device_pb2.CompletionEvent] = collections.deque()
+        self._ready = threading.Condition()
+        self._orphaned: set[int] = set()  # tickets whose reclaim stream ended: drop their outputs
+
+    def push_ticket(self, ticket: CompletionTicket) -> None:
+        """Queue ``ticket`` for reclaim (forwards the plan's ``started`` and ``aborted``)."""
+        step, plan = ticket.step, ticket.step.forwarded
+        message = device_pb2.CompletionTicket(
+            ticket=ticket.ticket_id,
+            step_id=step.step_id,
+            slot=ticket.slot,
+            started=plan.started if plan is not None else (),
+            seq_index=step.sampled_seq_index,
+            generation=step.sampled_generation,
+            aborted=plan.aborted if plan is not None else (),
+            submitted_unix_ns=ticket.submitted_unix_ns,
+        )
+        self._push(device_pb2.CompletionEvent(ticket=message))
+
+    def push_output(self, ticket: CompletionTicket, result: StepResult | None, error: BaseException | None) -> None:
+        """Queue the step's output (or its failure) for reclaim."""
+        output = device_pb2.StepOutput(ticket=ticket.ticket_id, step_id=ticket.step.step_id)
+        if error is not None:
+            output.error = f"step failed on the device: {type(error).__name__}: {error}"
+            output.completed_unix_ns = time.time_ns()
+        else:
+            assert result is not None
+            output.token_ids.extend(result.token_ids)
+            if result.logprobs is not None:
+                output.logprobs.extend(
+                    common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs)
+                    if lp is not None else common_pb2.TokenLogprob()
+                    for lp in result.logprobs
+                )
+            output.completed_unix_ns = result.completed_unix_ns
+        self._push(device_pb2.CompletionEvent(output=output))
+
+    def pop(self, timeout: float) -> device_pb2.CompletionEvent | None:
+        """The oldest event, or ``None`` after ``timeout`` seconds without one."""
+        with self._ready:
+            while True:
+                if not self._events and not self._ready.wait(timeout):
+                    return None
+                event = self._events.popleft()
+                if event.WhichOneof("kind") == "output" and event.output.ticket in self._orphaned:
+                    self._orphaned.discard(event.output.ticket)
+                    continue
+                return event
+
+    def put_back(self, event: device_pb2.CompletionEvent) -> None:
+        """Return a popped, undelivered ``event`` to the front (it stays next in order)."""
+        with self._ready:
+            self._events.appendleft(event)
+            self._ready.notify()
+
+    def orphan(self, ticket_ids: list[int]) -> None:
+        """Drop the not yet sent outputs of ``ticket_ids`` (their tickets went to a reclaim that is gone)."""
+        with self._ready:
+            self._orphaned.update(ticket_ids)
+
+    def wait_empty(self, timeout: float) -> bool:
+        """Block until every queued event has been taken; True unless timed out (drain)."""
+        deadline = time.monotonic() + timeout
+        while self._events:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def clear(self) -> None:
+        """Drop every queued event (after the warm-up step)."""
+        with self._ready:
+            self._events.clear()
+
+    def _push(self, event: device_pb2.CompletionEvent) -> None:
+        with self._ready:
+            self._events.append(event)
+            self._ready.notify()
+
+
+@dataclass(frozen=True)
+class DeviceCore:
+    """What the servicer drives once the model is loaded and warmed up.
+
+    Attributes:
+        facts: the ``AttachReply`` (model facts, KV pool, limits; ``instance_id`` new per start).
+        limits: the same limits, as plans are checked against them.
+        table: the sequence table.
+        executor: the step executor.
+        outbox: the executor's events for reclaim.
+        check_sampling: raises ``ValueError`` naming the field for bad ``SamplingParams``.
+    """
+
+    facts: device_pb2.AttachReply
+    limits: PlanLimits
+    table: SequenceTable
+    executor: StepExecutor
+    outbox: CompletionOutbox
+    check_sampling: Callable[[common_pb2.SamplingParams], None]
+
+
+class DeviceServicer(device_pb2_grpc.DeviceServicer):
+    """Serves ``stageserve.v1.Device``; answers ``UNAVAILABLE`` until `serve` gives it a `DeviceCore`."""
+
+    def __init__(self) -> None:
+        self._core: DeviceCore | None = None
+        self._lock = threading.Lock()
+        self._open_streams: set[str] = set()  # "Execute" and/or "Complete"
+        # Serialises table commits + submits with a new stream's reset: a cancelled stream's handler
+        # may still be running when the next prepare opens its stream.
+        self._submit_lock = threading.Lock()
+
+    def serve(self, core: DeviceCore) -> None:
+        """Start answering with ``core`` (after warm-up)."""
+        self._core = core
+
+    def Attach(self, request: device_pb2.AttachRequest, context: grpc.ServicerContext) -> device_pb2.AttachReply:
+        core = self._require_core(context)
+        log.info("attach from %s", request.peer or context.peer())
+        return core.facts
+
+    def Execute(self, request_iterator: Iterator[device_pb2.StepPlan], context: grpc.ServicerContext) -> Iterator[device_pb2.StepReceipt]:
+        core = self._require_core(context)
+        self._open_stream(context, "Execute", "another prepare is attached: the device serves one Execute stream at a time")
+
+        @_once
+        def close() -> None:
+            self._close_stream("Execute")
+            log.info("Execute stream closed")
+
+        # A stream cancelled while its handler waits at a yield is never resumed: the callback closes it.
+        context.add_callback(close)
+        try:
+            with self._submit_lock:
+                core.table.reset()
+            log.info("Execute stream opened by %s; sequence table reset", context.peer())
+            last_step_id = 0
+            for plan in request_iterator:
+                receipt = self._execute_one(core, plan, last_step_id, context)
+                if receipt is None:
+                    return
+                if not receipt.error:
+                    last_step_id = plan.step_id
+                yield receipt
+        finally:
+            close()
+
+    def Complete(self, request_iterator: Iterator[device_pb2.SlotRelease], context: grpc.ServicerContext) -> Iterator[device_pb2.CompletionEvent]:
+        core = self._require_core(context)
+        self._open_stream(context, "Complete", "another reclaim is attached: the device serves one Complete stream at a time")
+        attachment = _ReclaimAttachment(core)
+
+        def close() -> None:
+            if attachment.detach():
+                self._close_stream("Complete")
+
+        context.add_callback(close)  # see Execute
+        reader = threading.Thread(target=attachment.read_releases, args=(request_iterator,), name="device-slot-releases", daemon=True)
+        reader.start()
+        log.info("Complete stream opened by %s", context.peer())
+        try:
+            while context.is_active() and reader.is_alive():
+                event = core.outbox.pop(_POLL_S)
+                if event is not None and attachment.take(event):
+                    yield event
+        finally:
+            close()
+
+    def _execute_one(
+        self, core: DeviceCore, plan: device_pb2.StepPlan, last_step_id: int, context: grpc.ServicerContext
+    ) -> device_pb2.StepReceipt | None:
+        """Submit one plan; the receipt, or ``None`` when the stream died while waiting for a slot."""
+        try:
+            if plan.step_id <= last_step_id:
+                raise PlanError(f"step_id {plan.step_id} must be greater than the previous step_id {last_step_id}")
+            step = decode_plan(plan, core.limits, core.check_sampling)
+            step.forwarded = plan
+            while not core.executor.wait_for_free_slot(_POLL_S):
+                if not context.is_active():
+                    return None
+            with self._submit_lock:
+                if not context.is_active():
+                    return None
+                core.table.admit(step)
+                ticket = core.executor.submit(step)  # a slot is free and this is the only submitter
+        except PlanError as exc:
+            log.warning("refused plan: %s", exc)
+            return device_pb2.StepReceipt(step_id=plan.step_id, error=str(exc))
+        except Exception as exc:  # noqa: BLE001 - a bug refuses this plan, never the stream or the service
+            log.exception("refused plan %d: internal error", plan.step_id)
+            return device_pb2.StepReceipt(step_id=plan.step_id, error=f"internal error in the device: {type(exc).__name__}: {exc}")
+        return device_pb2.StepReceipt(step_id=plan.step_id, ticket=ticket.ticket_id, slot=ticket.slot, submitted_unix_ns=ticket.submitted_unix_ns)
+
+    def _require_core(self, context: grpc.ServicerContext) -> DeviceCore:
+        core = self._core
+        if core is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the device is loading and warming up its model; retry when its readiness is SERVING")
+        return core
+
+    def _open_stream(self, context: grpc.ServicerContext, name: str, busy_message: str) -> None:
+        with self._lock:
+            if name in self._open_streams:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, busy_message)
+            self._open_streams.add(name)
+
+    def _close_stream(self, name: str) -> None:
+        with self._lock:
+            self._open_streams.discard(name)
+
+
+class _ReclaimAttachment:
+    """One Complete stream's book of tickets it was sent and has not released; thread-safe.
+
+    ``detach`` (once, when the stream ends) releases those tickets' slots and drops their pending
+    outputs; an event taken after that goes back to the outbox for the next reclaim.
+    """
+
+    def __init__(self, core: DeviceCore) -> None:
+        self._core = core
+        self._lock = threading.Lock()
+        self._unreleased: set[int] = set()
+        self._detached = False
+
+    def take(self, event: device_pb2.CompletionEvent) -> bool:
+        """Claim ``event`` for this stream; False (event returned to the outbox) once detached."""
+        with self._lock:
+            if self._detached:
+                self._core.outbox.put_back(event)
+                return False
+            if event.WhichOneof("kind") == "ticket":
+                self._unreleased.add(event.ticket.ticket)
+            return True
+
+    def read_releases(self, request_iterator: Iterator[device_pb2.SlotRelease]) -> None:
+        """Apply the stream's SlotRelease messages until it ends (runs on its own thread)."""
+        try:
+            for release in request_iterator:
+                with self._lock:
+                    self._unreleased.discard(release.ticket)
+                if not self._core.executor.release(release.ticket):
+                    log.warning("SlotRelease for unknown or already released ticket %d", release.ticket)
+        except grpc.RpcError:
+            pass  # the stream ended; detach cleans up
+
+    def detach(self) -> bool:
+        """Release the slots this stream still holds; True the first time, False afterwards."""
+        with self._lock:
+            if self._detached:
+                return False
+            self._detached = True
+            lost = sorted(self._unreleased)
+        self._core.outbox.orphan(lost)
+        for ticket_id in lost:
+            self._core.executor.release(ticket_id)
+        log.info("Complete stream closed; released %d slot(s) it held", len(lost))
+        return True
+
+
+def _once(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` wrapped to run at most once, whichever thread calls first."""
+    lock, done = threading.Lock(), [False]
+
+    def run() -> None:
+        with lock:
+            if done[0]:
+                return
+            done[0] = True
+        fn()
+
+    return run

@@ -1,0 +1,102 @@
+"""The device work of one step on the real model: the `StepRunner` the executor launches.
+
+``stage`` (submitting thread) builds the step's transient uploads: the forward batch, the sampling
+rows, the new sequences' parameters. ``run`` (backend compute context, in submission order):
+
+1. write the step's new sequences into the sequence table;
+2. resolve placeholders on the device: ``ids = where(ids == -1, last_token[seq_index], ids)``;
+3. forward pass (fills the KV cache, logits ``[S, vocab]`` of the sampling rows);
+4. sample, gathering the rows' parameters from the sequence table;
+5. scatter the sampled ids into ``last_token`` (and the presence mask), on the device;
+6. copy the sampled ids (+ logprobs) into the step's slot-local host buffers (non-blocking).
+
+Nothing here synchronises with the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from stageserve.device.backends import to_device
+from stageserve.device.executor import SlotBuffers
+from stageserve.device.kv_cache import PagedKVCache
+from stageserve.device.model import ForwardBatch, LlamaModel, build_forward_batch
+from stageserve.device.sampler import sample
+from stageserve.device.sequence_table import SequenceTable, StagedStarts
+from stageserve.device.step_plan import Step
+
+
+@dataclass
+class StagedStep:
+    """A step's transient uploads; alive until the step's completion has been observed.
+
+    Attributes:
+        step: the host-side step.
+        batch: forward inputs on the device; ``None`` when the step has no rows.
+        sampled: ``[2, S]`` int64: seq_index and output index of each sampling row; ``None`` if S = 0.
+        placeholder_seq: ``[num_decode]`` int64 seq_index of the single-token rows, in the batch's
+            decode order; ``None`` when the step has no placeholder.
+        starts: the new sequences' table writes; ``None`` when none start.
+    """
+
+    step: Step
+    batch: ForwardBatch | None
+    sampled: torch.Tensor | None
+    placeholder_seq: torch.Tensor | None
+    starts: StagedStarts | None
+
+
+class ModelStepRunner:
+    """Runs steps of ``model`` over ``kv_cache``, keeping per-sequence state in ``table``."""
+
+    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, table: SequenceTable) -> None:
+        self.model, self.kv_cache, self.table = model, kv_cache, table
+        self.device = model.device
+
+    def stage(self, step: Step) -> StagedStep:
+        """Build ``step``'s device inputs. Call right after ``SequenceTable.admit(step)``."""
+        batch = placeholder_seq = sampled = starts = None
+        if step.seq_index:
+            tokens, ends = step.token_ids, list(accumulate(step.num_tokens))
+            rows = [
+                (tokens[end - n : end], start_pos, table, sample)
+                for n, end, start_pos, table, sample in zip(step.num_tokens, ends, step.start_pos, step.block_tables, step.sample)
+            ]
+            batch = build_forward_batch(rows, self.table.block_size, self.device)
+            if step.has_placeholder:
+                # ForwardBatch puts single-token rows first, in row order.
+                placeholder_seq = to_device([s for s, n in zip(step.seq_index, step.num_tokens) if n == 1], torch.int64, self.device)
+        if step.sampled_seq_index:
+            sampled = to_device([step.sampled_seq_index, step.sampled_step_index], torch.int64, self.device)
+        if step.started:
+            starts = self.table.stage_starts(step.started)
+        return StagedStep(step, batch, sampled, placeholder_seq, starts)
+
+    def run(self, staged: StagedStep, out: SlotBuffers) -> None:
+        """Enqueue the step's device work (see the module docstring); no host synchronisation."""
+        table, step = self.table, staged.step
+        if staged.starts is not None:
+            table.apply_starts(staged.starts)
+        if staged.batch is None:
+            return
+        batch = staged.batch
+        if staged.placeholder_seq is not None:
+            ids = batch.input_ids[: batch.num_decode]  # [Bd]
+            ids.copy_(torch.where(ids < 0, table.last_token[staged.placeholder_seq], ids))
+        logits = self.model.forward(batch, self.kv_cache)  # [S, vocab] float32
+        if staged.sampled is None:
+            return
+        rows, step_index = staged.sampled[0], staged.sampled[1]
+        tensors = table.sampling_tensors(step, rows, step_index)
+        result = sample(logits, tensors, table.presence[rows] if tensors.any_penalty else None)
+        table.record_sampled(rows, result.token_ids, tensors.any_penalty)
+        count = rows.shape[0]
+        out.token_ids[:count].copy_(result.token_ids, non_blocking=True)
+        if result.logprobs is not None:
+            top = tensors.max_logprobs
+            out.logprobs[:count].copy_(result.logprobs, non_blocking=True)
+            out.top_token_ids[:count, :top].copy_(result.top_ids, non_blocking=True)
+            out.top_logprobs[:count, :top].copy_(result.top_logprobs, non_blocking=True)
