@@ -60,7 +60,7 @@ def stream(target: str, request: prepare_pb2.GenerateRequest, timeout_s: float |
         except grpc.RpcError as exc:
             print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
-    print()
+    print(flush=True)
     if last is not None:
         reason = common_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
         ttft_ms = (arrivals[0] - start) * 1e3 if arrivals else float("nan")

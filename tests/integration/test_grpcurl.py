@@ -19,6 +19,16 @@ def grpcurl(*args: str) -> str:
     return result.stdout
 
 
+def parse_json_stream(text: str) -> list[dict]:
+    """grpcurl prints one pretty-printed JSON object (proto field names) per streamed message, back to back."""
+    decoder, objects, position = json.JSONDecoder(), [], 0
+    while text[position:].strip():
+        position += len(text[position:]) - len(text[position:].lstrip())
+        obj, position = decoder.raw_decode(text, position)
+        objects.append(obj)
+    return objects
+
+
 @pytest.mark.parametrize(
     "role, service",
     [("prepare", "stageserve.v1.Generation"), ("device", "stageserve.v1.Device"), ("reclaim", "stageserve.v1.Reclaim")],
@@ -34,10 +44,10 @@ def test_list_shows_each_service_api(pipeline, role, service):
 def test_generate_stream_with_json(pipeline):
     request = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "request_id": "curl-1"}
     out = grpcurl("-d", json.dumps(request), pipeline.prepare.address, "stageserve.v1.Generation/GenerateStream")
-    chunks = [json.loads(part) for part in out.replace("}\n{", "}\x00{").split("\x00") if part.strip()]
-    assert chunks[-1]["finishReason"] == "FINISH_REASON_LENGTH"
-    assert chunks[-1]["usage"]["completionTokens"] == 6
-    assert all(c["requestId"] == "curl-1" for c in chunks)
+    chunks = parse_json_stream(out)
+    assert chunks[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+    assert all(c["request_id"] == "curl-1" for c in chunks)
     assert "Paris" in "".join(c.get("text", "") for c in chunks)
 
 
