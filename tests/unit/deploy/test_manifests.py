@@ -1,0 +1,486 @@
+"""The Kubernetes manifests (deploy/k8s): both overlays rendered, validated against the Kubernetes
+schemas offline, and checked against what the ``stageserve`` CLI really configures.
+
+Overlays are rendered by kustomize as ``kubectl kustomize`` (kubectl is on every machine of the
+project). Where kubectl is missing, :func:`render` stands in: it implements the subset of kustomize
+the manifests use (``resources``, ``patches`` with strategic-merge files, ``images``, ``namespace``),
+fails on any other kustomization field, and a test checks it gives kustomize's output exactly.
+Container args are expanded the way the kubelet does (``$(VAR)`` from the container's environment)
+and parsed by ``stageserve.cli.build_parser()``, the parser the image's ``stageserve`` runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import io
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from stageserve.cli import build_parser
+from stageserve.server import ServiceServer
+
+K8S_DIR = Path(__file__).resolve().parents[3] / "deploy" / "k8s"
+OVERLAYS = ("cpu", "ascend")
+NAMESPACE = "stageserve"
+# Oldest Kubernetes the manifests target (native gRPC probes are GA there) and the newest schema shipped.
+K8S_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
+ROLES = ("prepare", "device", "reclaim")
+NAME_LABEL = "app.kubernetes.io/name"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+
+# ---------------------------------------------------------------------------------------------
+# Minimal kustomize
+
+
+KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "patches", "images", "namespace"}
+# Strategic-merge keys of the list fields the patches touch; any other list is replaced whole.
+MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
+              "volumeMounts": "mountPath", "ports": "containerPort"}
+
+
+def render(directory: Path) -> list[dict]:
+    """Render the kustomization in ``directory`` to its list of manifests (like ``kustomize build``).
+
+    Raises:
+        AssertionError: the kustomization uses a field this renderer does not implement, or a patch
+            matches no manifest or more than one.
+    """
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    unsupported = set(kustomization) - KUSTOMIZATION_FIELDS
+    assert not unsupported, f"{directory}: kustomization fields {sorted(unsupported)} are not implemented by this test's renderer"
+    manifests: list[dict] = []
+    for resource in kustomization.get("resources", []):
+        path = directory / resource
+        manifests += render(path) if path.is_dir() else [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    for patch in kustomization.get("patches", []):
+        assert set(patch) == {"path"}, f"{directory}: only file patches are implemented, got {patch}"
+        for doc in yaml.safe_load_all((directory / patch["path"]).read_text()):
+            targets = [m for m in manifests if (m["kind"], m["metadata"]["name"]) == (doc["kind"], doc["metadata"]["name"])]
+            assert len(targets) == 1, f"patch {patch['path']}: {len(targets)} targets for {doc['kind']}/{doc['metadata']['name']}"
+            targets[0].update(strategic_merge(targets[0], doc))
+    for image in kustomization.get("images", []):
+        for manifest in manifests:
+            for container in pod_spec(manifest).get("containers", []) if manifest["kind"] in WORKLOAD_KINDS else []:
+                if container["image"].split(":")[0] == image["name"]:
+                    container["image"] = f"{image.get('newName', image['name'])}:{image['newTag']}"
+    if "namespace" in kustomization:
+        for manifest in manifests:
+            manifest["metadata"]["namespace"] = kustomization["namespace"]
+    return manifests
+
+
+def strategic_merge(base, patch, field: str = ""):
+    """Merge ``patch`` into a copy of ``base``: maps recursively, lists of :data:`MERGE_KEYS`
+    fields item by item on their key, other lists and scalars replaced; ``None`` deletes a key."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        merged = copy.deepcopy(base)
+        for key, value in patch.items():
+            assert not str(key).startswith("$"), f"patch directive {key} is not implemented"
+            if value is None:
+                merged.pop(key, None)
+            else:
+                merged[key] = strategic_merge(base[key], value, key) if key in base else copy.deepcopy(value)
+        return merged
+    if isinstance(base, list) and isinstance(patch, list) and field in MERGE_KEYS:
+        key = MERGE_KEYS[field]
+        merged = copy.deepcopy(base)
+        for item in patch:
+            match = next((i for i, old in enumerate(merged) if old[key] == item[key]), None)
+            if match is None:
+                merged.append(copy.deepcopy(item))
+            else:
+                merged[match] = strategic_merge(merged[match], item)
+        return merged
+    return copy.deepcopy(patch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the rendered manifests
+
+
+def pod_spec(workload: dict) -> dict:
+    return workload["spec"]["template"]["spec"]
+
+
+def find(manifests: list[dict], kind: str, **labels: str) -> list[dict]:
+    """Manifests of ``kind`` whose metadata labels include ``labels``."""
+    return [m for m in manifests if m["kind"] == kind and all(m["metadata"].get("labels", {}).get(k) == v for k, v in labels.items())]
+
+
+def workload(manifests: list[dict], role: str) -> dict:
+    """The one Deployment or StatefulSet running ``role``."""
+    found = [m for m in manifests if m["kind"] in WORKLOAD_KINDS and m["spec"]["template"]["metadata"]["labels"].get(COMPONENT_LABEL) == role]
+    assert len(found) == 1, f"expected one workload for {role}, found {len(found)}"
+    return found[0]
+
+
+def only_container(manifest: dict) -> dict:
+    containers = pod_spec(manifest)["containers"]
+    assert len(containers) == 1, f"{manifest['metadata']['name']}: expected one container"
+    return containers[0]
+
+
+def container_env(manifests: list[dict], container: dict) -> dict[str, str]:
+    """The container's environment as the kubelet builds it: envFrom ConfigMaps, then env."""
+    config_maps = {m["metadata"]["name"]: m.get("data", {}) for m in manifests if m["kind"] == "ConfigMap"}
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        name = source["configMapRef"]["name"]
+        assert name in config_maps, f"{container['name']}: envFrom names ConfigMap {name!r}, which is not rendered"
+        env.update(config_maps[name])
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        else:
+            ref = var["valueFrom"]["configMapKeyRef"]
+            env[var["name"]] = config_maps[ref["name"]][ref["key"]]
+    return env
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` expansion of command/args (``$$`` is a literal ``$``).
+
+    Raises:
+        AssertionError: a referenced variable is not defined (the kubelet would pass it on verbatim).
+    """
+    def substitute(match: re.Match) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        assert match.group(1) in env, f"{text!r} references $({match.group(1)}), which the container's environment lacks"
+        return env[match.group(1)]
+
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)", substitute, text)
+
+
+def parse_cli(argv: list[str]):
+    """Parse ``stageserve ARGV`` with the real CLI parser; fail with argparse's own message."""
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            return build_parser().parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"stageserve rejects {argv}: {stderr.getvalue().strip()}")
+
+
+def container_cli_args(manifests: list[dict], role: str):
+    """The role's container args, expanded and parsed by the stageserve parser."""
+    container = only_container(workload(manifests, role))
+    assert container.get("command") in (None, ["stageserve"]), f"{role}: command must be the image's entrypoint `stageserve`"
+    env = container_env(manifests, container)
+    argv = [expand(arg, env) for arg in container["args"]]
+    assert argv[0] == role, f"the {role} pod runs `stageserve {argv[0]}`"
+    return parse_cli(argv)
+
+
+def container_port(container: dict, name: str) -> int:
+    ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+    assert name in ports, f"{container['name']}: no container port named {name!r}"
+    return ports[name]
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """Kubernetes label-selector semantics (matchLabels and matchExpressions)."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
+        if not {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+                "Exists": key in labels, "DoesNotExist": key not in labels}[operator]:
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures
+
+
+def kustomize_build(directory: Path) -> list[dict]:
+    """``kubectl kustomize DIRECTORY``: the manifests as kustomize itself renders them."""
+    built = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True, timeout=60)
+    assert built.returncode == 0, f"kustomize cannot build {directory}: {built.stderr.strip()}"
+    return [doc for doc in yaml.safe_load_all(built.stdout) if doc]
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def overlay(request) -> tuple[str, list[dict]]:
+    """(overlay name, its rendered manifests): by kustomize, or by :func:`render` without kubectl."""
+    directory = K8S_DIR / "overlays" / request.param
+    return request.param, kustomize_build(directory) if shutil.which("kubectl") else render(directory)
+
+
+@pytest.fixture(scope="module")
+def health_service_names() -> dict[str, str]:
+    """The readiness names the services register with ServiceServer, from the services' own modules."""
+    from stageserve.device.service import SERVICE_NAME as device
+    from stageserve.prepare.main import SERVICE_NAME as prepare
+    from stageserve.reclaim.service import SERVICE_NAME as reclaim
+
+    return {"prepare": prepare, "device": device, "reclaim": reclaim}
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_manifest_validates_strictly_against_the_kubernetes_schema(overlay, version):
+    name, manifests = overlay
+    assert len(manifests) >= 12, f"{name}: rendered only {len(manifests)} manifests"
+    problems = []
+    for manifest in manifests:
+        try:
+            kubernetes_validate.validate(manifest, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            where = ".".join(str(part) for part in exc.path)
+            problems.append(f"{manifest['kind']}/{manifest['metadata']['name']} at {where}: {exc.message}")
+    assert not problems, f"{name} overlay, Kubernetes {version}:\n" + "\n".join(problems)
+
+
+def test_overlay_renders_every_component_into_the_namespace(overlay):
+    name, manifests = overlay
+    kinds = sorted((m["kind"], m["metadata"]["name"]) for m in manifests if m["kind"] != "NetworkPolicy")
+    assert kinds == [
+        ("ConfigMap", "stageserve-flags"),
+        ("Deployment", "stageserve-prepare"),
+        ("Deployment", "stageserve-reclaim"),
+        ("HorizontalPodAutoscaler", "stageserve-prepare"),
+        ("PodDisruptionBudget", "stageserve-device"),
+        ("Service", "stageserve-device-headless"),
+        ("Service", "stageserve-prepare"),
+        ("Service", "stageserve-reclaim"),
+        ("StatefulSet", "stageserve-device"),
+    ]
+    assert {m["metadata"].get("namespace") for m in manifests} == {NAMESPACE}
+    for manifest in manifests:
+        if manifest["kind"] in WORKLOAD_KINDS:
+            # The overlay's images entry replaced the base's bare name with a tagged image of its variant.
+            repository, _, tag = only_container(manifest)["image"].rpartition(":")
+            assert repository.endswith("/stageserve") and tag.endswith(f"-{name}")
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_container_args_are_accepted_by_stageserve(overlay, role):
+    _, manifests = overlay
+    args = container_cli_args(manifests, role)
+    assert args.command == role
+    assert args.host not in ("127.0.0.1", "localhost", "::1"), f"{role} listens on loopback: probes and peers cannot reach it"
+    assert args.drain_timeout > 0
+    assert args.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_probes_use_the_cli_port_and_health_service_names(overlay, role, health_service_names):
+    _, manifests = overlay
+    container = only_container(workload(manifests, role))
+    port = container_cli_args(manifests, role).port
+    assert container_port(container, "grpc") == port
+    probes = {kind: container[kind]["grpc"] for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
+    assert {probe["port"] for probe in probes.values()} == {port}, f"{role}: probe ports {probes} differ from --port {port}"
+    assert probes["readinessProbe"]["service"] == health_service_names[role]
+    assert probes["livenessProbe"].get("service", "") == ""
+    # Startup: readiness for the device (model loaded and warmed), the live server for the others
+    # (their readiness also waits for peers, which must not get them restarted).
+    expected_startup = health_service_names[role] if role == "device" else ""
+    assert probes["startupProbe"].get("service", "") == expected_startup
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_service_targets_the_grpc_port_of_its_pods(overlay, role):
+    _, manifests = overlay
+    pods = workload(manifests, role)
+    pod_labels = pods["spec"]["template"]["metadata"]["labels"]
+    services = [s for s in find(manifests, "Service") if selects({"matchLabels": s["spec"]["selector"]}, pod_labels)]
+    assert len(services) == 1, f"{role}: {len(services)} Services select its pods"
+    (service_port,) = services[0]["spec"]["ports"]
+    assert service_port["targetPort"] in ("grpc", container_cli_args(manifests, role).port)
+    assert service_port["port"] == container_cli_args(manifests, role).port
+    if role == "device":
+        assert services[0]["spec"]["clusterIP"] == "None", "device pods are found through a headless Service"
+        assert pods["kind"] == "StatefulSet" and pods["spec"]["serviceName"] == services[0]["metadata"]["name"]
+
+
+def test_peer_addresses_are_the_services_dns_names(overlay):
+    _, manifests = overlay
+    headless = find(manifests, "Service", **{COMPONENT_LABEL: "device"})[0]
+    reclaim_service = find(manifests, "Service", **{COMPONENT_LABEL: "reclaim"})[0]
+
+    def dns(service: dict) -> str:
+        meta, (port,) = service["metadata"], service["spec"]["ports"]
+        return f"{meta['name']}.{meta['namespace']}.svc.cluster.local:{port['port']}"
+
+    prepare, reclaim = container_cli_args(manifests, "prepare"), container_cli_args(manifests, "reclaim")
+    assert prepare.device == reclaim.device == dns(headless)
+    assert prepare.reclaim == dns(reclaim_service)
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_termination_grace_outlasts_prestop_and_drain(overlay, role):
+    _, manifests = overlay
+    pods = workload(manifests, role)
+    container = only_container(pods)
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    stop_grace_s = inspect.signature(ServiceServer.run_until_stopped).parameters["grace_s"].default
+    # The device waits up to --drain-timeout twice: steps in flight, then outputs reclaim has not taken.
+    drain_waits = 2 if role == "device" else 1
+    needed_s = float(pre_stop[1]) + drain_waits * container_cli_args(manifests, role).drain_timeout + stop_grace_s
+    assert pod_spec(pods)["terminationGracePeriodSeconds"] > needed_s
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_prometheus_annotations_name_the_metrics_port(overlay, role):
+    _, manifests = overlay
+    pods = workload(manifests, role)
+    annotations = pods["spec"]["template"]["metadata"]["annotations"]
+    metrics_port = container_cli_args(manifests, role).metrics_port
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert int(annotations["prometheus.io/port"]) == metrics_port == container_port(only_container(pods), "metrics")
+    assert annotations["prometheus.io/path"] == "/metrics"
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_pods_run_unprivileged_on_a_read_only_root(overlay, role):
+    _, manifests = overlay
+    pods = workload(manifests, role)
+    spec, container = pod_spec(pods), only_container(pods)
+    assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] != 0
+    assert spec["automountServiceAccountToken"] is False
+    security = container["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert "privileged" not in security and "add" not in security["capabilities"]
+    tmp = next(m for m in container["volumeMounts"] if m["mountPath"] == "/tmp")
+    assert "emptyDir" in next(v for v in spec["volumes"] if v["name"] == tmp["name"])
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(container["resources"][kind]), f"{role}: {kind} must set cpu and memory"
+
+
+def test_prepare_and_reclaim_are_replaced_not_surged(overlay):
+    # A device accepts one Execute stream (prepare) and one Complete stream (reclaim) at a time and
+    # both are ready only once attached: a surge pod would wait forever for the old one to leave.
+    _, manifests = overlay
+    for role in ("prepare", "reclaim"):
+        assert workload(manifests, role)["spec"]["strategy"]["type"] == "Recreate"
+    autoscaler = find(manifests, "HorizontalPodAutoscaler")[0]
+    target = autoscaler["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", workload(manifests, "prepare")["metadata"]["name"])
+    assert autoscaler["spec"]["maxReplicas"] == 1
+
+
+def test_disruption_budget_covers_the_device_pods(overlay):
+    _, manifests = overlay
+    (budget,) = find(manifests, "PodDisruptionBudget")
+    assert selects(budget["spec"]["selector"], workload(manifests, "device")["spec"]["template"]["metadata"]["labels"])
+    assert budget["spec"]["maxUnavailable"] == 1
+
+
+def ingress_allowed(manifests: list[dict], dest_role: str, port_name: str, source_labels: dict, source_namespace: str) -> bool:
+    """NetworkPolicy semantics: may a pod (labels, namespace) open ``dest_role``'s port ``port_name``?
+
+    A pod selected by no ingress policy accepts everything; otherwise some rule of a selecting
+    policy must allow both the peer and the port.
+    """
+    pods = workload(manifests, dest_role)
+    dest_labels = pods["spec"]["template"]["metadata"]["labels"]
+    port_number = container_port(only_container(pods), port_name)
+    namespace_labels = {"kubernetes.io/metadata.name": source_namespace}
+
+    def peer_allowed(peer: dict) -> bool:
+        if "namespaceSelector" in peer:
+            in_namespace = selects(peer["namespaceSelector"], namespace_labels)
+        else:
+            in_namespace = source_namespace == NAMESPACE
+        return in_namespace and selects(peer.get("podSelector", {}), source_labels)
+
+    def port_allowed(ports: list[dict] | None) -> bool:
+        return not ports or any(p.get("protocol", "TCP") == "TCP" and p.get("port") in (None, port_number, port_name) for p in ports)
+
+    selecting = [p for p in find(manifests, "NetworkPolicy") if "Ingress" in p["spec"]["policyTypes"] and selects(p["spec"]["podSelector"], dest_labels)]
+    if not selecting:
+        return True
+    return any(
+        port_allowed(rule.get("ports")) and (not rule.get("from") or any(peer_allowed(peer) for peer in rule["from"]))
+        for policy in selecting for rule in policy["spec"].get("ingress", [])
+    )
+
+
+def test_network_policy_lets_only_prepare_be_reached_from_outside(overlay):
+    _, manifests = overlay
+
+    def labels(role: str) -> dict:
+        return {NAME_LABEL: "stageserve", COMPONENT_LABEL: role}
+
+    sources = {
+        "prepare": (labels("prepare"), NAMESPACE),
+        "reclaim": (labels("reclaim"), NAMESPACE),
+        "device": (labels("device"), NAMESPACE),
+        "debug pod in the namespace": ({"run": "debug"}, NAMESPACE),
+        "prepare-labelled pod elsewhere": (labels("prepare"), "clients"),
+        "client elsewhere": ({"app": "client"}, "clients"),
+        "prometheus": ({"app.kubernetes.io/name": "prometheus"}, "monitoring"),
+    }
+    may_reach = {
+        ("prepare", "grpc"): set(sources),
+        ("reclaim", "grpc"): {"prepare"},
+        ("device", "grpc"): {"prepare", "reclaim"},
+        **{(role, "metrics"): {"prometheus"} for role in ROLES},
+    }
+    for (dest, port), allowed in may_reach.items():
+        reached = {name for name, (source_labels, namespace) in sources.items() if ingress_allowed(manifests, dest, port, source_labels, namespace)}
+        assert reached == allowed, f"{dest}:{port} is reachable from {sorted(reached)}, expected {sorted(allowed)}"
+
+
+def test_ascend_overlay_puts_the_device_on_an_npu(overlay):
+    name, manifests = overlay
+    device = workload(manifests, "device")
+    container, spec = only_container(device), pod_spec(device)
+    args = container_cli_args(manifests, "device")
+    if name == "ascend":
+        assert args.backend == "npu"
+        for kind in ("requests", "limits"):
+            assert container["resources"][kind]["huawei.com/Ascend910"] == "1"
+        assert spec["nodeSelector"] == {"accelerator": "huawei-Ascend910"}
+        assert any(t["key"] == "huawei.com/Ascend910" for t in spec["tolerations"])
+        # The patch merged into the base container instead of replacing it.
+        assert container["readinessProbe"]["grpc"]["service"] and container["args"][0] == "device"
+        assert container["env"][0]["value"].startswith("/tmp/")
+    else:
+        assert args.backend == "cpu"
+        assert "nodeSelector" not in spec and "huawei.com/Ascend910" not in container["resources"]["limits"]
+        assert args.threads == int(container["resources"]["limits"]["cpu"])
+    for role in ("prepare", "reclaim"):
+        assert not any("Ascend" in key for key in only_container(workload(manifests, role))["resources"]["limits"])
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (kustomize) to compare with")
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_fallback_renderer_gives_kustomizes_output(name):
+    directory = K8S_DIR / "overlays" / name
+
+    def by_name(manifests: list[dict]) -> dict:
+        return {(m["kind"], m["metadata"]["name"]): m for m in manifests}
+
+    assert by_name(render(directory)) == by_name(kustomize_build(directory))
+
+
+def test_renderer_merges_patches_like_kustomize():
+    base = {"spec": {"containers": [{"name": "a", "args": ["x", "y"], "env": [{"name": "K", "value": "1"}]}], "replicas": 1}}
+    patch = {"spec": {"containers": [{"name": "a", "args": ["z"], "env": [{"name": "J", "value": "2"}]},
+                                     {"name": "b", "image": "i"}], "replicas": None}}
+    assert strategic_merge(base, patch) == {"spec": {"containers": [
+        {"name": "a", "args": ["z"], "env": [{"name": "K", "value": "1"}, {"name": "J", "value": "2"}]},
+        {"name": "b", "image": "i"},
+    ]}}
+    assert expand("--x=$(A) $$(A) $(A)", {"A": "1"}) == "--x=1 $(A) 1"
+    with pytest.raises(AssertionError, match=r"\$\(B\)"):
+        expand("--x=$(B)", {"A": "1"})
