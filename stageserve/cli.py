@@ -19,6 +19,7 @@ COMMANDS = {
     "up": ("stageserve.launcher", "start all three services locally on the embedded model"),
     "generate": ("stageserve.client", "stream a generation from a running prepare service"),
     "trace": ("stageserve.trace_tools.main", "merge, analyze and plot the services' Chrome traces"),
+    "bench": ("stageserve.bench.main", "load a prepare service and compare against baselines and peers"),
 }
 
 

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from stageserve.metrics_http import metrics_port_file
+
 SERVICE_NAMES = {
     "prepare": "stageserve.v1.Generation",
     "device": "stageserve.v1.Device",
@@ -30,7 +32,9 @@ class ServiceProcess:
     """One stageserve service running as a child process (``python -m stageserve ROLE ...``).
 
     The service binds ``--port`` (0 = ephemeral) and writes the bound port to a port file, which
-    :meth:`wait_port` reads. Output goes to ``log_path``.
+    :meth:`wait_port` reads. With ``port`` 0 its Prometheus endpoint is ephemeral too
+    (``--metrics-port 0``, unless ``args`` choose one), so parallel deployments never collide;
+    :attr:`metrics_port` reads it. Output goes to ``log_path``.
 
     Args:
         role: ``prepare``, ``device`` or ``reclaim``.
@@ -44,8 +48,11 @@ class ServiceProcess:
         self.role = role
         self.port_file = workdir / f"{role}.port"
         self.port_file.unlink(missing_ok=True)
+        metrics_port_file(self.port_file).unlink(missing_ok=True)
         self.log_path = log_path
-        self.command = [sys.executable, "-m", "stageserve", role, "--port", str(port), "--port-file", str(self.port_file), *args]
+        ephemeral_metrics = ["--metrics-port", "0"] if port == 0 and "--metrics-port" not in args else []
+        self.command = [sys.executable, "-m", "stageserve", role, "--port", str(port), "--port-file", str(self.port_file),
+                        *ephemeral_metrics, *args]
         self.process: subprocess.Popen | None = None
         self.port: int | None = None
 
@@ -70,6 +77,12 @@ class ServiceProcess:
         if self.port is None:
             raise RuntimeError(f"{self.role}: port not known yet; call wait_port() first")
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The bound Prometheus port once the service listens; None when it serves no metrics."""
+        path = metrics_port_file(self.port_file)
+        return int(path.read_text()) if path.exists() else None
 
     def wait_port(self, timeout_s: float = 120.0) -> int:
         """Wait for the port file; returns the bound port.
@@ -198,6 +211,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "npu"])
     parser.add_argument("--dispatch", default="async", choices=["async", "sync"])
     parser.add_argument("--pipeline-depth", type=int, default=2)
+    parser.add_argument("--trace-dir", type=Path, default=None, metavar="DIR",
+                        help="all three services record a Chrome trace from start-up into DIR, written at shutdown "
+                             "(then: stageserve trace merge DIR)")
+    parser.add_argument("--log-format", choices=["text", "json"], default="text", help="the services' log lines (default %(default)s)")
     parser.add_argument("--chat", default="", help="once ready, stream the answer to this chat message")
     parser.add_argument("--once", action="store_true", help="with --chat: stop the services after the answer")
 
@@ -206,8 +223,9 @@ def run(args: argparse.Namespace) -> int:
     """Start the three services, optionally stream one chat answer, serve until Ctrl-C/SIGTERM."""
     from stageserve import client
 
-    model_args = ["--model", args.model] if args.model else []
-    device_args = [*model_args, "--dtype", args.dtype, "--backend", args.backend, "--dispatch", args.dispatch,
+    common_args = ["--log-format", args.log_format, *(["--model", args.model] if args.model else []),
+                   *(["--trace-dir", str(args.trace_dir)] if args.trace_dir else [])]
+    device_args = [*common_args, "--dtype", args.dtype, "--backend", args.backend, "--dispatch", args.dispatch,
                    "--pipeline-depth", str(args.pipeline_depth)]
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -216,16 +234,18 @@ def run(args: argparse.Namespace) -> int:
         print("starting device, reclaim and prepare (loading the model and warming up)...", file=sys.stderr, flush=True)
         try:
             pipeline = start_pipeline(
-                Path(tmp), device_args=device_args, reclaim_args=model_args, prepare_args=model_args,
+                Path(tmp), device_args=device_args, reclaim_args=common_args, prepare_args=common_args,
                 ports=(args.port, args.device_port, args.reclaim_port),
             )
         except RuntimeError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         try:
+            metrics = ", ".join(f"{p.role} http://127.0.0.1:{p.metrics_port}/metrics" for p in pipeline.processes if p.metrics_port)
             print(
                 f"ready: prepare (Generation API) {pipeline.prepare.address}, device {pipeline.device.address}, "
                 f"reclaim {pipeline.reclaim.address}\n"
+                f"  metrics: {metrics or 'off'}\n"
                 f"  try: stageserve generate --target {pipeline.prepare.address} --chat \"Tell me a joke\"\n"
                 f"       grpcurl -plaintext {pipeline.prepare.address} list\n"
                 "Ctrl-C stops all three.",

@@ -8,13 +8,20 @@ the service is ready; ``server.stop(grace)`` on shutdown; server reflection so t
 Health: the empty service name ``""`` is liveness (SERVING while the process runs); the service's
 full name (e.g. ``stageserve.v1.Device``) is readiness (NOT_SERVING until :meth:`ServiceServer.set_ready`,
 and again from SIGTERM on).
+
+Given the service's :class:`~stageserve.tracing.Tracer`, the server also serves
+``stageserve.v1.Admin`` (``StartProfile`` / ``StopProfile``, see :mod:`stageserve.profiling`) and
+writes a window still recording at shutdown (``--trace-dir``). The flags every service shares are
+defined once, in :func:`add_service_arguments`.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import signal
 import threading
+from collections.abc import Mapping
 from concurrent import futures
 from pathlib import Path
 from typing import Callable
@@ -23,10 +30,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from stageserve.logs import LOG_FORMATS, JsonFormatter, TextFormatter
+from stageserve.profiling import ADMIN_SERVICE_NAME, ProfileServicer
+from stageserve.tracing import Tracer
+from stageserve.v1 import admin_pb2_grpc
+
 log = logging.getLogger(__name__)
 
 # Large enough for a step plan or event batch of a big batch; the default 4 MiB is not.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Peer channels (prepare → device/reclaim, reclaim → device) ping every 10 s so that a peer that
+# vanished without closing its connection (a killed pod) is noticed within ~15 s.
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -34,6 +48,13 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+]
+# Servers accept those pings: by default they answer pings more often than every 5 min with a
+# GOAWAY ("too_many_pings") and the connection drops.
+SERVER_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 
 
@@ -46,6 +67,10 @@ class ServiceServer:
         max_workers: threads serving RPCs (each open stream holds one).
         port_file: if given, the bound port is written there once the server has started, so a
             launcher or test that asked for port 0 learns it.
+        tracer: the service's tracer; serves ``stageserve.v1.Admin`` over it, and a window still
+            recording is written after the drain at shutdown.
+        profile_peers: service name -> ``HOST:PORT`` that ``StartProfile``/``StopProfile`` are
+            forwarded to (prepare: its device and reclaim).
 
     Raises:
         RuntimeError: the address could not be bound.
@@ -58,11 +83,16 @@ class ServiceServer:
         port: int,
         max_workers: int = 64,
         port_file: Path | None = None,
+        tracer: Tracer | None = None,
+        profile_peers: Mapping[str, str] | None = None,
     ) -> None:
         self.service_name = service_name
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._tracer = tracer
+        if tracer is not None:
+            admin_pb2_grpc.add_AdminServicer_to_server(ProfileServicer(tracer, profile_peers), self.server)
         self._port_file = port_file
         self._host = host
         try:
@@ -77,8 +107,9 @@ class ServiceServer:
 
     def start(self, reflected_services: list[str]) -> None:
         """Start serving: liveness SERVING, readiness NOT_SERVING, reflection for the given services."""
+        admin = [ADMIN_SERVICE_NAME] if self._tracer is not None else []
         reflection.enable_server_reflection(
-            [*reflected_services, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+            [*reflected_services, *admin, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
         )
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.health.set(self.service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -102,7 +133,8 @@ class ServiceServer:
         """Block until SIGTERM/SIGINT (or :meth:`request_stop`), then drain and stop.
 
         Order: readiness NOT_SERVING (load balancers stop sending), ``drain()`` (the service
-        finishes or fails its in-flight work within its drain timeout), then ``server.stop(grace_s)``.
+        finishes or fails its in-flight work within its drain timeout), write the trace window
+        still recording, then ``server.stop(grace_s)``.
         """
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self._stop_requested.set())
@@ -110,14 +142,73 @@ class ServiceServer:
         log.info("%s: stop requested, draining", self.service_name)
         self.set_ready(False)
         drain()
+        self._write_trace_window()
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
         log.info("%s: stopped", self.service_name)
 
 
-def configure_logging(level: str = "INFO") -> None:
-    """Human-readable logs on stderr: time, level, service logger, message."""
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    def _write_trace_window(self) -> None:
+        if self._tracer is None or not self._tracer.enabled:
+            return
+        try:
+            log.info("trace window written to %s", self._tracer.stop())
+        except (OSError, RuntimeError) as exc:  # a StopProfile may have raced us; never block the shutdown
+            log.warning("trace window not written: %s", exc)
+
+
+def add_service_arguments(parser: argparse.ArgumentParser, default_port: int, default_metrics_port: int) -> None:
+    """Add the flags every service shares to ``parser`` (the one place they are defined).
+
+    ``--host``, ``--port`` (``default_port``; 0 = ephemeral), ``--port-file``, ``--log-level``,
+    ``--log-format``, ``--drain-timeout``, ``--trace-dir`` and ``--metrics-port``
+    (``default_metrics_port``; 0 = ephemeral, ``off`` = no endpoint; parsed to ``None`` for off).
+    """
+    group = parser.add_argument_group("service (common to prepare, device and reclaim)")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on, gRPC and metrics (default %(default)s)")
+    group.add_argument("--port", type=_port, default=default_port, help="gRPC port; 0 = ephemeral (default %(default)s)")
+    group.add_argument("--port-file", type=Path, default=None, metavar="PATH",
+                       help="write the bound gRPC port here once listening (and the metrics port to its sibling *.metrics-port)")
+    group.add_argument("--log-level", type=str.upper, default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                       help="(default %(default)s)")
+    group.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                       help="text: human-readable lines; json: one JSON object per line (default %(default)s)")
+    group.add_argument("--drain-timeout", type=_non_negative_float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM, how long in-flight work may take before it is failed (default %(default)s)")
+    group.add_argument("--trace-dir", type=Path, default=None, metavar="DIR",
+                       help="record a Chrome trace from start-up, written to DIR at shutdown (or by Admin.StopProfile)")
+    group.add_argument("--metrics-port", type=_metrics_port, default=default_metrics_port, metavar="PORT",
+                       help="Prometheus /metrics port; 0 = ephemeral, off = none (default %(default)s)")
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535 (0 = ephemeral), got {value}")
+    return value
+
+
+def _metrics_port(text: str) -> int | None:
+    return None if text.lower() == "off" else _port(text)
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def configure_logging(level: str = "INFO", log_format: str = "text", service: str = "") -> None:
+    """Log to stderr at ``level`` in ``log_format`` (see :mod:`stageserve.logs`): ``text``
+    (time, level, logger, message, ``[request_id=...]``) or ``json`` (one object per line,
+    ``service`` in each).
+
+    Raises:
+        ValueError: an unknown ``log_format``.
+    """
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"--log-format {log_format!r}: choose one of {', '.join(LOG_FORMATS)}")
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter(service) if log_format == "json" else TextFormatter())
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler], force=True)

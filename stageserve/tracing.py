@@ -26,9 +26,12 @@ Span names (the contract between the services and the analyzer; ``args`` in brac
 ``device.copy_out``       sampled ids into the slot's host buffer (step_id, ticket)
 ``device.blocking_step``  ``--dispatch sync`` only: ONE span from submit to completion instead
                           of submit/wait (step_id, ticket, timing_source="blocking_span")
-``reclaim.wait``          reclaim holds a ticket until its output arrives (step_id, ticket)
-``reclaim.detokenize``    token append, incremental detokenization, stop checks (step_id)
-``reclaim.publish``       one ``StepEvents`` message to the subscribers (step_id)
+``reclaim.ticket``        registers the sequences a ticket starts; off the critical path, while
+                          the device runs the step (step_id, ticket)
+``reclaim.wait``          reclaim holds a ticket until its output arrives (step_id, ticket, slot);
+                          on a virtual lane per output slot, as consecutive waits overlap
+``reclaim.detokenize``    token append, incremental detokenization, stop checks (step_id, ticket)
+``reclaim.publish``       one ``StepEvents`` message to the subscribers (step_id, ticket)
 ``request.queue``         async span, id = request id: accepted until first scheduled
 ``request.ttft``          async span, id = request id: accepted until first token forwarded
 ``request.total``         async span, id = request id: accepted until the terminal message

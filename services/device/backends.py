@@ -12,9 +12,9 @@ The backend returns a `Completion`; nothing here waits for a step unless asked t
   submitting thread, host buffers are pinned, copies are ``non_blocking``, and an event recorded
   after the device-to-host copy is the completion (waiting = ``event.synchronize()``).
   ``torch_npu`` is imported only when the ``npu`` backend is created.
-- A future ``sim`` backend plugs into the same seam: ``launch`` returns a completion that is done
-  a fixed time after submit, paired with a step runner that writes deterministic ids into the
-  slot; the executor, tickets and slots do not change.
+- ``sim`` (the simulated device, `stageserve.device.sim`) plugs into the same seam: ``launch``
+  returns a completion that is done a set time after the previous step, paired with a step runner
+  that writes deterministic ids into the slot; the executor, tickets and slots do not change.
 """
 
 from __future__ import annotations

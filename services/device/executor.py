@@ -34,6 +34,8 @@ from stageserve.tracing import Tracer
 log = logging.getLogger(__name__)
 
 DISPATCH_MODES = ("async", "sync")
+# The span around submit per dispatch mode; sync marks its one blocking span as the tracing contract asks.
+_SUBMIT_SPANS = {"async": ("device.submit", {}), "sync": ("device.blocking_step", {"timing_source": "blocking_span"})}
 # The completion lane logs a step that has not completed after this long (it keeps waiting).
 _STALL_LOG_S = 30.0
 
@@ -116,15 +118,18 @@ class CompletionTicket:
         slot: index of the output slot the step writes.
         submitted_unix_ns: wall-clock submit time.
         uploads_freed: 0 until resolution, then 1.
+
+    ``tracer`` records the ``device.copy_out`` span of the resolution (outputs out of the slot).
     """
 
-    def __init__(self, ticket_id: int, step: Step, slot: int, buffers: SlotBuffers) -> None:
+    def __init__(self, ticket_id: int, step: Step, slot: int, buffers: SlotBuffers, tracer: Tracer) -> None:
         self.ticket_id = ticket_id
         self.step = step
         self.slot = slot
         self.submitted_unix_ns = time.time_ns()
         self.uploads_freed = 0
         self._buffers = buffers
+        self._tracer = tracer
         self._completion: Completion | None = None
         self._uploads: object = None
         self._resolve_lock = threading.Lock()
@@ -169,7 +174,8 @@ class CompletionTicket:
         try:
             if not self._completion.wait(timeout):
                 raise TicketTimeout(f"ticket {self.ticket_id} (step {self.step.step_id}) not completed within {timeout} s")
-            self._result = self._read_outputs()
+            with self._tracer.span("device.copy_out", step_id=self.step.step_id, ticket=self.ticket_id):
+                self._result = self._read_outputs()
         except TicketTimeout:
             raise
         except BaseException as exc:  # noqa: BLE001 - stored and re-raised to every waiter
@@ -209,7 +215,8 @@ class StepExecutor:
         on_output: called on the lane with ``(ticket, result, error)`` (exactly one of the two set),
             in submission order.
         tracer: records ``device.submit`` / ``device.wait`` spans (``device.blocking_step`` in sync
-            mode) with ``step_id`` and ``ticket``; a disabled tracer costs one attribute check.
+            mode) with ``step_id`` and ``ticket``, and ``device.upload`` / ``device.copy_out`` inside
+            them; a disabled tracer costs one attribute check.
 
     Raises:
         ValueError: ``pipeline_depth < 1`` or an unknown dispatch mode.
@@ -265,12 +272,12 @@ class StepExecutor:
             if not self._lock.wait_for(lambda: bool(self._free_slots), slot_timeout):
                 raise SlotTimeout(f"no output slot released within {slot_timeout} s (pipeline depth {self.pipeline_depth})")
             slot = self._free_slots.pop(0)
-            ticket = CompletionTicket(self._next_ticket_id, step, slot, self._slot_buffers[slot])
+            ticket = CompletionTicket(self._next_ticket_id, step, slot, self._slot_buffers[slot], self._tracer)
             self._next_ticket_id += 1
             self._unreleased[ticket.ticket_id] = _SlotHold(slot)
             self._submitted += 1
-        span_name = "device.blocking_step" if self.dispatch == "sync" else "device.submit"
-        with self._tracer.span(span_name, step_id=step.step_id, ticket=ticket.ticket_id, batch_size=len(step.seq_index)):
+        span_name, span_args = _SUBMIT_SPANS[self.dispatch]
+        with self._tracer.span(span_name, step_id=step.step_id, ticket=ticket.ticket_id, batch_size=len(step.seq_index), **span_args):
             self._launch(ticket)
             self._on_ticket(ticket)
             if self.dispatch == "sync":
@@ -285,7 +292,8 @@ class StepExecutor:
         step, buffers = ticket.step, self._slot_buffers[ticket.slot]
         uploads = None
         try:
-            uploads = self.backend.stage(partial(self.runner.stage, step))
+            with self._tracer.span("device.upload", step_id=step.step_id):
+                uploads = self.backend.stage(partial(self.runner.stage, step))
             # partial, not a closure: a failed step's traceback keeps its frames' functions alive,
             # and a closure would keep the uploads with them.
             completion = self.backend.launch(partial(self.runner.run, uploads, buffers))

@@ -14,10 +14,12 @@ import uuid
 from pathlib import Path
 
 from stageserve.model_files import EMBEDDED_MODEL_NAME, resolve_model_path
-from stageserve.server import configure_logging
+from stageserve.server import add_service_arguments, configure_logging
 
 log = logging.getLogger(__name__)
 
+DEFAULT_PORT = 50052
+DEFAULT_METRICS_PORT = 9102
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_DEFAULT_KV_BYTES = 512 * 1024**2
 ACCELERATOR_DEFAULT_KV_FRACTION = 0.85
@@ -40,9 +42,13 @@ def parse_bytes(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the device service's flags to ``parser``."""
+    add_service_arguments(parser, DEFAULT_PORT, DEFAULT_METRICS_PORT)
     parser.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help="weights and activations; auto = bfloat16 on cuda/npu and on CPUs with avx512_bf16 or amx_bf16, else float32")
-    parser.add_argument("--backend", choices=("cpu", "cuda", "npu"), default="cpu", help="where steps run (default %(default)s)")
+    parser.add_argument("--backend", choices=("cpu", "cuda", "npu", "sim"), default="cpu",
+                        help="where steps run; sim = simulated device: no weights, each step takes --sim-step-ms without computing (default %(default)s)")
+    parser.add_argument("--sim-step-ms", type=float, default=5.0, metavar="MS", help="--backend sim: device time of every step (default %(default)s)")
+    parser.add_argument("--sim-token-us", type=float, default=0.0, metavar="US", help="--backend sim: added device time per token a step carries (default %(default)s)")
     parser.add_argument("--dispatch", choices=("async", "sync"), default="async", help="async: submit without waiting; sync: wait each step before the next (for comparison)")
     parser.add_argument("--pipeline-depth", type=int, default=2, metavar="N", help="output slots = steps in flight at most (default %(default)s)")
     kv = parser.add_mutually_exclusive_group()
@@ -53,16 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS", help="longest sequence (prompt + output) to accept (default: the model's context, capped by the KV pool)")
     parser.add_argument("--max-step-tokens", type=int, default=2048, metavar="TOKENS", help="tokens one step may carry (default %(default)s)")
     parser.add_argument("--threads", type=int, default=None, metavar="N", help="torch intra-op threads (default: torch's choice)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    parser.add_argument("--port", type=int, default=50052, help="port to listen on; 0 = ephemeral (default %(default)s)")
-    parser.add_argument("--port-file", type=Path, default=None, help="write the bound port to this file once listening")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
-    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS", help="on SIGTERM, wait this long for in-flight steps to be delivered (default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the device service; return the exit code (0 after SIGTERM and drain, 2 on bad flags or model)."""
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format, "device")
     problem = _check_flags(args)
     if problem:
         log.error("%s", problem)
@@ -74,20 +75,31 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     import torch  # noqa: F401 - heavy imports only past --help
+    from prometheus_client import CollectorRegistry
 
     from stageserve.device import service
+    from stageserve.device.metrics import DeviceMetrics
     from stageserve.device.model_config import ModelLoadError
+    from stageserve.metrics_http import start_metrics_server
     from stageserve.server import ServiceServer
+    from stageserve.tracing import Tracer
     from stageserve.v1 import device_pb2_grpc
 
     # 1. Listen at once, NOT_SERVING, so orchestrators see a live process while the model loads.
-    server = ServiceServer(service.SERVICE_NAME, args.host, args.port, port_file=args.port_file)
+    tracer = Tracer("device")
+    metrics = DeviceMetrics(CollectorRegistry(), args.dispatch)
+    server = ServiceServer(service.SERVICE_NAME, args.host, args.port, port_file=args.port_file, tracer=tracer)
     servicer = service.DeviceServicer()
     server.add_servicer(device_pb2_grpc.add_DeviceServicer_to_server, servicer)
+    try:
+        start_metrics_server(metrics.registry, args.host, args.metrics_port, args.port_file)
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        return 2
     server.start([service.SERVICE_NAME])
     # 2. Load, size the KV pool, warm up.
     try:
-        core = _build_core(args, model_path)
+        core = build_core(args, model_path, tracer, metrics)
     except (ModelLoadError, FileNotFoundError) as exc:
         log.error("cannot load the model: %s", exc)
         server.server.stop(0)
@@ -96,7 +108,15 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         server.server.stop(0)
         return 2
-    # 3. Serve until SIGTERM, then drain.
+    # 3. Measure and trace from the first real step on (not the warm-up); serve until SIGTERM, then drain.
+    metrics.start()
+    if args.trace_dir:
+        try:
+            tracer.start(args.trace_dir)
+        except OSError as exc:
+            log.error("--trace-dir: %s", exc)
+            server.server.stop(0)
+            return 2
     servicer.serve(core)
     server.set_ready(True)
     facts = core.facts
@@ -121,6 +141,9 @@ def _check_flags(args: argparse.Namespace) -> str | None:
     for flag, value in (("--threads", args.threads), ("--max-model-len", args.max_model_len)):
         if value is not None and value < 1:
             return f"{flag} must be at least 1, got {value}"
+    for flag, value in (("--sim-step-ms", args.sim_step_ms), ("--sim-token-us", args.sim_token_us)):
+        if value < 0:
+            return f"{flag} must not be negative, got {value}"
     if args.kv_cache_fraction is not None and not 0.0 < args.kv_cache_fraction <= 1.0:
         return f"--kv-cache-fraction must be in (0, 1], got {args.kv_cache_fraction}"
     return None
@@ -140,8 +163,13 @@ def resolve_dtype(name: str, backend: str) -> str:
     return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
 
 
-def _build_core(args: argparse.Namespace, model_path: Path):
-    """Load the model, allocate the KV pool and the sequence table, build the executor, warm up."""
+def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=None):
+    """Load the model (or set up the sim), allocate the KV pool and the sequence table, build the executor, warm up.
+
+    ``args`` are the parsed device flags; the in-process benchmark baseline builds its core here too.
+    ``tracer`` (a :class:`~stageserve.tracing.Tracer`) gets the executor's spans; ``metrics`` (a
+    :class:`~stageserve.device.metrics.DeviceMetrics`) is fed every ticket and output.
+    """
     import torch
 
     from stageserve.device.backends import create_backend
@@ -151,23 +179,31 @@ def _build_core(args: argparse.Namespace, model_path: Path):
     from stageserve.device.sampler import MAX_LOGPROBS, validate_sampling_params
     from stageserve.device.sequence_table import SequenceTable
     from stageserve.device.service import CompletionOutbox, DeviceCore
+    from stageserve.device.sim import SimBackend, SimStepRunner
     from stageserve.device.step_plan import PlanLimits
     from stageserve.device.step_runner import ModelStepRunner
+    from stageserve.device.weights import load_config
     from stageserve.v1 import device_pb2
 
-    backend = create_backend(args.backend, args.threads)
-    dtype_name = resolve_dtype(args.dtype, args.backend)
-    log.info("loading %s as %s on %s", model_path, dtype_name, backend.device)
-    model = LlamaModel.from_path(model_path, getattr(torch, dtype_name), backend.device)
-    config = model.config
+    # The sim sizes its KV pool (host bookkeeping only) as the cpu backend would, from the model's config.
+    dtype_name = resolve_dtype(args.dtype, "cpu" if args.backend == "sim" else args.backend)
+    dtype = getattr(torch, dtype_name)
+    if args.backend == "sim":
+        backend, model, config = SimBackend(), None, load_config(model_path)
+        log.info("simulated device: %s's config, no weights; %g ms per step + %g us per token", model_path.name, args.sim_step_ms, args.sim_token_us)
+    else:
+        backend = create_backend(args.backend, args.threads)
+        log.info("loading %s as %s on %s", model_path, dtype_name, backend.device)
+        model = LlamaModel.from_path(model_path, dtype, backend.device)
+        config = model.config
 
     if args.kv_cache_memory is not None:
         kv_bytes = args.kv_cache_memory
-    elif args.kv_cache_fraction is not None or args.backend != "cpu":
+    elif args.kv_cache_fraction is not None or args.backend not in ("cpu", "sim"):
         kv_bytes = kv_memory_budget(backend.device, args.kv_cache_fraction or ACCELERATOR_DEFAULT_KV_FRACTION)
     else:
         kv_bytes = CPU_DEFAULT_KV_BYTES
-    num_blocks = num_blocks_for_memory(config, args.block_size, model.dtype, kv_bytes)
+    num_blocks = num_blocks_for_memory(config, args.block_size, dtype, kv_bytes)
     if num_blocks < 1:
         raise RuntimeError(f"--kv-cache-memory/--kv-cache-fraction: {kv_bytes} bytes hold no KV block of {args.block_size} tokens; give more memory")
     model_len = config.max_position_embeddings
@@ -175,8 +211,11 @@ def _build_core(args: argparse.Namespace, model_path: Path):
         if args.max_model_len > model_len:
             raise RuntimeError(f"--max-model-len {args.max_model_len} exceeds the model's context of {model_len} tokens")
         model_len = args.max_model_len
-    kv_cache = PagedKVCache(config, num_blocks, args.block_size, model.dtype, backend.device)
     table = SequenceTable(args.max_num_seqs, config.vocab_size, args.block_size, backend.device)
+    if model is None:
+        runner = SimStepRunner(args.sim_step_ms / 1e3, args.sim_token_us / 1e6, config.vocab_size, config.eos_token_ids)
+    else:
+        runner = ModelStepRunner(model, PagedKVCache(config, num_blocks, args.block_size, dtype, backend.device), table)
     limits = PlanLimits(
         max_num_seqs=args.max_num_seqs,
         vocab_size=config.vocab_size,
@@ -186,11 +225,16 @@ def _build_core(args: argparse.Namespace, model_path: Path):
         max_model_len=min(model_len, num_blocks * args.block_size),
     )
     outbox = CompletionOutbox()
+    on_ticket, on_output = outbox.push_ticket, outbox.push_output
+    if metrics is not None:
+        on_ticket, on_output = _both(outbox.push_ticket, metrics.on_ticket), _both(outbox.push_output, metrics.on_output)
     executor = StepExecutor(
-        backend, ModelStepRunner(model, kv_cache, table),
+        backend, runner,
         pipeline_depth=args.pipeline_depth, max_rows=args.max_num_seqs, max_top_logprobs=MAX_LOGPROBS,
-        dispatch=args.dispatch, on_ticket=outbox.push_ticket, on_output=outbox.push_output,
+        dispatch=args.dispatch, on_ticket=on_ticket, on_output=on_output, tracer=tracer,
     )
+    if metrics is not None:
+        metrics.watch_in_flight(executor.in_flight)
 
     def check_sampling(params) -> None:
         validate_sampling_params(params, config.vocab_size)
@@ -213,6 +257,14 @@ def _build_core(args: argparse.Namespace, model_path: Path):
         instance_id=uuid.uuid4().hex,
     )
     return DeviceCore(facts, limits, table, executor, outbox, check_sampling)
+
+
+def _both(first, then):
+    """A callback calling ``first`` then ``then`` with the same arguments."""
+    def call(*args) -> None:
+        first(*args)
+        then(*args)
+    return call
 
 
 def _warm_up(executor, table, limits, check_sampling) -> None:

@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from stageserve.device.model_config import ModelConfig, ModelLoadError, config_from_gguf, config_from_hf
 
-__all__ = ["ModelLoadError", "expected_shapes", "load_weights"]
+__all__ = ["ModelLoadError", "expected_shapes", "load_config", "load_weights"]
 
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -67,6 +67,29 @@ def load_weights(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str,
         raise ModelLoadError(f"{path}: no such file or directory")
     _check_shapes(config, weights, path)
     return config, weights
+
+
+def load_config(path: Path) -> ModelConfig:
+    """Read only a model's config (GGUF header or ``config.json``), no tensor data (the sim backend).
+
+    Raises:
+        ModelLoadError: unsupported architecture, or an unreadable file; the message names the file.
+    """
+    path = Path(path)
+    if path.is_dir():
+        generation = _read_json(path / "generation_config.json") if (path / "generation_config.json").is_file() else {}
+        eos = generation.get("eos_token_id")
+        return config_from_hf(_read_json(path / "config.json"), [] if eos is None else [eos] if isinstance(eos, int) else list(eos), path / "config.json")
+    if not path.is_file() or path.stat().st_size == 0:
+        raise ModelLoadError(f"{path}: no such file, or empty")
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
+        try:
+            fields, infos = _read_gguf_header(buffer, path)
+        except ModelLoadError:
+            raise
+        except (struct.error, ValueError, KeyError, UnicodeDecodeError) as exc:
+            raise ModelLoadError(f"{path}: corrupt or truncated GGUF header ({type(exc).__name__}: {exc})") from exc
+    return config_from_gguf(fields, {t.name: t.shape for t in infos}, path)
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -6,20 +6,26 @@ else the ``x-request-id`` metadata, else is generated; it is echoed in every res
 ``x-request-id`` response header. When the RPC ends on the client's side (cancel, disconnect,
 deadline) ``context.add_callback`` aborts the request in the scheduler, which frees its KV blocks.
 A request ends with exactly one terminal message: its last chunk (finish reason, usage) or a gRPC
-status raised through ``context.abort``.
+status raised through ``context.abort``. The handler feeds each event to the request's
+:class:`~stageserve.prepare.metrics.RequestObserver` just before forwarding it (TTFT, ITL, e2e,
+``request.*`` trace events); refused requests are counted in ``stageserve_requests_total``.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Iterator
 
 import grpc
 
+from stageserve.logs import REQUEST_ID
 from stageserve.prepare.engine import Engine, RequestHandle
 from stageserve.prepare.errors import RequestError
 from stageserve.prepare.validation import tokenize_prompt, validate_generate_request, validate_request_id
 from stageserve.v1 import prepare_pb2, prepare_pb2_grpc, reclaim_pb2
+
+log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
 
@@ -111,14 +117,26 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
             limits = self._engine.model_limits()
             handle = self._engine.submit(validate_generate_request(request, request_id, self._tokenizer, limits))
         except RequestError as error:
+            self._engine.metrics.request_refused(error.code.name)
+            shown_id = request_id[:256] if request_id.isprintable() else ascii(request_id[:256])  # the client's text, maybe invalid
+            log.debug("refused with %s: %s", error.code.name, error.message, extra={REQUEST_ID: shown_id})
             context.abort(error.code, error.message)
+        log.debug("accepted: %d prompt tokens, max_tokens %d", handle.request.num_prompt_tokens, handle.request.max_tokens,
+                  extra={REQUEST_ID: request_id})
         if not context.add_callback(lambda: self._engine.cancel(handle)):
             self._engine.cancel(handle)  # the RPC already ended
         return handle
 
     @staticmethod
     def _events(handle: RequestHandle, context: grpc.ServicerContext) -> Iterator[reclaim_pb2.SequenceEvent]:
+        observer = handle.observer
         try:
-            yield from handle.events()
+            for event in handle.events():
+                observer.on_event(event)
+                yield event
         except RequestError as error:
+            observer.on_error(error.code.name)
+            log.info("failed with %s: %s", error.code.name, error.message, extra={REQUEST_ID: handle.request.request_id})
             context.abort(error.code, error.message)
+        finally:
+            observer.on_client_gone()  # ignored after a terminal; else the client left first

@@ -16,6 +16,11 @@ request in it fails with ``UNAVAILABLE``.
 Every accepted request ends with exactly one terminal item on its :class:`RequestHandle`: its
 event with a finish reason, or a :class:`RequestError`. :meth:`Engine._end` is the one place that
 removes a request from the active set, so a second terminal is impossible.
+
+Observability: the step loop records ``prepare.schedule`` / ``prepare.build_plan`` /
+``prepare.send`` spans and the step's host time; :meth:`Engine.submit` begins a request's
+``request.queue`` / ``request.ttft`` / ``request.total`` async spans (before the step loop can see
+the request, so a begin always precedes its end) and the step loop ends ``request.queue``.
 """
 
 from __future__ import annotations
@@ -28,10 +33,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from stageserve.prepare.errors import RequestError, unavailable
-from stageserve.prepare.scheduler import AbortOutcome, ScheduledStep, Scheduler, SchedulerConfig
+from stageserve.prepare.metrics import PrepareMetrics, RequestObserver
+from stageserve.prepare.scheduler import PLACEHOLDER_TOKEN, AbortOutcome, ScheduledStep, Scheduler, SchedulerConfig
 from stageserve.prepare.validation import GenerationRequest, ModelLimits
+from stageserve.tracing import Tracer, clock_ns
 from stageserve.v1 import common_pb2, device_pb2, reclaim_pb2
 
 log = logging.getLogger(__name__)
@@ -40,10 +48,20 @@ _CLIENT_GONE = object()  # handle sentinel: the RPC ended on the client's side, 
 
 
 class RequestHandle:
-    """One accepted request's outcomes, in order, for the RPC handler that serves it."""
+    """One accepted request's outcomes, in order, for the RPC handler that serves it.
 
-    def __init__(self, request: GenerationRequest) -> None:
+    Attributes:
+        request: the validated request.
+        observer: its metrics and ``request.*`` trace events, fed by the RPC handler.
+        accepted_ns: ``clock_ns()`` at acceptance.
+        queued: no row of it has been scheduled yet (engine lock).
+    """
+
+    def __init__(self, request: GenerationRequest, observer: RequestObserver, accepted_ns: int) -> None:
         self.request = request
+        self.observer = observer
+        self.accepted_ns = accepted_ns
+        self.queued = True
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
 
     def put(self, item: reclaim_pb2.SequenceEvent | RequestError) -> None:
@@ -121,6 +139,12 @@ def build_step_plan(step: ScheduledStep) -> device_pb2.StepPlan:
     )
 
 
+def step_size_args(step: ScheduledStep) -> dict[str, int]:
+    """Trace args of a step's size: rows, prompt tokens and decode tokens (decode rows carry the placeholder)."""
+    decode = step.token_ids.count(PLACEHOLDER_TOKEN)
+    return {"step_id": step.step_id, "batch_size": len(step.rows), "prefill_tokens": len(step.token_ids) - decode, "decode_tokens": decode}
+
+
 def local_abort_event(request: GenerationRequest) -> reclaim_pb2.SequenceEvent:
     """The terminal event of a request aborted before it reached the device (no tokens)."""
     return reclaim_pb2.SequenceEvent(
@@ -136,11 +160,15 @@ class Engine:
     Args:
         max_prefill_chunk: prompt tokens of one sequence per step at most (``--max-prefill-chunk``).
         max_waiting: waiting-queue bound (``--max-waiting``).
+        tracer: prepare's tracer (default: one that never records).
+        metrics: prepare's metrics (default: on a private registry nobody scrapes).
     """
 
-    def __init__(self, max_prefill_chunk: int, max_waiting: int) -> None:
+    def __init__(self, max_prefill_chunk: int, max_waiting: int, tracer: Tracer | None = None, metrics: PrepareMetrics | None = None) -> None:
         self._max_prefill_chunk = max_prefill_chunk
         self._max_waiting = max_waiting
+        self._tracer = tracer or Tracer("prepare")
+        self._metrics = metrics or PrepareMetrics(CollectorRegistry())
         self._cond = threading.Condition()
         self._session: _Session | None = None
         self._active: dict[str, RequestHandle] = {}
@@ -169,6 +197,7 @@ class Engine:
         return self._stopping or (session is not None and session.credits > 0 and session.scheduler.has_work())
 
     def _run(self) -> None:
+        tracer, observe_host_s = self._tracer, self._metrics.step_host.observe
         while True:
             with self._cond:
                 # 1. wait for a session with a free credit and something to send
@@ -177,15 +206,35 @@ class Engine:
                     return
                 session = self._session
                 # 2. schedule the next step; it holds a credit until published or refused
-                step = session.scheduler.schedule()
+                start_ns = clock_ns()
+                with tracer.span("prepare.schedule") as span:
+                    step = session.scheduler.schedule()
+                    if step is not None and tracer.enabled:
+                        span.set(**step_size_args(step))
                 if step is None:  # has_work() promised a step; never spin on a broken promise
                     log.error("scheduler had work but built no step")
                     self._cond.wait(0.1)
                     continue
                 session.credits -= 1
                 session.sent_at[step.step_id] = time.monotonic()
+                if step.started:
+                    self._note_scheduled(step, start_ns)
             # 3. build the plan (flat arrays) and send it; only this thread sends, so plans keep their order
-            session.send_plan(build_step_plan(step))
+            with tracer.span("prepare.build_plan", step_id=step.step_id):
+                plan = build_step_plan(step)
+            with tracer.span("prepare.send", step_id=step.step_id):
+                session.send_plan(plan)
+            observe_host_s((clock_ns() - start_ns) / 1e9)
+
+    def _note_scheduled(self, step: ScheduledStep, now_ns: int) -> None:
+        """The first rows of ``step.started`` were scheduled: their queue time ends (engine lock)."""
+        observe_queue_s = self._metrics.queue_time.observe
+        for seq in step.started:
+            handle = self._active.get(seq.request.request_id)
+            if handle is not None and handle.request is seq.request and handle.queued:
+                handle.queued = False
+                observe_queue_s((now_ns - handle.accepted_ns) / 1e9)
+                self._tracer.end_async("request.queue", seq.request.request_id, step_id=step.step_id)
 
     # ---- the session (driven by the connector) --------------------------------------------------
     def open_session(self, number: int, attach: device_pb2.AttachReply, send_plan: Callable[[device_pb2.StepPlan], None]) -> None:
@@ -290,8 +339,13 @@ class Engine:
             if request.request_id in self._active:
                 raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already running; use another id")
             session.scheduler.add_request(request)
-            handle = RequestHandle(request)
+            accepted_ns = clock_ns()
+            handle = RequestHandle(request, RequestObserver(self._metrics, self._tracer, request.request_id, accepted_ns), accepted_ns)
             self._active[request.request_id] = handle
+            self._metrics.prompt_tokens.inc(request.num_prompt_tokens)
+            if self._tracer.enabled:
+                for name in ("request.queue", "request.ttft", "request.total"):
+                    self._tracer.begin_async(name, request.request_id, prompt_tokens=request.num_prompt_tokens)
             self._cond.notify_all()
             return handle
 
@@ -335,6 +389,8 @@ class Engine:
     def _end(self, handle: RequestHandle, item: reclaim_pb2.SequenceEvent | RequestError) -> None:
         """Deliver the terminal ``item`` of an active request (the only place a request leaves the active set)."""
         del self._active[handle.request.request_id]
+        if handle.queued:  # never scheduled: its queue span ends with it
+            self._tracer.end_async("request.queue", handle.request.request_id, scheduled=False)
         handle.put(item)
         self._cond.notify_all()
 
@@ -343,16 +399,28 @@ class Engine:
     def draining(self) -> bool:
         return self._draining
 
+    @property
+    def metrics(self) -> PrepareMetrics:
+        """prepare's metrics (the API layer counts refused requests there)."""
+        return self._metrics
+
     def load(self) -> EngineLoad:
         """The attached device's facts and the current load.
 
         Raises:
             RequestError: ``UNAVAILABLE`` while no device is attached.
         """
+        load = self.current_load()
+        if load is None:
+            raise unavailable("prepare is not connected to the device and reclaim services; retry shortly")
+        return load
+
+    def current_load(self) -> EngineLoad | None:
+        """The current load, or ``None`` while no device is attached (for the metrics gauges)."""
         with self._cond:
             session = self._session
             if session is None:
-                raise unavailable("prepare is not connected to the device and reclaim services; retry shortly")
+                return None
             blocks = session.scheduler.block_manager
             return EngineLoad(session.attach, session.scheduler.num_running, session.scheduler.num_waiting, blocks.num_free, blocks.num_blocks)
 

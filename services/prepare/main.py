@@ -10,21 +10,19 @@ from __future__ import annotations
 
 import argparse
 import logging
-from pathlib import Path
+
+from stageserve.server import add_service_arguments
 
 log = logging.getLogger("stageserve.prepare")
 
 SERVICE_NAME = "stageserve.v1.Generation"
+DEFAULT_PORT = 50051
+DEFAULT_METRICS_PORT = 9101
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The prepare service's command-line flags."""
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=50051, help="port of the public API; 0 = ephemeral (default: %(default)s)")
-    parser.add_argument("--port-file", type=Path, help="write the bound port to this file once listening")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: %(default)s)")
-    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
-                        help="on SIGTERM, how long in-flight requests may run before they fail (default: %(default)s)")
+    add_service_arguments(parser, DEFAULT_PORT, DEFAULT_METRICS_PORT)
     parser.add_argument("--device", default="127.0.0.1:50052", metavar="HOST:PORT", help="the device service (default: %(default)s)")
     parser.add_argument("--reclaim", default="127.0.0.1:50053", metavar="HOST:PORT", help="the reclaim service (default: %(default)s)")
     parser.add_argument("--model", default="", metavar="PATH",
@@ -41,22 +39,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; return the exit code (0 after a clean drain)."""
+    from prometheus_client import CollectorRegistry
+
+    from stageserve.metrics_http import start_metrics_server
     from stageserve.model_files import resolve_model_path
     from stageserve.prepare.api import GenerationServicer
     from stageserve.prepare.engine import Engine
     from stageserve.prepare.links import PipelineConnector
+    from stageserve.prepare.metrics import PrepareMetrics
     from stageserve.server import ServiceServer, configure_logging
     from stageserve.tokenizer import load_tokenizer
+    from stageserve.tracing import Tracer
     from stageserve.v1 import prepare_pb2_grpc
 
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format, "prepare")
+    tracer = Tracer("prepare")
+    metrics = PrepareMetrics(CollectorRegistry())
+    engine = Engine(max_prefill_chunk=args.max_prefill_chunk, max_waiting=args.max_waiting, tracer=tracer, metrics=metrics)
+    metrics.watch_engine(engine.current_load)
     try:
         tokenizer = load_tokenizer(resolve_model_path(args.model))
-        server = ServiceServer(SERVICE_NAME, args.host, args.port, max_workers=args.max_workers, port_file=args.port_file)
-    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+        server = ServiceServer(SERVICE_NAME, args.host, args.port, max_workers=args.max_workers, port_file=args.port_file,
+                               tracer=tracer, profile_peers={"device": args.device, "reclaim": args.reclaim})
+        start_metrics_server(metrics.registry, args.host, args.metrics_port, args.port_file)
+        if args.trace_dir:
+            tracer.start(args.trace_dir)
+    except (OSError, ValueError, RuntimeError) as exc:  # FileNotFoundError is an OSError
         log.error("%s", exc)
         return 2
-    engine = Engine(max_prefill_chunk=args.max_prefill_chunk, max_waiting=args.max_waiting)
     engine.start()
     server.add_servicer(prepare_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(engine, tokenizer))
     server.start([SERVICE_NAME])

@@ -7,30 +7,28 @@ from __future__ import annotations
 
 import argparse
 import logging
-from pathlib import Path
 
 from stageserve.model_files import resolve_model_path
-from stageserve.server import configure_logging
+from stageserve.server import add_service_arguments, configure_logging
 
 log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 50053
+DEFAULT_METRICS_PORT = 9103
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the reclaim service's flags to ``parser``."""
+    add_service_arguments(parser, DEFAULT_PORT, DEFAULT_METRICS_PORT)
     parser.add_argument("--device", default="127.0.0.1:50052", help="HOST:PORT of the device service to dial (default %(default)s)")
     parser.add_argument("--model", default=None, help="GGUF file or Hugging Face directory whose tokenizer to use (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--completion-timeout", type=float, default=30.0, metavar="SECONDS", help="fail a step whose output does not arrive within this long after its ticket (default %(default)s)")
     parser.add_argument("--subscriber-queue-steps", type=int, default=1024, metavar="STEPS", help="steps a subscriber may lag behind before it is dropped (default %(default)s)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    parser.add_argument("--port", type=int, default=50053, help="port to listen on; 0 = ephemeral (default %(default)s)")
-    parser.add_argument("--port-file", type=Path, default=None, help="write the bound port to this file once serving")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
-    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS", help="on SIGTERM, wait this long for live requests to finish (default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the reclaim service; return the exit code (0 after SIGTERM and drain, 2 on a bad flag)."""
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format, "reclaim")
     if args.completion_timeout <= 0 or args.drain_timeout < 0 or args.subscriber_queue_steps < 1:
         log.error("--completion-timeout must be > 0, --drain-timeout >= 0 and --subscriber-queue-steps >= 1")
         return 2
@@ -50,4 +48,6 @@ def run(args: argparse.Namespace) -> int:
         port_file=args.port_file,
         drain_timeout_s=args.drain_timeout,
         subscriber_queue_steps=args.subscriber_queue_steps,
+        metrics_port=args.metrics_port,
+        trace_dir=args.trace_dir,
     )

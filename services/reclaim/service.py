@@ -6,6 +6,10 @@ instance id), then the ``Device.Complete`` bidi stream, whose events it feeds to
 step's ``StepEvents`` and sending ``SlotRelease`` for each step it has read. A device that is not
 up is retried with exponential backoff; a broken stream fails every live request with
 ``UNAVAILABLE`` terminal events (published, so prepare learns) and is re-dialled.
+
+Spans (see :mod:`stageserve.tracing`): ``reclaim.ticket`` (registering a ticket's sequences),
+``reclaim.wait`` (ticket held until its output arrives), ``reclaim.detokenize`` (the output's
+rows) and ``reclaim.publish``; the metrics are in :mod:`stageserve.reclaim.metrics`.
 """
 
 from __future__ import annotations
@@ -19,13 +23,17 @@ from pathlib import Path
 from typing import Callable
 
 import grpc
+from prometheus_client import CollectorRegistry
 
+from stageserve.metrics_http import start_metrics_server
 from stageserve.reclaim.completion import CompletionHandler
 from stageserve.reclaim.detokenizer import IncrementalDetokenizer, decoder_for
+from stageserve.reclaim.metrics import ReclaimMetrics, StepObserver
 from stageserve.reclaim.publisher import Publisher, Subscription
 from stageserve.reclaim.ticket_book import DeviceProtocolError
 from stageserve.server import GRPC_OPTIONS, ServiceServer
 from stageserve.tokenizer import load_tokenizer
+from stageserve.tracing import Tracer, clock_ns
 from stageserve.v1 import device_pb2, device_pb2_grpc, reclaim_pb2, reclaim_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -52,6 +60,8 @@ class DeviceLink:
         publisher: where each step's ``StepEvents`` go.
         completion_timeout_s: see :class:`~stageserve.reclaim.ticket_book.TicketBook`.
         set_attached: called with ``True`` once attached, ``False`` when the stream is lost.
+        tracer: reclaim's tracer (default: one that never records).
+        metrics: reclaim's metrics (default: on a private registry nobody scrapes).
     """
 
     def __init__(
@@ -61,7 +71,11 @@ class DeviceLink:
         publisher: Publisher,
         completion_timeout_s: float,
         set_attached: Callable[[bool], None],
+        tracer: Tracer | None = None,
+        metrics: ReclaimMetrics | None = None,
     ) -> None:
+        self._tracer = tracer or Tracer("reclaim")
+        self._metrics = metrics or ReclaimMetrics(CollectorRegistry())
         self._target = target
         self._detokenizer = detokenizer
         self._publisher = publisher
@@ -77,6 +91,11 @@ class DeviceLink:
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def live(self) -> int:
+        """Requests live on the current device stream."""
+        return self._live
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no request is live (or ``timeout_s`` passes); return whether none is."""
@@ -134,6 +153,7 @@ class DeviceLink:
     def _loop(self, handler: CompletionHandler, inbox: queue.SimpleQueue, releases: queue.SimpleQueue) -> tuple[bool, str]:
         """The main loop over one device stream. Returns (any event received, why it ended)."""
         received = False
+        tracer, observer = self._tracer, StepObserver(self._metrics, self._tracer)
         while True:
             # 1. Receive the next device event, or wake when the oldest step's completion deadline passes.
             deadline_s = handler.next_deadline_s()
@@ -145,17 +165,22 @@ class DeviceLink:
                 return received, item.reason
             received = received or item is not None
             # 2. Dispatch on the event's kind (ticket: register sequences; output: process rows), or time out steps.
+            start_ns = clock_ns()
             try:
-                outcomes = handler.expire(time.monotonic()) if item is None else handler.handle(item, time.monotonic())
+                with observer.handling(item, start_ns):
+                    outcomes = handler.expire(time.monotonic()) if item is None else handler.handle(item, time.monotonic())
             except DeviceProtocolError as exc:
                 log.error("device %s broke the completion protocol: %s", self._target, exc)
                 return received, str(exc)
             # 3. Publish each ready step's StepEvents, in step order; 4. release its slot to the device.
             for outcome in outcomes:
                 if outcome.events is not None:
-                    self._publisher.publish(outcome.events)
+                    with tracer.span("reclaim.publish", step_id=outcome.events.step_id, ticket=outcome.events.ticket):
+                        self._publisher.publish(outcome.events)
+                    observer.published(outcome.events)
                 if outcome.release_ticket:
                     releases.put(device_pb2.SlotRelease(ticket=outcome.release_ticket))
+            observer.handled(item, start_ns)
             self._note_live(handler.live_count)
 
     def _note_live(self, live: int) -> None:
@@ -201,21 +226,36 @@ def serve(
     port_file: Path | None,
     drain_timeout_s: float,
     subscriber_queue_steps: int,
+    metrics_port: int | None = None,
+    trace_dir: Path | None = None,
 ) -> int:
-    """Run the reclaim service until SIGTERM/SIGINT; return the exit code (0 after a drain).
+    """Run the reclaim service until SIGTERM/SIGINT; return the exit code (0 after a drain, 2
+    when the metrics port or the trace folder cannot be used).
 
     Readiness (``stageserve.v1.Reclaim``) is SERVING only while the tokenizer is loaded and the
     device is attached. On SIGTERM: NOT_SERVING, wait up to ``drain_timeout_s`` for live requests
-    to finish, fail the rest with ``UNAVAILABLE``, end the subscriber streams, stop.
+    to finish, fail the rest with ``UNAVAILABLE``, end the subscriber streams, write the trace
+    window (``trace_dir``), stop. ``metrics_port``: Prometheus endpoint (0 = ephemeral, None = none).
     """
-    server = ServiceServer(SERVICE_NAME, host, port, port_file=port_file)
+    tracer = Tracer("reclaim")
+    metrics = ReclaimMetrics(CollectorRegistry())
+    server = ServiceServer(SERVICE_NAME, host, port, port_file=port_file, tracer=tracer)
+    try:
+        start_metrics_server(metrics.registry, host, metrics_port, port_file)
+        if trace_dir is not None:
+            tracer.start(trace_dir)
+    except (OSError, RuntimeError) as exc:
+        log.error("%s", exc)
+        return 2
     publisher = Publisher(subscriber_queue_steps)
     server.add_servicer(reclaim_pb2_grpc.add_ReclaimServicer_to_server, ReclaimServicer(publisher))
     server.start([SERVICE_NAME])
     draining = threading.Event()
     detokenizer = IncrementalDetokenizer(decoder_for(load_tokenizer(model_path)))
     log.info("tokenizer loaded from %s", model_path.name)
-    link = DeviceLink(device, detokenizer, publisher, completion_timeout_s, lambda up: server.set_ready(up and not draining.is_set()))
+    link = DeviceLink(device, detokenizer, publisher, completion_timeout_s, lambda up: server.set_ready(up and not draining.is_set()),
+                      tracer=tracer, metrics=metrics)
+    metrics.watch_live(lambda: link.live)
     link.start()
 
     def drain() -> None:

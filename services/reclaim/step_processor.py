@@ -20,6 +20,7 @@ from typing import Collection, Iterable
 
 import grpc
 
+from stageserve.logs import REQUEST_ID
 from stageserve.reclaim.detokenizer import DetokenizerState, IncrementalDetokenizer
 from stageserve.reclaim.stop_checker import StopChecker
 from stageserve.v1 import common_pb2, device_pb2, reclaim_pb2
@@ -206,7 +207,7 @@ class StepProcessor:
         for request_id in request_ids:
             state = self._by_request.get(request_id)
             if state is None:
-                log.debug("abort of %r ignored: not live (already finished, or never started)", request_id)
+                log.debug("abort ignored: not live (already finished, or never started)", extra={REQUEST_ID: request_id})
                 continue
             step.events.append(self._abort_event(state))
             self._remove(state)
@@ -232,7 +233,7 @@ class StepProcessor:
             self._remove(state)
 
     def _fail_early(self, ticket: device_pb2.CompletionTicket, event: reclaim_pb2.SequenceEvent) -> None:
-        log.error("step %d: request %r fails: %s", ticket.step_id, event.request_id, event.error_message)
+        log.error("step %d: request fails: %s", ticket.step_id, event.error_message, extra={REQUEST_ID: event.request_id})
         self._early.setdefault(ticket.ticket, []).append(event)
 
     @staticmethod

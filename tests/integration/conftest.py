@@ -24,11 +24,13 @@ MAX_MODEL_LEN = 256
 DEVICE_ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "256MiB"]
 
 
-def launch(tmp_path_factory: pytest.TempPathFactory, name: str, device_args: list[str] = (), prepare_args: list[str] = ()) -> Pipeline:
+def launch(tmp_path_factory: pytest.TempPathFactory, name: str, device_args: list[str] = (), prepare_args: list[str] = (),
+           reclaim_args: list[str] = ()) -> Pipeline:
     """Start a pipeline whose logs go to a temporary folder named ``name``."""
     workdir: Path = tmp_path_factory.mktemp(name)
     try:
-        return start_pipeline(workdir, device_args=[*DEVICE_ARGS, *device_args], prepare_args=list(prepare_args), log_dir=workdir)
+        return start_pipeline(workdir, device_args=[*DEVICE_ARGS, *device_args], prepare_args=list(prepare_args),
+                              reclaim_args=list(reclaim_args), log_dir=workdir)
     except RuntimeError:
         for log in sorted(workdir.glob("*.log")):
             print(f"----- {log.name}\n{log.read_text()[-5000:]}")

@@ -1,0 +1,78 @@
+"""The device service's Prometheus metrics, fed from the executor's ticket and output callbacks.
+
+- ``stageserve_step_period_seconds``: submit of a step -> submit of the next one (idle gaps
+  between bursts of traffic included: read it under load).
+- ``stageserve_step_device_time_seconds{timing_source}``: submit -> completion observed, per step.
+  ``timing_source`` is ``submit_to_completion`` with ``--dispatch async`` and ``blocking_span``
+  with ``--dispatch sync`` (as in the trace analyzer: a blocking time never carries the async label).
+- ``stageserve_step_batch_size``: sampling rows per step.
+- ``stageserve_steps_total{outcome}``: ``ok`` or ``failed`` steps.
+- ``stageserve_tickets_in_flight``: tickets submitted whose output is not delivered yet.
+
+Times come from the ticket's wall-clock ``submitted_unix_ns`` and the moment the output is handed
+on (``time.time_ns``): no per-step state is kept here beyond the previous submit time.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from stageserve.device.executor import CompletionTicket, StepResult
+
+# Seconds per step: sub-millisecond (a simulated or tiny step) to seconds (a long prefill).
+STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+TIMING_SOURCES = {"async": "submit_to_completion", "sync": "blocking_span"}
+
+
+class DeviceMetrics:
+    """The device's metric families on ``registry`` (a per-service registry, never the global one).
+
+    Args:
+        registry: where the families are registered.
+        dispatch: ``async`` or ``sync``; picks the device-time ``timing_source`` label.
+
+    Steps are measured from :meth:`start` on, so the start-up warm-up step is left out.
+    """
+
+    def __init__(self, registry: CollectorRegistry, dispatch: str) -> None:
+        self.registry = registry
+        self._period = Histogram("stageserve_step_period_seconds", "Submit of a step until submit of the next (idle gaps included)",
+                                 buckets=STEP_BUCKETS_S, registry=registry)
+        device_time = Histogram("stageserve_step_device_time_seconds",
+                                "Submit until completion observed, per step; timing_source says how it was measured",
+                                ["timing_source"], buckets=STEP_BUCKETS_S, registry=registry)
+        self._device_time = device_time.labels(TIMING_SOURCES[dispatch])
+        self._batch = Histogram("stageserve_step_batch_size", "Sampling rows per step", buckets=BATCH_BUCKETS, registry=registry)
+        steps = Counter("stageserve_steps", "Steps completed on the device, by outcome", ["outcome"], registry=registry)
+        self._steps_ok, self._steps_failed = steps.labels("ok"), steps.labels("failed")
+        self._in_flight = Gauge("stageserve_tickets_in_flight", "Tickets submitted whose output is not delivered yet", registry=registry)
+        self._last_submit_ns = 0
+        self._measuring = False
+
+    def start(self) -> None:
+        """Measure the steps submitted from now on (call after the warm-up)."""
+        self._measuring = True
+
+    def watch_in_flight(self, in_flight: Callable[[], int]) -> None:
+        """Read the in-flight gauge from ``in_flight()`` (the executor's count) at every scrape."""
+        self._in_flight.set_function(in_flight)
+
+    def on_ticket(self, ticket: CompletionTicket) -> None:
+        """A step was submitted (called in submission order, by the one submitter)."""
+        if not self._measuring:
+            return
+        if self._last_submit_ns:
+            self._period.observe((ticket.submitted_unix_ns - self._last_submit_ns) / 1e9)
+        self._last_submit_ns = ticket.submitted_unix_ns
+        self._batch.observe(len(ticket.step.sampled_seq_index))
+
+    def on_output(self, ticket: CompletionTicket, result: StepResult | None, error: BaseException | None) -> None:
+        """A step's completion was observed (the completion lane)."""
+        if not self._measuring:
+            return
+        self._device_time.observe((time.time_ns() - ticket.submitted_unix_ns) / 1e9)
+        (self._steps_failed if error is not None else self._steps_ok).inc()

@@ -1,0 +1,192 @@
+"""The in-process baseline: prepare's engine, the device's core and reclaim's completion handler in
+ONE process, wired with direct calls and queues instead of gRPC. Used only by the benchmarks, to
+measure what the split into three services costs.
+
+Everything that does the work is the real code: requests are validated and tokenized
+(`validate_generate_request`), scheduled by the `Engine` and its `Scheduler` (plans are the same
+``StepPlan`` messages, built by `build_step_plan`), decoded (`decode_plan`), admitted by the
+`SequenceTable` and submitted to the `StepExecutor` of a device core built by
+`stageserve.device.main.build_core` (same model, KV pool, backend, warm-up); the executor's tickets
+and outputs go through the device's `CompletionOutbox` to reclaim's `CompletionHandler`
+(detokenization, stops), whose ``StepEvents`` go straight to `Engine.on_step_events` and whose
+slot releases straight to `StepExecutor.release`. Left out: serialization, the loopback network,
+gRPC's threads and the three processes' separate interpreters (the baseline shares one GIL).
+
+Threads: the engine's step loop; ``inprocess-device`` (the device's Execute handler: decode,
+wait for a slot, admit, submit); ``inprocess-reclaim`` (the device-link loop of reclaim); the
+executor's compute thread and completion lane; one thread per open request stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+from stageserve.bench.loadgen import StreamFailed
+from stageserve.device import main as device_main
+from stageserve.device.service import DeviceCore
+from stageserve.device.step_plan import PlanError, decode_plan
+from stageserve.prepare.api import stream_chunk
+from stageserve.prepare.engine import Engine
+from stageserve.prepare.errors import RequestError
+from stageserve.prepare.validation import validate_generate_request
+from stageserve.reclaim.completion import CompletionHandler
+from stageserve.reclaim.detokenizer import IncrementalDetokenizer, decoder_for
+from stageserve.tokenizer import load_tokenizer
+from stageserve.v1 import device_pb2, prepare_pb2
+
+_SESSION = 1
+_POLL_S = 0.1
+
+
+class InProcessPipeline:
+    """prepare + device + reclaim in this process (see the module docstring).
+
+    Args:
+        model_path: the model (weights for the device, tokenizer for prepare and reclaim).
+        device_args: ``stageserve device`` flags (e.g. ``["--dtype", "bfloat16"]``, ``["--backend", "sim"]``).
+        max_prefill_chunk, max_waiting: prepare's flags of the same names.
+        completion_timeout_s: reclaim's ``--completion-timeout``.
+
+    Raises:
+        RuntimeError, ModelLoadError: the device core could not be built (as ``stageserve device`` reports).
+    """
+
+    def __init__(self, model_path: Path, device_args: list[str] = (), max_prefill_chunk: int = 512,
+                 max_waiting: int = 256, completion_timeout_s: float = 30.0) -> None:
+        parser = argparse.ArgumentParser()
+        device_main.add_arguments(parser)
+        self.core: DeviceCore = device_main.build_core(parser.parse_args(list(device_args)), model_path)
+        self.tokenizer = load_tokenizer(model_path)
+        self.engine = Engine(max_prefill_chunk=max_prefill_chunk, max_waiting=max_waiting)
+        self._handler = CompletionHandler(self.core.facts, IncrementalDetokenizer(decoder_for(self.tokenizer)), completion_timeout_s)
+        self._plans: queue.SimpleQueue[device_pb2.StepPlan | None] = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self.core.table.reset()  # what opening an Execute stream does
+        self._timed_runner = _TimedRunner(self.core.executor.runner)
+        self.core.executor.runner = self._timed_runner
+        self.engine.start()
+        self._threads = [
+            threading.Thread(target=self._device_loop, name="inprocess-device", daemon=True),
+            threading.Thread(target=self._reclaim_loop, name="inprocess-reclaim", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+        self.engine.open_session(_SESSION, self.core.facts, self._plans.put)
+
+    def generate_stream(self, request: prepare_pb2.GenerateRequest) -> Iterator[prepare_pb2.GenerateStreamResponse]:
+        """What ``Generation.GenerateStream`` yields for ``request``.
+
+        Raises:
+            RequestError: the status the RPC would end with (validation, queue full, failed step).
+        """
+        request_id = request.request_id or uuid.uuid4().hex
+        handle = self.engine.submit(validate_generate_request(request, request_id, self.tokenizer, self.engine.model_limits()))
+        try:
+            for event in handle.events():
+                if event.text or event.token_ids or event.finish_reason:
+                    yield stream_chunk(request_id, event)
+        finally:
+            self.engine.cancel(handle)  # as the servicer's RPC-end callback does
+
+    def device_step_ms(self, rows: int, since: int = 0) -> float | None:
+        """Median device work time (ms) of the steps with ``rows`` sampling rows among steps ``since``.. (see `steps_run`)."""
+        times = sorted(seconds for count, seconds in self._timed_runner.samples[since:] if count == rows)
+        return times[len(times) // 2] * 1e3 if times else None
+
+    def steps_run(self) -> int:
+        """Steps whose device work has run so far (a mark for `device_step_ms`)."""
+        return len(self._timed_runner.samples)
+
+    def close(self) -> None:
+        """Stop the threads and the executor (requests still running fail with ``UNAVAILABLE``)."""
+        self.engine.close_session(_SESSION, "the in-process pipeline is closing")
+        self.engine.stop()
+        self._stopping.set()
+        self._plans.put(None)
+        for thread in self._threads:
+            thread.join(timeout=10)
+        self.core.executor.close()
+
+    # ---- the device's Execute handler, as direct calls ----------------------------------------
+    def _device_loop(self) -> None:
+        core = self.core
+        while (plan := self._plans.get()) is not None:
+            try:
+                step = decode_plan(plan, core.limits, core.check_sampling)
+                step.forwarded = plan
+                core.executor.wait_for_free_slot(None)
+                core.table.admit(step)
+                ticket = core.executor.submit(step)
+                receipt = device_pb2.StepReceipt(step_id=plan.step_id, ticket=ticket.ticket_id, slot=ticket.slot, submitted_unix_ns=ticket.submitted_unix_ns)
+            except PlanError as exc:
+                receipt = device_pb2.StepReceipt(step_id=plan.step_id, error=str(exc))
+            self.engine.on_receipt(_SESSION, receipt)
+
+    # ---- reclaim's device-link loop, as direct calls ------------------------------------------
+    def _reclaim_loop(self) -> None:
+        core, handler = self.core, self._handler
+        while not self._stopping.is_set():
+            event = core.outbox.pop(_POLL_S)
+            now = time.monotonic()
+            outcomes = handler.expire(now) if event is None else handler.handle(event, now)
+            for outcome in outcomes:
+                if outcome.events is not None:
+                    self.engine.on_step_events(_SESSION, outcome.events)
+                if outcome.release_ticket:
+                    core.executor.release(outcome.release_ticket)
+
+
+class _TimedRunner:
+    """The executor's step runner, plus the wall time of each step's device work (``run``) by sampling rows.
+
+    On the cpu backend ``run`` is the forward pass and sampling on the compute thread: its time is
+    the device stage of the step. Benchmark instrumentation only.
+    """
+
+    def __init__(self, runner) -> None:
+        self._runner = runner
+        self.samples: list[tuple[int, float]] = []  # (sampling rows, seconds), in step order
+
+    def stage(self, step):
+        return self._runner.stage(step), len(step.sampled_seq_index)
+
+    def run(self, staged, out):
+        inner, rows = staged
+        start = time.perf_counter()
+        result = self._runner.run(inner, out)
+        self.samples.append((rows, time.perf_counter() - start))
+        return result
+
+
+class InProcessTransport:
+    """A load-generator `Transport` over an `InProcessPipeline`: one thread per open stream (as
+    prepare's gRPC server has one handler thread per stream), chunks handed to the event loop."""
+
+    def __init__(self, pipeline: InProcessPipeline) -> None:
+        self._pipeline = pipeline
+
+    async def stream(self, request: prepare_pb2.GenerateRequest) -> AsyncIterator[tuple[float, prepare_pb2.GenerateStreamResponse]]:
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue = asyncio.Queue()
+
+        def pump() -> None:
+            try:
+                for chunk in self._pipeline.generate_stream(request):
+                    loop.call_soon_threadsafe(chunks.put_nowait, (time.perf_counter(), chunk))
+                item = None
+            except RequestError as exc:
+                item = StreamFailed(exc.code.name, exc.message)
+            loop.call_soon_threadsafe(chunks.put_nowait, item)
+
+        threading.Thread(target=pump, name="inprocess-stream", daemon=True).start()
+        while (item := await chunks.get()) is not None:
+            if isinstance(item, StreamFailed):
+                raise item
+            yield item

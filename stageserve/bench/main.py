@@ -1,0 +1,130 @@
+"""``stageserve bench``: the load generator, and the comparison runs as sub-commands.
+
+``stageserve bench --target HOST:PORT --streams 32 --requests 64`` loads a running prepare service
+and prints a table (and ``--json FILE`` the report). The comparisons start what they compare
+themselves, on the embedded model unless ``--model`` says otherwise:
+
+- ``stageserve bench compare-dispatch``: async versus sync dispatch (sim device and real model);
+- ``stageserve bench compare-split``: three services versus the same code in one process;
+- ``stageserve bench compare-peers``: versus transformers and llama-cpp-python (``stageserve[bench]``);
+- ``stageserve bench sweep``: tokens/s and p99 ITL against concurrency, with a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The load generator's flags, plus one sub-command per comparison."""
+    _add_workload_arguments(parser)
+    parser.add_argument("--target", default="127.0.0.1:50051", help="prepare's address (default %(default)s)")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--streams", type=int, default=None, metavar="N", help="N concurrent streams (default 8 unless --rate)")
+    load.add_argument("--rate", type=float, default=None, metavar="R", help="Poisson arrivals, R requests/s")
+    parser.add_argument("--max-concurrency", type=int, default=None, metavar="N", help="with --rate: N requests in flight at most")
+    parser.add_argument("--requests", type=int, default=None, metavar="N", help="send N requests (default 64 unless --duration)")
+    parser.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="stop sending after SECONDS; in-flight requests finish")
+    parser.add_argument("--prompts", type=Path, default=None, metavar="FILE",
+                        help="JSONL prompts: one of \"messages\", \"prompt\" or \"prompt_token_ids\" per line (default: the built-in set)")
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the report as JSON (- for stdout)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    sub = parser.add_subparsers(dest="comparison", metavar="COMPARISON", help="run a comparison instead of loading --target")
+    dispatch = _comparison(sub, "compare-dispatch", "async versus sync dispatch: step period, tokens/s, period / max stage time")
+    dispatch.add_argument("--sim-step-ms", type=float, nargs="+", default=[2.0, 5.0, 20.0], metavar="MS", help="simulated step times (default 2 5 20)")
+    dispatch.add_argument("--streams", type=int, default=32, dest="compare_streams", help="concurrent streams (default %(default)s)")
+    dispatch.add_argument("--no-model", action="store_true", help="only the simulated device")
+    split = _comparison(sub, "compare-split", "three services versus the same code in one process: TTFT, ITL, tokens/s")
+    split.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32], dest="compare_streams", help="stream counts (default 1 8 32)")
+    peers = _comparison(sub, "compare-peers", "versus transformers (static batch) and llama-cpp-python (one at a time)")
+    peers.add_argument("--streams", type=int, default=32, dest="compare_streams", help="concurrent streams (default %(default)s)")
+    sweep = _comparison(sub, "sweep", "tokens/s and p99 ITL against concurrency for stageserve and the peers, with a PNG plot")
+    sweep.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], dest="compare_streams", help="concurrency values (default 1..64)")
+    sweep.add_argument("--llama-max-requests", type=int, default=4, metavar="N",
+                       help="llama-cpp-python serves one request at a time, so its figures do not depend on concurrency: time at most N requests (default %(default)s)")
+    sweep.add_argument("--plot", type=Path, default=Path("docs/benchmarks-concurrency.png"), help="PNG path (default %(default)s)")
+
+
+def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output-len", type=int, default=128, metavar="TOKENS", help="max_tokens of each request (default %(default)s)")
+    parser.add_argument("--input-len", type=int, default=None, metavar="TOKENS", help="cut or repeat each prompt to TOKENS tokens (default: as written)")
+    parser.add_argument("--len-spread", type=float, default=0.0, metavar="F", help="draw lengths uniformly within +-F of the given ones (default 0: fixed)")
+    parser.add_argument("--no-ignore-eos", action="store_true", help="let requests end at EOS (lengths then vary)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    parser.add_argument("--seed", type=int, default=0, help="prompt order, length draws and arrival gaps (default %(default)s)")
+
+
+def _comparison(sub, name: str, help_text: str) -> argparse.ArgumentParser:
+    parser = sub.add_parser(name, help=help_text, description=help_text)
+    parser.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="real-model dtype (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side; figures are medians (default %(default)s)")
+    parser.add_argument("--output-len", type=int, default=128, dest="compare_output_len", metavar="TOKENS", help="output tokens per request (default %(default)s)")
+    parser.add_argument("--input-len", type=int, default=64, dest="compare_input_len", metavar="TOKENS", help="prompt tokens per request (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, dest="compare_seed")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for the raw JSON (default %(default)s)")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the load generator or the chosen comparison; 0 on success, 1 if requests failed, 2 on bad flags."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        if args.comparison:
+            print(_run_comparison(args))
+            return 0
+        return _run_load(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run_load(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from stageserve.bench.loadgen import GrpcTransport, Load, grpc_tokenizer, run_load
+    from stageserve.bench.metrics import build_report, format_table
+    from stageserve.bench.workload import Shape, Workload, load_prompts
+
+    shape = Shape(output_len=args.output_len, input_len=args.input_len, spread=args.len_spread,
+                  ignore_eos=not args.no_ignore_eos, temperature=args.temperature)
+    workload = Workload(load_prompts(args.prompts), shape, args.seed, grpc_tokenizer(args.target) if args.input_len else None)
+    streams = args.streams if args.streams is not None or args.rate is not None else 8
+    requests = args.requests if args.requests is not None or args.duration is not None else 64
+    load = Load(streams=streams, rate=args.rate, max_concurrency=args.max_concurrency, requests=requests, duration_s=args.duration, seed=args.seed)
+    records = asyncio.run(run_load(lambda: GrpcTransport(args.target), workload, load, not args.no_progress))
+    config = {"target": args.target, "streams": load.streams, "rate": load.rate, "max_concurrency": load.max_concurrency,
+              "requests": load.requests, "duration_s": load.duration_s, "prompts": str(args.prompts) if args.prompts else "built-in",
+              "output_len": shape.output_len, "input_len": shape.input_len, "spread": shape.spread,
+              "ignore_eos": shape.ignore_eos, "temperature": shape.temperature, "seed": args.seed}
+    report = build_report(records, config)
+    print(format_table(report))
+    if args.json is not None:
+        text = json.dumps(report, indent=1)
+        if str(args.json) == "-":
+            print(text)
+        else:
+            args.json.write_text(text + "\n")
+    return 0 if report["requests"]["failed"] == 0 else 1
+
+
+def _run_comparison(args: argparse.Namespace) -> str:
+    from stageserve.bench import compare
+    from stageserve.model_files import resolve_model_path
+
+    common = compare.Common(
+        model_path=resolve_model_path(args.model), dtype=args.dtype, repeats=args.repeats, output_len=args.compare_output_len,
+        input_len=args.compare_input_len, seed=args.compare_seed, out_dir=args.out,
+    )
+    if args.comparison == "compare-dispatch":
+        return compare.compare_dispatch(common, args.sim_step_ms, args.compare_streams, include_model=not args.no_model)
+    if args.comparison == "compare-split":
+        return compare.compare_split(common, args.compare_streams)
+    if args.comparison == "compare-peers":
+        return compare.compare_peers(common, args.compare_streams)
+    return compare.sweep(common, args.compare_streams, args.llama_max_requests, args.plot)
