@@ -315,10 +315,13 @@ def request_timings(events: Iterable[dict[str, Any]]) -> tuple[list[RequestTimin
         if event["ph"] == "b":
             begins[key] = ts
         elif event["ph"] == "e":
-            if key in begins:
-                durations[request_id][name] = (ts - begins.pop(key)) / 1000
-            else:
+            if key not in begins:
                 unmatched += 1
+                continue
+            begin_ts = begins.pop(key)
+            # A request that ended before its first token closes request.ttft with no_token: not a TTFT.
+            if not (event.get("args") or {}).get("no_token"):
+                durations[request_id][name] = (ts - begin_ts) / 1000
         elif name == "request.token":
             chunks[request_id].append((ts, int((event.get("args") or {}).get("tokens", 1))))
     unmatched += len(begins)

@@ -260,6 +260,21 @@ def test_request_latencies_from_async_spans_and_token_instants() -> None:
     assert any("1 request spans were cut" in w for w in report["warnings"])
 
 
+def test_request_that_ended_before_its_first_token_has_no_ttft() -> None:
+    """prepare closes request.ttft with no_token when a request ends without a token (aborted in
+    the queue, failed): that is not a time to first token and must not enter the TTFT figures."""
+    events = pipelined_trace(warmup_steps=0, steady_steps=2) + [
+        async_event("b", "request.total", 0.0, "r1"),
+        async_event("b", "request.ttft", 0.0, "r1"),
+        async_event("e", "request.ttft", 5.0, "r1", no_token=True),
+        async_event("e", "request.total", 5.0, "r1"),
+    ]
+    requests = analyze(events, warmup=0)["requests"]
+    r1 = next(r for r in requests["per_request"] if r["request_id"] == "r1")
+    assert r1["ttft_ms"] is None and r1["total_ms"] == pytest.approx(5.0)
+    assert requests["ttft_ms"] is None  # no request had a first token: no TTFT figure at all
+
+
 def test_speculative_acceptance_over_steady_steps() -> None:
     events = pipelined_trace(warmup_steps=1, steady_steps=3)
     accepted = {100: 0, 101: 2, 102: 3, 103: 1}  # step 100 is warm-up
