@@ -7,7 +7,7 @@ from typing import Any
 
 
 def plot_sweep(series: dict[str, dict[int, dict[str, Any]]], path: Path, title: str) -> Path:
-    """Write a PNG of two panels (tokens/s; p99 ITL in ms) against concurrency (log2 axis) to ``path``.
+    """Write a PNG of two panels (tokens/s; p99 ITL in ms, log scale) against concurrency (log2 axis) to ``path``.
 
     ``series`` maps a system's name to ``{concurrency: report}`` (reports of `build_report`).
     Raises ImportError when matplotlib is missing (it is in the ``test`` and ``bench`` extras).
@@ -24,7 +24,8 @@ def plot_sweep(series: dict[str, dict[int, dict[str, Any]]], path: Path, title: 
             continue
         throughput.plot(counts, [points[c]["output_tokens_per_s"] for c in counts], marker="o", label=name)
         latency.plot(counts, [points[c]["itl_ms"]["p99"] for c in counts], marker="o", label=name)
-    for axis, label in ((throughput, "output tokens/s"), (latency, "p99 inter-token latency (ms)")):
+    latency.set_yscale("log")  # stalls of seconds and steps of milliseconds on one panel
+    for axis, label in ((throughput, "output tokens/s"), (latency, "p99 inter-token latency (ms, log scale)")):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("concurrent streams")
         axis.set_ylabel(label)
