@@ -24,9 +24,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=None, help="default 1.0; 0 = greedy")
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=_seed, default=None, help="0 to 2**64-1; same seed + prompt = same text")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+
+
+def _seed(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"--seed must be in [0, 2**64), got {text}")
+    return value
 
 
 def build_request(args: argparse.Namespace) -> prepare_pb2.GenerateRequest:
@@ -81,7 +88,7 @@ def stream_chat(target: str, message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.prompt and not args.chat:
-        print("error: give a prompt or --chat TEXT", file=sys.stderr)
+    if bool(args.prompt) == bool(args.chat):
+        print("error: give either a prompt or --chat TEXT (one of them)", file=sys.stderr)
         return 2
     return stream(args.target, build_request(args), args.timeout)

@@ -79,6 +79,10 @@ class ServiceProcess:
         return f"127.0.0.1:{self.port}"
 
     @property
+    def _log_hint(self) -> str:
+        return f"log: {self.log_path}" if self.log_path else "its log is above"
+
+    @property
     def metrics_port(self) -> int | None:
         """The bound Prometheus port once the service listens; None when it serves no metrics."""
         path = metrics_port_file(self.port_file)
@@ -97,7 +101,7 @@ class ServiceProcess:
                 return self.port
             self._raise_if_exited()
             time.sleep(0.05)
-        raise RuntimeError(f"{self.role} did not report its port within {timeout_s:.0f} s (log: {self.log_path})")
+        raise RuntimeError(f"{self.role} did not report its port within {timeout_s:.0f} s ({self._log_hint})")
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         """Wait until the service's readiness (its full service name) is SERVING.
@@ -120,7 +124,7 @@ class ServiceProcess:
                 except grpc.RpcError:
                     pass
                 time.sleep(0.1)
-        raise RuntimeError(f"{self.role} was not ready within {timeout_s:.0f} s (log: {self.log_path})")
+        raise RuntimeError(f"{self.role} was not ready within {timeout_s:.0f} s ({self._log_hint})")
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGTERM, wait up to ``timeout_s``, then SIGKILL. Returns the exit code (None if never started)."""
@@ -138,7 +142,7 @@ class ServiceProcess:
     def _raise_if_exited(self) -> None:
         assert self.process is not None
         if self.process.poll() is not None:
-            raise RuntimeError(f"{self.role} exited with code {self.process.returncode} (log: {self.log_path})")
+            raise RuntimeError(f"{self.role} exited with code {self.process.returncode} ({self._log_hint})")
 
 
 @dataclass
@@ -215,8 +219,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="all three services record a Chrome trace from start-up into DIR, written at shutdown "
                              "(then: stageserve trace merge DIR)")
     parser.add_argument("--log-format", choices=["text", "json"], default="text", help="the services' log lines (default %(default)s)")
+    parser.add_argument("--metrics-port-base", default="9101", metavar="PORT|0|off",
+                        help="Prometheus ports: prepare PORT, device PORT+1, reclaim PORT+2 (default %(default)s); "
+                             "0 = ephemeral ports (printed once ready); off = no metrics")
     parser.add_argument("--chat", default="", help="once ready, stream the answer to this chat message")
     parser.add_argument("--once", action="store_true", help="with --chat: stop the services after the answer")
+
+
+def _metrics_ports(base: str) -> tuple[str, str, str]:
+    """``--metrics-port`` values for (prepare, device, reclaim) from ``--metrics-port-base``."""
+    if base in ("0", "off"):
+        return base, base, base
+    if not base.isdigit():
+        raise SystemExit(f"error: --metrics-port-base must be a port, 0 or off; got {base!r}")
+    return str(int(base)), str(int(base) + 1), str(int(base) + 2)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -225,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
 
     common_args = ["--log-format", args.log_format, *(["--model", args.model] if args.model else []),
                    *(["--trace-dir", str(args.trace_dir)] if args.trace_dir else [])]
-    device_args = [*common_args, "--dtype", args.dtype, "--backend", args.backend, "--dispatch", args.dispatch,
+    prepare_metrics, device_metrics, reclaim_metrics = _metrics_ports(args.metrics_port_base)
+    device_args = [*common_args, "--metrics-port", device_metrics, "--dtype", args.dtype, "--backend", args.backend, "--dispatch", args.dispatch,
                    "--pipeline-depth", str(args.pipeline_depth)]
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -234,7 +251,8 @@ def run(args: argparse.Namespace) -> int:
         print("starting device, reclaim and prepare (loading the model and warming up)...", file=sys.stderr, flush=True)
         try:
             pipeline = start_pipeline(
-                Path(tmp), device_args=device_args, reclaim_args=common_args, prepare_args=common_args,
+                Path(tmp), device_args=device_args, reclaim_args=[*common_args, "--metrics-port", reclaim_metrics],
+                prepare_args=[*common_args, "--metrics-port", prepare_metrics],
                 ports=(args.port, args.device_port, args.reclaim_port),
             )
         except RuntimeError as exc:

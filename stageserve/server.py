@@ -138,7 +138,11 @@ class ServiceServer:
         """
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self._stop_requested.set())
-        self._stop_requested.wait()
+        # Wait with a timeout: a signal lands on whichever thread the kernel picks (often a gRPC
+        # worker), and Python runs its handler only when the main thread next runs bytecode; an
+        # untimed wait would never return to run it.
+        while not self._stop_requested.wait(0.2):
+            pass
         log.info("%s: stop requested, draining", self.service_name)
         self.set_ready(False)
         drain()

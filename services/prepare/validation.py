@@ -19,6 +19,7 @@ tokens again; ``prompt_token_ids`` are taken as given after a range check.
 
 from __future__ import annotations
 
+import functools
 import math
 import secrets
 from dataclasses import dataclass
@@ -143,13 +144,14 @@ def validate_generate_request(
     Raises:
         RequestError: ``INVALID_ARGUMENT`` naming the first bad field and its allowed range.
     """
+    _check_text_can_fit(request, tokenizer, limits.max_model_len)
     ids = tokenize_prompt(tokenizer, request.prompt, request.messages, request.prompt_token_ids)
     _check_token_ids("prompt_token_ids", ids, limits.vocab_size)
     max_tokens = _max_tokens(request, len(ids), limits.max_model_len)
     sampling = common_pb2.SamplingParams(
         temperature=_temperature(request),
         top_p=_in_range("top_p", request.top_p if request.HasField("top_p") else 1.0, low=0.0, low_open=True),
-        top_k=request.top_k,
+        top_k=_top_k(request.top_k, limits.vocab_size),
         min_p=_in_range("min_p", request.min_p, low=0.0, low_open=False),
         repetition_penalty=_repetition_penalty(request),
         seed=request.seed if request.HasField("seed") else secrets.randbits(63),
@@ -170,6 +172,31 @@ def validate_generate_request(
         prompt_tokens=len(ids),
     )
     return GenerationRequest(request_id=request_id, prompt_token_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stop)
+
+
+def _top_k(top_k: int, vocab_size: int) -> int:
+    if top_k > vocab_size:
+        raise invalid_argument(f"top_k: {top_k} is more than the vocabulary ({vocab_size} tokens); use 0 (off) to {vocab_size}")
+    return top_k
+
+
+@functools.lru_cache(maxsize=4)
+def _max_token_chars(tokenizer) -> int:
+    """Characters the longest vocabulary entry spells: no token covers more of a prompt's text."""
+    return max(len(token) for token in tokenizer.get_vocab())
+
+
+def _check_text_can_fit(request: prepare_pb2.GenerateRequest, tokenizer, max_model_len: int) -> None:
+    """Refuse text that cannot fit the context before tokenizing it: tokenizing megabytes costs
+    seconds of CPU and memory that a request refused anyway should not take."""
+    chars = len(request.prompt) + sum(len(m.content) for m in request.messages)
+    limit = max_model_len * _max_token_chars(tokenizer)
+    if chars > limit:
+        field = "prompt" if request.prompt else "messages"
+        raise invalid_argument(
+            f"{field}: {chars} characters cannot fit in the model's context of {max_model_len} tokens"
+            f" (at most {limit} characters); shorten it"
+        )
 
 
 def _check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:

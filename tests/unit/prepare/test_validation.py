@@ -116,6 +116,7 @@ def test_tokenize_prompt_matches_validation(tokenizer):
         (dict(prompt="hi", stop=[f"s{i}" for i in range(17)]), "stop: 17 strings is more than the maximum of 16"),
         (dict(prompt="hi", stop=["ok", ""]), "stop[1]: empty"),
         (dict(prompt="hi", stop_token_ids=[60000]), "stop_token_ids[0]"),
+        (dict(prompt="hi", top_k=49153), "top_k: 49153 is more than the vocabulary (49152 tokens)"),
     ],
 )
 def test_bad_field_is_invalid_argument_naming_it(tokenizer, fields, expected):
@@ -130,6 +131,17 @@ def test_prompt_plus_max_tokens_over_the_context_names_both_numbers(tokenizer):
 def test_prompt_that_fills_the_context_is_refused(tokenizer):
     message = refused(tokenizer, ModelLimits(49152, 20), prompt_token_ids=list(range(20)))
     assert "20 tokens" in message and "at most 19" in message
+
+
+def test_text_that_cannot_fit_is_refused_before_tokenizing(tokenizer, monkeypatch):
+    """Megabytes of prompt are refused from their length alone: the tokenizer is never called."""
+    limits = ModelLimits(49152, 64)
+    validate(tokenizer, limits, prompt="x")  # fills the longest-token cache, which reads the vocabulary
+    monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized a prompt that cannot fit"))
+    message = refused(tokenizer, limits, prompt="word " * 200_000)
+    assert "prompt: 1000000 characters cannot fit in the model's context of 64 tokens" in message
+    message = refused(tokenizer, limits, messages=[user("word " * 200_000)])
+    assert message.startswith("messages: 1000000 characters")
 
 
 def test_request_id_checks():
