@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+import time
 import uuid
 from pathlib import Path
 
@@ -124,8 +125,14 @@ def run(args: argparse.Namespace) -> int:
              facts.model_name, facts.backend, facts.dtype, facts.dispatch, facts.pipeline_depth, facts.kv_num_blocks, facts.kv_block_size, facts.instance_id)
 
     def drain() -> None:
-        if not core.executor.flush(args.drain_timeout) or not core.outbox.wait_empty(args.drain_timeout):
-            log.warning("drain timeout: steps or outputs still in flight")
+        # One deadline for all three waits: prepare lets go of this device once its requests ended
+        # (it stops placing new ones here as soon as readiness turns NOT_SERVING), then the last
+        # steps complete and reclaim takes their outputs.
+        deadline = time.monotonic() + args.drain_timeout
+        if not (servicer.wait_execute_closed(args.drain_timeout)
+                and core.executor.flush(max(0.0, deadline - time.monotonic()))
+                and core.outbox.wait_empty(max(0.0, deadline - time.monotonic()))):
+            log.warning("drain timeout (%g s): requests, steps or outputs still in flight", args.drain_timeout)
 
     server.run_until_stopped(drain)
     core.executor.close()

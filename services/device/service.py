@@ -151,7 +151,7 @@ class DeviceServicer(device_pb2_grpc.DeviceServicer):
 
     def __init__(self) -> None:
         self._core: DeviceCore | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._open_streams: set[str] = set()  # "Execute" and/or "Complete"
         # Serialises table commits + submits with a new stream's reset: a cancelled stream's handler
         # may still be running when the next prepare opens its stream.
@@ -253,6 +253,16 @@ class DeviceServicer(device_pb2_grpc.DeviceServicer):
     def _close_stream(self, name: str) -> None:
         with self._lock:
             self._open_streams.discard(name)
+            self._lock.notify_all()
+
+    def wait_execute_closed(self, timeout_s: float) -> bool:
+        """Wait until no Execute stream is open (prepare let this draining device go); False on timeout.
+
+        prepare keeps the stream while requests it placed here still run, and closes it once the
+        last one has ended, so waiting for it lets those requests finish during a drain.
+        """
+        with self._lock:
+            return self._lock.wait_for(lambda: "Execute" not in self._open_streams, timeout_s)
 
 
 class _ReclaimAttachment:

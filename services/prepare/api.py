@@ -1,9 +1,9 @@
 """The public ``stageserve.v1.Generation`` servicer.
 
-Each RPC handler validates, hands the request to the :class:`~stageserve.prepare.engine.Engine`
-and turns the request's events into responses. The request id comes from the request field,
-else the ``x-request-id`` metadata, else is generated; it is echoed in every response and in the
-``x-request-id`` response header. When the RPC ends on the client's side (cancel, disconnect,
+Each RPC handler validates, hands the request to the :class:`~stageserve.prepare.router.DeviceRouter`
+(which places it on one device's engine) and turns the request's events into responses. The
+request id comes from the request field, else the ``x-request-id`` metadata, else is generated;
+it is echoed in every response and in the ``x-request-id`` response header. When the RPC ends on the client's side (cancel, disconnect,
 deadline) ``context.add_callback`` aborts the request in the scheduler, which frees its KV blocks.
 A request ends with exactly one terminal message: its last chunk (finish reason, usage) or a gRPC
 status raised through ``context.abort``. The handler feeds each event to the request's
@@ -20,8 +20,9 @@ from typing import Iterator
 import grpc
 
 from stageserve.logs import REQUEST_ID
-from stageserve.prepare.engine import Engine, RequestHandle
+from stageserve.prepare.engine import RequestHandle
 from stageserve.prepare.errors import RequestError
+from stageserve.prepare.router import DeviceFigures, DeviceRouter
 from stageserve.prepare.validation import tokenize_prompt, validate_generate_request, validate_request_id
 from stageserve.v1 import prepare_pb2, prepare_pb2_grpc, reclaim_pb2
 
@@ -44,11 +45,21 @@ def stream_chunk(request_id: str, event: reclaim_pb2.SequenceEvent) -> prepare_p
     return chunk
 
 
-class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
-    """Serves the public API on top of ``engine``; ``tokenizer`` is the served model's tokenizer."""
+def device_status(device: DeviceFigures) -> prepare_pb2.DeviceStatus:
+    """One device's ``DeviceStatus`` (load figures 0 while detached)."""
+    status = prepare_pb2.DeviceStatus(address=device.address, instance_id=device.instance_id, attached=device.attached,
+                                      accepting=device.accepting)
+    if device.load is not None:
+        status.kv_blocks_total, status.kv_blocks_free = device.load.kv_blocks_total, device.load.kv_blocks_free
+        status.running_requests, status.waiting_requests = device.load.running, device.load.waiting
+    return status
 
-    def __init__(self, engine: Engine, tokenizer) -> None:
-        self._engine = engine
+
+class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
+    """Serves the public API on top of ``router``; ``tokenizer`` is the served model's tokenizer."""
+
+    def __init__(self, router: DeviceRouter, tokenizer) -> None:
+        self._router = router
         self._tokenizer = tokenizer
 
     def GenerateStream(self, request: prepare_pb2.GenerateRequest, context: grpc.ServicerContext) -> Iterator[prepare_pb2.GenerateStreamResponse]:
@@ -76,7 +87,7 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         return response
 
     def Abort(self, request: prepare_pb2.AbortRequest, context: grpc.ServicerContext) -> prepare_pb2.AbortResponse:
-        return prepare_pb2.AbortResponse(aborted=self._engine.abort(request.request_id))
+        return prepare_pb2.AbortResponse(aborted=self._router.abort(request.request_id))
 
     def Tokenize(self, request: prepare_pb2.TokenizeRequest, context: grpc.ServicerContext) -> prepare_pb2.TokenizeResponse:
         try:
@@ -87,7 +98,7 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
 
     def GetModelInfo(self, request: prepare_pb2.GetModelInfoRequest, context: grpc.ServicerContext) -> prepare_pb2.ModelInfo:
         try:
-            load = self._engine.load()
+            load, devices = self._router.load()
         except RequestError as error:
             context.abort(error.code, error.message)
         attach = load.attach
@@ -106,6 +117,7 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
             running_requests=load.running,
             waiting_requests=load.waiting,
             max_num_seqs=attach.max_num_seqs,
+            devices=[device_status(device) for device in devices],
         )
 
     def _accept(self, request: prepare_pb2.GenerateRequest, context: grpc.ServicerContext) -> RequestHandle:
@@ -114,17 +126,17 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         request_id = request.request_id or header_id or uuid.uuid4().hex
         try:
             context.send_initial_metadata(((REQUEST_ID_HEADER, validate_request_id(request_id)),))
-            limits = self._engine.model_limits()
-            handle = self._engine.submit(validate_generate_request(request, request_id, self._tokenizer, limits))
+            limits = self._router.model_limits()
+            handle = self._router.submit(validate_generate_request(request, request_id, self._tokenizer, limits))
         except RequestError as error:
-            self._engine.metrics.request_refused(error.code.name)
+            self._router.metrics.request_refused(error.code.name)
             shown_id = request_id[:256] if request_id.isprintable() else ascii(request_id[:256])  # the client's text, maybe invalid
             log.debug("refused with %s: %s", error.code.name, error.message, extra={REQUEST_ID: shown_id})
             context.abort(error.code, error.message)
         log.debug("accepted: %d prompt tokens, max_tokens %d", handle.request.num_prompt_tokens, handle.request.max_tokens,
                   extra={REQUEST_ID: request_id})
-        if not context.add_callback(lambda: self._engine.cancel(handle)):
-            self._engine.cancel(handle)  # the RPC already ended
+        if not context.add_callback(lambda: self._router.cancel(handle)):
+            self._router.cancel(handle)  # the RPC already ended
         return handle
 
     @staticmethod

@@ -1,12 +1,14 @@
-"""The step loop: ties the scheduler to the device (plans out, receipts in) and to reclaim
-(published ``StepEvents`` in), and routes each request's events to the RPC that waits for it.
+"""The step loop of one device: ties its scheduler to the device (plans out, receipts in) and to
+reclaim (published ``StepEvents`` in), and routes each request's events to the RPC that waits for it.
 
-Threads and who calls what (everything shares one lock and condition):
+prepare runs one engine per device endpoint (a *lane*, ``lanes.py``); the router (``router.py``)
+places each request on one of them. Threads and who calls what (everything shares one lock and condition):
 
 - the step loop thread (:meth:`Engine._run`): waits for a credit and work, schedules, sends;
 - the links' reader threads: :meth:`Engine.on_receipt`, :meth:`Engine.on_step_events`;
-- the connector (``links.py``): :meth:`Engine.open_session` / :meth:`Engine.close_session`;
-- RPC handler threads: :meth:`Engine.submit`, :meth:`Engine.abort`, :meth:`Engine.cancel`, figures.
+- the lane (``lanes.py``): :meth:`Engine.open_session` / :meth:`Engine.close_session`;
+- RPC handler threads (through the router): :meth:`Engine.submit`, :meth:`Engine.abort`,
+  :meth:`Engine.cancel`, figures.
 
 A *session* is one attached device plus one reclaim subscription; it owns a fresh
 :class:`~stageserve.prepare.scheduler.Scheduler` and ``pipeline_depth`` credits (a plan takes one;
@@ -37,6 +39,7 @@ from prometheus_client import CollectorRegistry
 
 from stageserve.prepare.errors import RequestError, unavailable
 from stageserve.prepare.metrics import PrepareMetrics, RequestObserver
+from stageserve.prepare.placement import LaneLoad
 from stageserve.prepare.scheduler import PLACEHOLDER_TOKEN, AbortOutcome, ScheduledStep, Scheduler, SchedulerConfig
 from stageserve.prepare.validation import GenerationRequest, ModelLimits
 from stageserve.tracing import Tracer, clock_ns
@@ -92,13 +95,21 @@ class RequestHandle:
 
 @dataclass(frozen=True)
 class EngineLoad:
-    """Current figures for ``GetModelInfo`` (blocks: KV blocks; free = holding no sequence's KV)."""
+    """Current figures for ``GetModelInfo`` and placement (blocks: KV blocks; free = holding no
+    sequence's KV; available = free and not reserved by a running sequence)."""
 
     attach: device_pb2.AttachReply
     running: int
     waiting: int
     kv_blocks_free: int
     kv_blocks_total: int
+    kv_blocks_available: int = 0
+    waiting_kv_blocks: int = 0
+
+    @property
+    def lane_load(self) -> LaneLoad:
+        """What placement weighs."""
+        return LaneLoad(self.kv_blocks_available, self.waiting_kv_blocks, self.waiting, self.running)
 
 
 @dataclass(eq=False)
@@ -270,6 +281,17 @@ class Engine:
                 self._end(handle, error)
             log.warning("session %d closed (%s)", number, reason)
 
+    def close_session_if_idle(self, number: int, reason: str) -> bool:
+        """End session ``number`` if no request is active (a draining device is let go); whether it ended.
+
+        Atomic with :meth:`submit`, so a request accepted meanwhile keeps the session open.
+        """
+        with self._cond:
+            if self._active:
+                return False
+            self.close_session(number, reason)
+            return True
+
     def oldest_unpublished_step(self, number: int) -> tuple[int, float] | None:
         """``(step_id, seconds since sent)`` of session ``number``'s oldest unpublished step, if any."""
         with self._cond:
@@ -349,6 +371,19 @@ class Engine:
             self._cond.notify_all()
             return handle
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is active here."""
+        return request_id in self._active
+
+    def owns(self, handle: RequestHandle) -> bool:
+        """Whether ``handle`` is an active request of this engine."""
+        return self._active.get(handle.request.request_id) is handle
+
+    @property
+    def num_active(self) -> int:
+        """Accepted requests without their terminal message yet."""
+        return len(self._active)
+
     def abort(self, request_id: str) -> bool:
         """Abort the active request ``request_id`` (the Abort RPC); ``False`` if none is active."""
         with self._cond:
@@ -421,8 +456,10 @@ class Engine:
             session = self._session
             if session is None:
                 return None
-            blocks = session.scheduler.block_manager
-            return EngineLoad(session.attach, session.scheduler.num_running, session.scheduler.num_waiting, blocks.num_free, blocks.num_blocks)
+            scheduler = session.scheduler
+            blocks = scheduler.block_manager
+            return EngineLoad(session.attach, scheduler.num_running, scheduler.num_waiting, blocks.num_free, blocks.num_blocks,
+                              blocks.num_available, scheduler.num_waiting_kv_blocks)
 
     def drain(self, timeout_s: float) -> None:
         """Refuse new requests (``UNAVAILABLE``) and wait up to ``timeout_s`` for the active ones;

@@ -1,36 +1,28 @@
-"""prepare's connections to its two peers, and the connector that keeps a session up.
+"""prepare's streams to its peers (gRPC plumbing only; ``lanes.py`` and ``connector.py`` drive them).
 
 - :class:`DeviceLink`: ``Device.Attach``, then the bidi ``Device.Execute`` stream (plans out,
   receipts in, read by a thread).
+- :class:`DeviceReadiness`: the device's readiness through ``grpc.health.v1`` (checked before
+  attaching, then watched), so a draining device stops getting new requests.
 - :class:`ReclaimLink`: the ``Reclaim.Subscribe`` stream (``StepEvents`` in, read by a thread).
-- :class:`PipelineConnector`: dials both with exponential backoff until they answer, opens an
-  engine session, reports readiness SERVING only while both are up, and on the loss of either (a
-  broken stream, or no publication of a sent step within ``--step-timeout``) ends the session (its
-  requests fail with ``UNAVAILABLE``), closes both streams and dials again. A device that comes
-  back with a new ``instance_id`` gets a fresh sequence table.
 """
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 from typing import Callable
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stageserve.prepare.engine import Engine
-from stageserve.server import GRPC_OPTIONS
 from stageserve.v1 import device_pb2, device_pb2_grpc, reclaim_pb2, reclaim_pb2_grpc
-
-log = logging.getLogger(__name__)
 
 PEER_NAME = "prepare"
 ATTACH_TIMEOUT_S = 10.0
 SUBSCRIBE_CONFIRM_S = 2.0  # how long to wait for reclaim's response headers before trusting the stream anyway
-BACKOFF_INITIAL_S = 0.1
-BACKOFF_MAX_S = 5.0
-WATCH_PERIOD_S = 0.5
+HEALTH_CHECK_TIMEOUT_S = 5.0
+DEVICE_SERVICE_NAME = device_pb2.DESCRIPTOR.services_by_name["Device"].full_name  # its readiness entry
 
 
 class DeviceLink:
@@ -87,6 +79,50 @@ class DeviceLink:
             self._on_lost(reason)
 
 
+class DeviceReadiness:
+    """The device's readiness (health status of ``stageserve.v1.Device``).
+
+    Args:
+        channel: a channel to the device.
+        on_change: called with ``True``/``False`` on each status the watch receives (on its reader
+            thread), and with ``False`` when the watch ends (not after :meth:`close`).
+    """
+
+    def __init__(self, channel: grpc.Channel, on_change: Callable[[bool], None]) -> None:
+        self._stub = health_pb2_grpc.HealthStub(channel)
+        self._on_change = on_change
+        self._call = None
+        self._closed = threading.Event()
+
+    def check(self) -> bool:
+        """Whether the device is ready now (SERVING: warmed up and not draining).
+
+        Raises:
+            grpc.RpcError: the device did not answer.
+        """
+        request = health_pb2.HealthCheckRequest(service=DEVICE_SERVICE_NAME)
+        return self._stub.Check(request, timeout=HEALTH_CHECK_TIMEOUT_S).status == health_pb2.HealthCheckResponse.SERVING
+
+    def watch(self) -> None:
+        """Start watching: every status change goes to ``on_change``."""
+        self._call = self._stub.Watch(health_pb2.HealthCheckRequest(service=DEVICE_SERVICE_NAME))
+        threading.Thread(target=self._read, name="prepare-device-readiness", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._call is not None:
+            self._call.cancel()
+
+    def _read(self) -> None:
+        try:
+            for reply in self._call:
+                self._on_change(reply.status == health_pb2.HealthCheckResponse.SERVING)
+        except grpc.RpcError:
+            pass  # the device went away; its Execute stream reports that
+        if not self._closed.is_set():
+            self._on_change(False)
+
+
 class ReclaimLink:
     """One ``Subscribe`` stream from reclaim.
 
@@ -141,99 +177,3 @@ class ReclaimLink:
         self._settled.set()
         if not self._closed.is_set():
             self._on_lost(reason)
-
-
-class PipelineConnector:
-    """Keeps one engine session up over a device and a reclaim connection (see the module docstring).
-
-    Args:
-        device_target, reclaim_target: ``HOST:PORT`` of the peers.
-        engine: the step loop that gets the session.
-        on_ready: called with ``True`` when a session opens and ``False`` when it closes.
-        step_timeout_s: a sent step not published within this time counts as a lost reclaim.
-    """
-
-    def __init__(self, device_target: str, reclaim_target: str, engine: Engine, on_ready: Callable[[bool], None], step_timeout_s: float) -> None:
-        self._device_channel = grpc.insecure_channel(device_target, options=GRPC_OPTIONS)
-        self._reclaim_channel = grpc.insecure_channel(reclaim_target, options=GRPC_OPTIONS)
-        self._targets = f"device {device_target}, reclaim {reclaim_target}"
-        self._engine, self._on_ready, self._step_timeout_s = engine, on_ready, step_timeout_s
-        self._stop = threading.Event()
-        self._lost = threading.Event()
-        self._lost_reason = ""
-        self._session = 0  # number of the current engine session; 0 = none
-        self._sessions_opened = 0
-        self._links: list[DeviceLink | ReclaimLink] = []
-        self._thread = threading.Thread(target=self._run, name="prepare-connector", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop reconnecting, end the session and close both connections."""
-        self._stop.set()
-        self._lost.set()
-        self._thread.join(timeout=10)
-        self._device_channel.close()
-        self._reclaim_channel.close()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            # 1. dial both peers (with backoff) and open an engine session
-            if not self._connect():
-                return
-            self._on_ready(True)
-            # 2. watch until a link is lost, a step is overdue, or we are stopped
-            reason = self._watch()
-            # 3. end the session: not ready, fail its requests, close the streams
-            self._on_ready(False)
-            self._engine.close_session(self._session, reason)
-            self._session = 0
-            self._close_links()
-
-    def _connect(self) -> bool:
-        delay = BACKOFF_INITIAL_S
-        while not self._stop.is_set():
-            self._lost.clear()
-            device = DeviceLink(self._device_channel, self._receipt, self._link_lost)
-            reclaim = ReclaimLink(self._reclaim_channel, self._step_events, self._link_lost)
-            self._links = [device, reclaim]
-            try:
-                attach = device.attach()
-                reclaim.open()
-                device.open()
-                self._session = self._sessions_opened = self._sessions_opened + 1  # set before any receipt can arrive
-                self._engine.open_session(self._session, attach, device.send)
-                log.info("attached to device %s (instance %s, %s, %d KV blocks) and subscribed to reclaim",
-                         attach.model_name, attach.instance_id, attach.backend, attach.kv_num_blocks)
-                return True
-            except (grpc.RpcError, ValueError) as exc:
-                detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
-                log.warning("cannot reach the pipeline (%s): %s; retrying in %.1f s", self._targets, detail, delay)
-                self._close_links()
-                self._stop.wait(delay)
-                delay = min(delay * 2, BACKOFF_MAX_S)
-        return False
-
-    def _watch(self) -> str:
-        while not self._lost.wait(WATCH_PERIOD_S):
-            overdue = self._engine.oldest_unpublished_step(self._session)
-            if overdue is not None and overdue[1] > self._step_timeout_s:
-                return f"reclaim published no events for step {overdue[0]} within {self._step_timeout_s:g} s"
-        return "prepare is shutting down" if self._stop.is_set() else self._lost_reason
-
-    def _link_lost(self, reason: str) -> None:
-        if not self._lost.is_set():
-            self._lost_reason = reason
-            self._lost.set()
-
-    def _receipt(self, receipt: device_pb2.StepReceipt) -> None:
-        self._engine.on_receipt(self._session, receipt)
-
-    def _step_events(self, step_events: reclaim_pb2.StepEvents) -> None:
-        self._engine.on_step_events(self._session, step_events)
-
-    def _close_links(self) -> None:
-        for link in self._links:
-            link.close()
-        self._links = []

@@ -1,9 +1,11 @@
 """``stageserve prepare``: the public Generation API, validation and the continuous-batching scheduler.
 
-Dials the device (``--device``) and reclaim (``--reclaim``) and keeps reconnecting with backoff;
-readiness is SERVING only while both are connected. SIGTERM: readiness NOT_SERVING, new requests
-refused with ``UNAVAILABLE`` ("server is draining"), in-flight requests complete for up to
-``--drain-timeout`` seconds, exit 0.
+Dials reclaim (``--reclaim``) and every device service (``--device``: a list, or a ``dns:///``
+name re-resolved every ``--device-refresh-s``), keeps reconnecting with backoff, and places each
+request on one device (``router.py``). Readiness is SERVING while reclaim is subscribed and at least
+one device takes requests. SIGTERM: readiness NOT_SERVING, new requests refused with
+``UNAVAILABLE`` ("server is draining"), in-flight requests complete for up to ``--drain-timeout``
+seconds, exit 0.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from stageserve.device_endpoints import add_device_arguments
 from stageserve.server import add_service_arguments
 
 log = logging.getLogger("stageserve.prepare")
@@ -23,16 +26,16 @@ DEFAULT_METRICS_PORT = 9101
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The prepare service's command-line flags."""
     add_service_arguments(parser, DEFAULT_PORT, DEFAULT_METRICS_PORT)
-    parser.add_argument("--device", default="127.0.0.1:50052", metavar="HOST:PORT", help="the device service (default: %(default)s)")
+    add_device_arguments(parser, "127.0.0.1:50052")
     parser.add_argument("--reclaim", default="127.0.0.1:50053", metavar="HOST:PORT", help="the reclaim service (default: %(default)s)")
     parser.add_argument("--model", default="", metavar="PATH",
                         help="tokenizer source: a .gguf file or a Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--max-waiting", type=_positive_int, default=256,
-                        help="requests waiting for admission at most; more are refused with RESOURCE_EXHAUSTED (default: %(default)s)")
+                        help="requests waiting for admission per device at most; more are refused with RESOURCE_EXHAUSTED (default: %(default)s)")
     parser.add_argument("--max-prefill-chunk", type=_positive_int, default=512, metavar="TOKENS",
                         help="prompt tokens of one sequence per step at most (chunked prefill; default: %(default)s)")
     parser.add_argument("--step-timeout", type=float, default=60.0, metavar="SECONDS",
-                        help="a step not published by reclaim within this time ends the session (default: %(default)s)")
+                        help="a step not published by reclaim within this time ends that device's session (default: %(default)s)")
     parser.add_argument("--max-workers", type=_positive_int, default=320,
                         help="RPC handler threads; each open stream holds one (default: %(default)s)")
 
@@ -44,9 +47,10 @@ def run(args: argparse.Namespace) -> int:
     from stageserve.metrics_http import start_metrics_server
     from stageserve.model_files import resolve_model_path
     from stageserve.prepare.api import GenerationServicer
+    from stageserve.prepare.connector import PipelineConnector
     from stageserve.prepare.engine import Engine
-    from stageserve.prepare.links import PipelineConnector
     from stageserve.prepare.metrics import PrepareMetrics
+    from stageserve.prepare.router import DeviceRouter
     from stageserve.server import ServiceServer, configure_logging
     from stageserve.tokenizer import load_tokenizer
     from stageserve.tracing import Tracer
@@ -55,32 +59,35 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format, "prepare")
     tracer = Tracer("prepare")
     metrics = PrepareMetrics(CollectorRegistry())
-    engine = Engine(max_prefill_chunk=args.max_prefill_chunk, max_waiting=args.max_waiting, tracer=tracer, metrics=metrics)
-    metrics.watch_engine(engine.current_load)
+    # Profiling reaches each --device entry (a dns:/// entry: the one pod its channel picks).
+    profile_peers = {**{"device" if i == 0 else f"device {i + 1}": entry for i, entry in enumerate(args.device.entries)},
+                     "reclaim": args.reclaim}
     try:
         tokenizer = load_tokenizer(resolve_model_path(args.model))
         server = ServiceServer(SERVICE_NAME, args.host, args.port, max_workers=args.max_workers, port_file=args.port_file,
-                               tracer=tracer, profile_peers={"device": args.device, "reclaim": args.reclaim})
+                               tracer=tracer, profile_peers=profile_peers)
         start_metrics_server(metrics.registry, args.host, args.metrics_port, args.port_file)
         if args.trace_dir:
             tracer.start(args.trace_dir)
     except (OSError, ValueError, RuntimeError) as exc:  # FileNotFoundError is an OSError
         log.error("%s", exc)
         return 2
-    engine.start()
-    server.add_servicer(prepare_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(engine, tokenizer))
-    server.start([SERVICE_NAME])
     connector = PipelineConnector(
-        args.device, args.reclaim, engine,
-        on_ready=lambda up: server.set_ready(up and not engine.draining),
+        args.device, args.reclaim,
+        new_engine=lambda: Engine(max_prefill_chunk=args.max_prefill_chunk, max_waiting=args.max_waiting, tracer=tracer, metrics=metrics),
+        on_ready=lambda up: server.set_ready(up and not router.draining),
         step_timeout_s=args.step_timeout,
+        refresh_s=args.device_refresh_s,
     )
+    router = DeviceRouter(connector.lanes, metrics)
+    metrics.watch_engine(router.current_load)
+    server.add_servicer(prepare_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(router, tokenizer))
+    server.start([SERVICE_NAME])
     connector.start()
 
     def drain() -> None:
-        engine.drain(args.drain_timeout)
+        router.drain(args.drain_timeout)
         connector.stop()
-        engine.stop()
 
     server.run_until_stopped(drain)
     return 0

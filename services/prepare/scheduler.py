@@ -167,6 +167,7 @@ class Scheduler:
         self._free_indices = deque(i for i in range(config.max_num_seqs) if i not in set(self._pending_finished))
         self._pending_aborts: list[str] = []
         self._waiting: deque[GenerationRequest] = deque()
+        self._waiting_kv_blocks = 0  # blocks the waiting requests will reserve at admission
         self._running: list[Sequence] = []  # admission order
         self._by_index: dict[int, Sequence] = {}
         self._by_request: dict[GenerationRequest, Sequence] = {}
@@ -177,6 +178,11 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def num_waiting_kv_blocks(self) -> int:
+        """KV blocks the waiting requests will reserve when admitted (placement weighs them)."""
+        return self._waiting_kv_blocks
 
     @property
     def num_running(self) -> int:
@@ -229,6 +235,7 @@ class Scheduler:
                 f" {self.block_manager.num_blocks} blocks in all; lower max_tokens or shorten the prompt"
             )
         self._waiting.append(request)
+        self._waiting_kv_blocks += needed
 
     def abort(self, request: GenerationRequest) -> AbortOutcome:
         """Stop scheduling ``request``: drop it from the waiting queue, or forward the abort to reclaim."""
@@ -236,6 +243,7 @@ class Scheduler:
         if seq is None:
             if request in self._waiting:
                 self._waiting.remove(request)
+                self._waiting_kv_blocks -= self.block_manager.blocks_for_tokens(self.max_kv_tokens(request))
                 return AbortOutcome.REMOVED_WAITING
             return AbortOutcome.NOT_FOUND
         if seq.finished:
@@ -294,6 +302,7 @@ class Scheduler:
     def _admit(self, step: ScheduledStep, budget: int) -> None:
         while budget > 0 and self._waiting and self._can_admit(self._waiting[0]):
             request = self._waiting.popleft()
+            self._waiting_kv_blocks -= self.block_manager.blocks_for_tokens(self.max_kv_tokens(request))
             index = self._free_indices.popleft()
             self._generations[index] += 1
             seq = Sequence(request, index, self._generations[index], self.block_manager.allocate(self.max_kv_tokens(request)))

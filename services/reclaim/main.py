@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from stageserve.device_endpoints import add_device_arguments
 from stageserve.model_files import resolve_model_path
 from stageserve.server import add_service_arguments, configure_logging
 
@@ -20,7 +21,7 @@ DEFAULT_METRICS_PORT = 9103
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the reclaim service's flags to ``parser``."""
     add_service_arguments(parser, DEFAULT_PORT, DEFAULT_METRICS_PORT)
-    parser.add_argument("--device", default="127.0.0.1:50052", help="HOST:PORT of the device service to dial (default %(default)s)")
+    add_device_arguments(parser, "127.0.0.1:50052")
     parser.add_argument("--model", default=None, help="GGUF file or Hugging Face directory whose tokenizer to use (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--completion-timeout", type=float, default=30.0, metavar="SECONDS", help="fail a step whose output does not arrive within this long after its ticket (default %(default)s)")
     parser.add_argument("--subscriber-queue-steps", type=int, default=1024, metavar="STEPS", help="steps a subscriber may lag behind before it is dropped (default %(default)s)")
@@ -41,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     return serve(
         device=args.device,
+        device_refresh_s=args.device_refresh_s,
         model_path=model_path,
         completion_timeout_s=args.completion_timeout,
         host=args.host,

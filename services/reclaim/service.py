@@ -1,11 +1,18 @@
-"""The reclaim service: the device's completion stream in, ``Reclaim.Subscribe`` streams out.
+"""The reclaim service: the devices' completion streams in, ``Reclaim.Subscribe`` streams out.
 
-:class:`DeviceLink` owns the connection to the device: ``Device.Attach`` (EOS ids, sequence table,
-instance id), then the ``Device.Complete`` bidi stream, whose events it feeds to a
-:class:`~stageserve.reclaim.completion.CompletionHandler` (the gRPC-free core), publishing each
-step's ``StepEvents`` and sending ``SlotRelease`` for each step it has read. A device that is not
-up is retried with exponential backoff; a broken stream fails every live request with
+:class:`DeviceLink` owns the connection to one device: ``Device.Attach`` (EOS ids, sequence table,
+instance id), then the ``Device.Complete`` bidi stream, whose events it feeds to its own
+:class:`~stageserve.reclaim.completion.CompletionHandler` (the gRPC-free core: ticket book and
+sequence table of that device), publishing each step's ``StepEvents`` (tagged with the device's
+instance id) and sending ``SlotRelease`` for each step it has read. A device that is not up is
+retried with exponential backoff; a broken stream fails that device's live requests with
 ``UNAVAILABLE`` terminal events (published, so prepare learns) and is re-dialled.
+
+:class:`DeviceLinks` keeps one link per address of ``--device`` (a list, or a ``dns:///`` name
+re-resolved every ``--device-refresh-s``; see :mod:`stageserve.device_endpoints`), all publishing
+into the one :class:`~stageserve.reclaim.publisher.Publisher`. An address that leaves the DNS
+answer keeps its stream until the device ends it (a draining device's last outputs still arrive)
+and is not dialled again; one that (re)appears gets a link.
 
 Spans (see :mod:`stageserve.tracing`): ``reclaim.ticket`` (registering a ticket's sequences),
 ``reclaim.wait`` (ticket held until its output arrives), ``reclaim.detokenize`` (the output's
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -25,6 +33,7 @@ from typing import Callable
 import grpc
 from prometheus_client import CollectorRegistry
 
+from stageserve.device_endpoints import DeviceEndpoints, EndpointFollower, Resolver
 from stageserve.metrics_http import start_metrics_server
 from stageserve.reclaim.completion import CompletionHandler
 from stageserve.reclaim.detokenizer import IncrementalDetokenizer, decoder_for
@@ -52,14 +61,14 @@ class _StreamEnd:
 
 
 class DeviceLink:
-    """Connection to one device: attach, run its completion stream, reconnect with backoff.
+    """Connection to one device: attach, run its completion stream, reconnect with backoff while listed.
 
     Args:
         target: the device's ``HOST:PORT``.
         detokenizer: shared incremental detokenizer.
         publisher: where each step's ``StepEvents`` go.
         completion_timeout_s: see :class:`~stageserve.reclaim.ticket_book.TicketBook`.
-        set_attached: called with ``True`` once attached, ``False`` when the stream is lost.
+        set_attached: called with ``True`` once attached, ``False`` when the stream is lost (on the link's thread).
         tracer: reclaim's tracer (default: one that never records).
         metrics: reclaim's metrics (default: on a private registry nobody scrapes).
     """
@@ -84,6 +93,7 @@ class DeviceLink:
         self._channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
         self._stub = device_pb2_grpc.DeviceStub(self._channel)
         self._stopping = threading.Event()
+        self._listed = True
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live = 0  # live sequences, for drain
         self._idle = threading.Condition()
@@ -96,6 +106,16 @@ class DeviceLink:
     def live(self) -> int:
         """Requests live on the current device stream."""
         return self._live
+
+    @property
+    def finished(self) -> bool:
+        """The link's thread ended (stopped, or unlisted and its stream over)."""
+        return self._thread.ident is not None and not self._thread.is_alive()
+
+    def set_listed(self, listed: bool) -> None:
+        """Whether the address is (still) in the device list; an unlisted link keeps its current
+        stream until the device ends it, then its thread ends instead of dialling again."""
+        self._listed = listed
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no request is live (or ``timeout_s`` passes); return whether none is."""
@@ -111,7 +131,7 @@ class DeviceLink:
 
     def _run(self) -> None:
         backoff_s = INITIAL_BACKOFF_S
-        while not self._stopping.is_set():
+        while not self._stopping.is_set() and self._listed:
             try:
                 attach = self._stub.Attach(device_pb2.AttachRequest(peer="reclaim"), timeout=ATTACH_TIMEOUT_S)
             except grpc.RpcError as exc:
@@ -123,9 +143,11 @@ class DeviceLink:
             received, reason = self._serve(CompletionHandler(attach, self._detokenizer, self._completion_timeout_s))
             if received:
                 backoff_s = INITIAL_BACKOFF_S
-            if not self._stopping.is_set():
-                log.warning("device stream lost (%s); reconnecting in %.1f s", reason, backoff_s)
+            if not self._stopping.is_set() and self._listed:
+                log.warning("device %s stream lost (%s); reconnecting in %.1f s", self._target, reason, backoff_s)
                 self._stopping.wait(backoff_s)
+        if not self._stopping.is_set():
+            log.info("device %s left the device list; its link ended", self._target)
 
     def _serve(self, handler: CompletionHandler) -> tuple[bool, str]:
         """Run one Complete stream until it ends, then fail what is left. Returns (any event received, why it ended)."""
@@ -190,6 +212,79 @@ class DeviceLink:
                 self._idle.notify_all()
 
 
+class DeviceLinks:
+    """One :class:`DeviceLink` per device address, following ``--device`` (see the module docstring).
+
+    Args:
+        endpoints: the parsed ``--device``.
+        refresh_s: seconds between DNS lookups of ``dns:///`` entries.
+        new_link: builds the link of an address, given the address and the ``set_attached`` callback to pass it.
+        on_ready: called with ``True`` while at least one device is attached, ``False`` when none is
+            (whenever that changes).
+        resolver: ``socket.getaddrinfo`` or a stand-in (tests).
+    """
+
+    def __init__(self, endpoints: DeviceEndpoints, refresh_s: float, new_link: Callable[[str, Callable[[bool], None]], DeviceLink],
+                 on_ready: Callable[[bool], None], resolver: Resolver = socket.getaddrinfo) -> None:
+        self._new_link, self._on_ready = new_link, on_ready
+        self._lock = threading.Lock()
+        self._links: dict[str, DeviceLink] = {}
+        self._attached: set[str] = set()  # addresses whose link is attached
+        self._stopping = False
+        self._follower = EndpointFollower(endpoints, refresh_s, self._update, resolver)
+
+    def start(self) -> None:
+        self._follower.start()
+
+    @property
+    def live(self) -> int:
+        """Requests live on all device streams."""
+        return sum(link.live for link in self._snapshot())
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is live on any device (or ``timeout_s`` passes in all); return whether none is."""
+        deadline = time.monotonic() + timeout_s
+        return all([link.wait_idle(max(0.0, deadline - time.monotonic())) for link in self._snapshot()])
+
+    def stop(self) -> None:
+        """Stop following and stop every link (what is still live fails with ``UNAVAILABLE``)."""
+        with self._lock:
+            self._stopping = True
+        self._follower.stop()
+        for link in self._snapshot():
+            link.stop()
+
+    def _snapshot(self) -> list[DeviceLink]:
+        with self._lock:
+            return list(self._links.values())
+
+    def _update(self, addresses: tuple[str, ...]) -> None:
+        with self._lock:
+            if self._stopping:
+                return
+            for address, link in list(self._links.items()):
+                link.set_listed(address in addresses and not link.finished)
+                if link.finished:
+                    link.stop()  # closes its channel; its thread is over
+                    del self._links[address]
+            for address in addresses:
+                if address not in self._links:
+                    link = self._new_link(address, lambda up, key=address: self._set_attached(key, up))
+                    self._links[address] = link
+                    link.start()
+
+    def _set_attached(self, address: str, up: bool) -> None:
+        """A link attached or lost its stream (its thread; a link at an address ends before the next starts)."""
+        with self._lock:
+            was_ready = bool(self._attached)
+            if up:
+                self._attached.add(address)
+            else:
+                self._attached.discard(address)
+            if bool(self._attached) != was_ready:
+                self._on_ready(bool(self._attached))
+
+
 def _receive(call, inbox: queue.SimpleQueue) -> None:
     """Move the device stream's events into ``inbox``; end with a :class:`_StreamEnd`."""
     try:
@@ -218,7 +313,8 @@ class ReclaimServicer(reclaim_pb2_grpc.ReclaimServicer):
 
 def serve(
     *,
-    device: str,
+    device: DeviceEndpoints,
+    device_refresh_s: float,
     model_path: Path,
     completion_timeout_s: float,
     host: str,
@@ -232,8 +328,9 @@ def serve(
     """Run the reclaim service until SIGTERM/SIGINT; return the exit code (0 after a drain, 2
     when the metrics port or the trace folder cannot be used).
 
-    Readiness (``stageserve.v1.Reclaim``) is SERVING only while the tokenizer is loaded and the
-    device is attached. On SIGTERM: NOT_SERVING, wait up to ``drain_timeout_s`` for live requests
+    ``device``: the devices to follow (``--device``), re-resolved every ``device_refresh_s`` seconds.
+    Readiness (``stageserve.v1.Reclaim``) is SERVING only while the tokenizer is loaded and at least
+    one device is attached. On SIGTERM: NOT_SERVING, wait up to ``drain_timeout_s`` for live requests
     to finish, fail the rest with ``UNAVAILABLE``, end the subscriber streams, write the trace
     window (``trace_dir``), stop. ``metrics_port``: Prometheus endpoint (0 = ephemeral, None = none).
     """
@@ -253,16 +350,20 @@ def serve(
     draining = threading.Event()
     detokenizer = IncrementalDetokenizer(decoder_for(load_tokenizer(model_path)))
     log.info("tokenizer loaded from %s", model_path.name)
-    link = DeviceLink(device, detokenizer, publisher, completion_timeout_s, lambda up: server.set_ready(up and not draining.is_set()),
-                      tracer=tracer, metrics=metrics)
-    metrics.watch_live(lambda: link.live)
-    link.start()
+    links = DeviceLinks(
+        device, device_refresh_s,
+        new_link=lambda address, set_attached: DeviceLink(address, detokenizer, publisher, completion_timeout_s, set_attached,
+                                                          tracer=tracer, metrics=metrics),
+        on_ready=lambda up: server.set_ready(up and not draining.is_set()),
+    )
+    metrics.watch_live(lambda: links.live)
+    links.start()
 
     def drain() -> None:
         draining.set()
-        if not link.wait_idle(drain_timeout_s):
+        if not links.wait_idle(drain_timeout_s):
             log.warning("drain timeout (%g s) passed with requests live; failing them", drain_timeout_s)
-        link.stop()
+        links.stop()
         publisher.close()
 
     server.run_until_stopped(drain)

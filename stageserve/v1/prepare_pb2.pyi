@@ -136,7 +136,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_model_len", "eos_token_ids", "backend", "dtype", "dispatch", "pipeline_depth", "kv_block_size", "kv_blocks_total", "kv_blocks_free", "running_requests", "waiting_requests", "max_num_seqs")
+    __slots__ = ("model_name", "vocab_size", "max_model_len", "eos_token_ids", "backend", "dtype", "dispatch", "pipeline_depth", "kv_block_size", "kv_blocks_total", "kv_blocks_free", "running_requests", "waiting_requests", "max_num_seqs", "devices")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,7 @@ class ModelInfo(_message.Message):
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_model_len: int
@@ -165,4 +166,25 @@ class ModelInfo(_message.Message):
     running_requests: int
     waiting_requests: int
     max_num_seqs: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., dispatch: _Optional[str] = ..., pipeline_depth: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
+    devices: _containers.RepeatedCompositeFieldContainer[DeviceStatus]
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., dispatch: _Optional[str] = ..., pipeline_depth: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ...) -> None: ...
+
+class DeviceStatus(_message.Message):
+    __slots__ = ("address", "instance_id", "attached", "accepting", "kv_blocks_total", "kv_blocks_free", "running_requests", "waiting_requests")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    instance_id: str
+    attached: bool
+    accepting: bool
+    kv_blocks_total: int
+    kv_blocks_free: int
+    running_requests: int
+    waiting_requests: int
+    def __init__(self, address: _Optional[str] = ..., instance_id: _Optional[str] = ..., attached: _Optional[bool] = ..., accepting: _Optional[bool] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ...) -> None: ...

@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from stageserve.cli import build_parser
+from stageserve.device_endpoints import parse_device_endpoints
 from stageserve.server import ServiceServer
 
 K8S_DIR = Path(__file__).resolve().parents[3] / "deploy" / "k8s"
@@ -318,7 +319,8 @@ def test_peer_addresses_are_the_services_dns_names(overlay):
         return f"{meta['name']}.{meta['namespace']}.svc.cluster.local:{port['port']}"
 
     prepare, reclaim = container_cli_args(manifests, "prepare"), container_cli_args(manifests, "reclaim")
-    assert prepare.device == reclaim.device == dns(headless)
+    # Both follow every device pod: the headless Service's name, resolved to all its addresses.
+    assert prepare.device == reclaim.device == parse_device_endpoints(f"dns:///{dns(headless)}")
     assert prepare.reclaim == dns(reclaim_service)
 
 
@@ -330,9 +332,8 @@ def test_termination_grace_outlasts_prestop_and_drain(overlay, role):
     pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep"
     stop_grace_s = inspect.signature(ServiceServer.run_until_stopped).parameters["grace_s"].default
-    # The device waits up to --drain-timeout twice: steps in flight, then outputs reclaim has not taken.
-    drain_waits = 2 if role == "device" else 1
-    needed_s = float(pre_stop[1]) + drain_waits * container_cli_args(manifests, role).drain_timeout + stop_grace_s
+    # Every service's drain (the device's: prepare letting go, steps in flight, outputs) shares one --drain-timeout.
+    needed_s = float(pre_stop[1]) + container_cli_args(manifests, role).drain_timeout + stop_grace_s
     assert pod_spec(pods)["terminationGracePeriodSeconds"] > needed_s
 
 

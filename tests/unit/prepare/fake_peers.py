@@ -16,7 +16,9 @@ import uuid
 from concurrent import futures
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from stageserve.server import SERVER_OPTIONS
 from stageserve.v1 import common_pb2, device_pb2, device_pb2_grpc, reclaim_pb2, reclaim_pb2_grpc
 
 ATTACH = dict(
@@ -30,7 +32,8 @@ class FakeReclaim(reclaim_pb2_grpc.ReclaimServicer):
         self.step_delay_s = step_delay_s
         self._subscribers: list[queue.SimpleQueue] = []
         self._plans: queue.SimpleQueue = queue.SimpleQueue()
-        self._live: dict[str, list] = {}  # request id -> [seq_index, generation, max_tokens, prompt_tokens, produced]
+        # device instance id -> request id -> [seq_index, generation, max_tokens, prompt_tokens, produced]
+        self._live: dict[str, dict[str, list]] = {}
         self._lock = threading.Lock()
         threading.Thread(target=self._publish_loop, daemon=True).start()
 
@@ -50,33 +53,34 @@ class FakeReclaim(reclaim_pb2_grpc.ReclaimServicer):
         while True:
             plan, instance_id = self._plans.get()
             time.sleep(self.step_delay_s)
-            published = reclaim_pb2.StepEvents(step_id=plan.step_id, device_instance_id=instance_id, events=self._events(plan))
+            published = reclaim_pb2.StepEvents(step_id=plan.step_id, device_instance_id=instance_id, events=self._events(plan, instance_id))
             with self._lock:
                 for inbox in self._subscribers:
                     inbox.put(published)
 
-    def _events(self, plan: device_pb2.StepPlan) -> list[reclaim_pb2.SequenceEvent]:
+    def _events(self, plan: device_pb2.StepPlan, instance_id: str) -> list[reclaim_pb2.SequenceEvent]:
+        live = self._live.setdefault(instance_id, {})  # each device has its own sequence table
         for start in plan.started:
-            self._live[start.request_id] = [start.seq_index, start.generation, start.stop.max_tokens, start.stop.prompt_tokens, 0]
+            live[start.request_id] = [start.seq_index, start.generation, start.stop.max_tokens, start.stop.prompt_tokens, 0]
         events = []
         for request_id in plan.aborted:
-            if (seq := self._live.pop(request_id, None)) is not None:
+            if (seq := live.pop(request_id, None)) is not None:
                 events.append(self._event(request_id, seq, finish_reason=common_pb2.FINISH_REASON_ABORT))
-        by_seq = {(s[0], s[1]): rid for rid, s in self._live.items()}
+        by_seq = {(s[0], s[1]): rid for rid, s in live.items()}
         for index, generation, sample in zip(plan.seq_index, plan.generation, plan.sample):
             request_id = by_seq.get((index, generation))
-            if not sample or request_id not in self._live:
+            if not sample or request_id not in live:
                 continue
-            seq = self._live[request_id]
+            seq = live[request_id]
             if request_id.startswith("fail"):
-                del self._live[request_id]
+                del live[request_id]
                 events.append(self._event(request_id, seq, error_code=grpc.StatusCode.INTERNAL.value[0], error_message="boom"))
                 continue
             seq[4] += 1
             n = seq[4]
             done = n == seq[2]
             if done:
-                del self._live[request_id]
+                del live[request_id]
             events.append(self._event(request_id, seq, token_ids=[1000 + n], text=f"t{n} ",
                                       finish_reason=common_pb2.FINISH_REASON_LENGTH if done else 0))
         return events
@@ -123,12 +127,24 @@ class FakePeers:
         self._device_server, self.device_port = self._serve(device_pb2_grpc.add_DeviceServicer_to_server, self.device, 0)
 
     @staticmethod
-    def _serve(add, servicer, port: int) -> tuple[grpc.Server, int]:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+    def _serve(add, servicer, port: int, host: str = "127.0.0.1") -> tuple[grpc.Server, int]:
+        """Serve ``servicer`` on ``host:port`` with health (every service SERVING, as a ready peer)."""
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=SERVER_OPTIONS)  # accepts prepare's keepalive pings
         add(servicer, server)
-        bound = server.add_insecure_port(f"127.0.0.1:{port}")
+        status = health.HealthServicer(experimental_non_blocking=True)
+        for name in ("stageserve.v1.Device", "stageserve.v1.Reclaim"):
+            status.set(name, health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(status, server)
+        bound = server.add_insecure_port(f"{host}:{port}")
         server.start()
         return server, bound
+
+    def add_device(self, host: str) -> tuple[FakeDevice, grpc.Server]:
+        """A second device, publishing through the same fake reclaim, on ``host`` and the first device's port
+        (as the pods behind one headless Service: one port, several addresses; any 127.x.y.z is loopback)."""
+        device = FakeDevice(self.reclaim, **self._attach_overrides)
+        server, _ = self._serve(device_pb2_grpc.add_DeviceServicer_to_server, device, self.device_port, host)
+        return device, server
 
     def stop_device(self) -> None:
         self._device_server.stop(0).wait()

@@ -355,3 +355,18 @@ def test_new_session_carries_generations_and_lists_stale_indices():
     assert first.finished == [0, 1]
     assert first.seq_index == [2]
     assert fresh.generations[0] == step.generation[0]
+
+
+def test_waiting_kv_blocks_follow_the_queue():
+    """Placement weighs the blocks the waiting requests will reserve: added on queueing, removed on
+    admission and on an abort while waiting."""
+    scheduler = make_scheduler(max_num_seqs=1)
+    first, second, third = make_request("a", 20, 13), make_request("b", 4, 1), make_request("c", 17, 16)
+    for request in (first, second, third):
+        scheduler.add_request(request)
+    block = scheduler.block_manager.block_size
+    assert scheduler.num_waiting_kv_blocks == -(-32 // block) + -(-4 // block) + -(-32 // block)
+    scheduler.schedule()  # admits "a" only (one seq index)
+    assert scheduler.num_waiting_kv_blocks == -(-4 // block) + -(-32 // block)
+    assert scheduler.abort(third) is AbortOutcome.REMOVED_WAITING
+    assert scheduler.num_waiting_kv_blocks == -(-4 // block)

@@ -3,17 +3,22 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
+from stageserve.device_endpoints import parse_device_endpoints
 from stageserve.prepare.api import GenerationServicer
+from stageserve.prepare.connector import PipelineConnector
 from stageserve.prepare.engine import Engine
-from stageserve.prepare.links import PipelineConnector
 from stageserve.prepare.main import SERVICE_NAME
+from stageserve.prepare.metrics import PrepareMetrics
+from stageserve.prepare.router import DeviceRouter
 from stageserve.server import ServiceServer
 from stageserve.v1 import common_pb2, prepare_pb2, prepare_pb2_grpc
 
@@ -36,16 +41,18 @@ def tokenizer():
 class Prepare:
     """The prepare service wired as ``main.run`` wires it, on an ephemeral port, without signals."""
 
-    def __init__(self, peers: FakePeers, tokenizer, max_waiting: int = 8) -> None:
-        self.engine = Engine(max_prefill_chunk=16, max_waiting=max_waiting)
-        self.engine.start()
+    def __init__(self, peers: FakePeers, tokenizer, max_waiting: int = 8, device: str = "", resolver=socket.getaddrinfo) -> None:
         self.server = ServiceServer(SERVICE_NAME, "127.0.0.1", 0)
-        self.server.add_servicer(prepare_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(self.engine, tokenizer))
-        self.server.start([SERVICE_NAME])
+        metrics = PrepareMetrics(CollectorRegistry())
         self.connector = PipelineConnector(
-            f"127.0.0.1:{peers.device_port}", f"127.0.0.1:{peers.reclaim_port}", self.engine,
-            on_ready=lambda up: self.server.set_ready(up and not self.engine.draining), step_timeout_s=10,
+            parse_device_endpoints(device or f"127.0.0.1:{peers.device_port}"), f"127.0.0.1:{peers.reclaim_port}",
+            new_engine=lambda: Engine(max_prefill_chunk=16, max_waiting=max_waiting, metrics=metrics),
+            on_ready=lambda up: self.server.set_ready(up and not self.router.draining), step_timeout_s=10, refresh_s=0.05,
+            resolver=resolver,
         )
+        self.router = DeviceRouter(self.connector.lanes, metrics)
+        self.server.add_servicer(prepare_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(self.router, tokenizer))
+        self.server.start([SERVICE_NAME])
         self.connector.start()
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.port}")
         self.stub = prepare_pb2_grpc.GenerationStub(self.channel)
@@ -71,7 +78,6 @@ class Prepare:
     def stop(self) -> None:
         self.channel.close()
         self.connector.stop()
-        self.engine.stop()
         self.server.server.stop(0).wait()
 
 
@@ -285,7 +291,7 @@ def test_drain_lets_streams_finish_and_refuses_new_requests(tokenizer):
     try:
         stream = service.stub.GenerateStream(chat("a", max_tokens=40))
         first = next(stream)
-        drainer = threading.Thread(target=service.engine.drain, args=(30.0,))
+        drainer = threading.Thread(target=service.router.drain, args=(30.0,))
         drainer.start()
         time.sleep(0.05)
         with pytest.raises(grpc.RpcError) as refused:
@@ -297,4 +303,81 @@ def test_drain_lets_streams_finish_and_refuses_new_requests(tokenizer):
         assert not drainer.is_alive()
     finally:
         service.stop()
+        peers.stop()
+
+
+class FakeDns:
+    """A fake resolver (``socket.getaddrinfo``'s signature, no DNS): answers each name from
+    :attr:`answers` (name -> IPv4 addresses); a name without an answer is ``EAI_NONAME``."""
+
+    def __init__(self, **answers: list[str]) -> None:
+        self.answers = answers
+
+    def __call__(self, host, port, type=0):
+        if not self.answers.get(host):
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in self.answers[host]]
+
+
+def started_here(device, request_ids) -> set[str]:
+    """Which of ``request_ids`` the fake ``device`` received a SequenceStart for."""
+    return {start.request_id for plan in device.plans for start in plan.started} & set(request_ids)
+
+
+def test_devices_follow_the_dns_answer_and_a_lost_one_fails_only_its_requests(tokenizer):
+    """Two fake devices behind one dns:/// name (127.0.0.1 and 127.0.0.2, same port): requests
+    spread over both; an address that leaves the answer gets no new request but finishes its own;
+    a device that goes away fails only its requests with UNAVAILABLE."""
+    peers = FakePeers(step_delay_s=0.01)
+    second, second_server = peers.add_device("127.0.0.2")
+    dns = FakeDns(**{"devices.test": ["127.0.0.1"]})
+    service = Prepare(peers, tokenizer, device=f"dns:///devices.test:{peers.device_port}", resolver=dns)
+    first_address, second_address = f"127.0.0.1:{peers.device_port}", f"127.0.0.2:{peers.device_port}"
+
+    def accepting() -> set[str]:
+        return {d.address for d in service.stub.GetModelInfo(prepare_pb2.GetModelInfoRequest()).devices if d.accepting}
+
+    def wait_accepting(addresses: set[str]) -> None:
+        deadline = time.monotonic() + 10
+        while accepting() != addresses:
+            assert time.monotonic() < deadline, f"accepting {accepting()}, expected {addresses}"
+            time.sleep(0.02)
+
+    try:
+        assert accepting() == {first_address}
+        dns.answers["devices.test"] = ["127.0.0.1", "127.0.0.2"]  # a pod became ready
+        wait_accepting({first_address, second_address})
+        ids = [f"spread-{i}" for i in range(8)]
+        streams = [service.stub.GenerateStream(chat("x", max_tokens=3, request_id=rid)) for rid in ids]
+        assert all([c.finish_reason for c in stream][-1] == LENGTH for stream in streams)
+        on_first, on_second = started_here(peers.device, ids), started_here(second, ids)
+        assert on_first | on_second == set(ids) and not on_first & on_second and len(on_first) == len(on_second) == 4
+        info = service.stub.GetModelInfo(prepare_pb2.GetModelInfoRequest())
+        assert info.kv_blocks_total == 2 * 64 == sum(d.kv_blocks_total for d in info.devices)
+
+        # One long request on each device, then the second address leaves the DNS answer.
+        long_ids = ["long-a", "long-b"]
+        long_streams = [service.stub.GenerateStream(chat("x", max_tokens=200, request_id=rid)) for rid in long_ids]
+        for stream in long_streams:
+            next(stream)
+        (on_second_id,) = started_here(second, long_ids)
+        (on_first_id,) = started_here(peers.device, long_ids)
+        dns.answers["devices.test"] = ["127.0.0.1"]
+        wait_accepting({first_address})
+        assert service.stub.Generate(chat("x", max_tokens=2, request_id="after-leave")).finish_reason == LENGTH
+        assert started_here(peers.device, ["after-leave"]) == {"after-leave"}
+        second_stream, first_stream = (long_streams[long_ids.index(rid)] for rid in (on_second_id, on_first_id))
+
+        peers.stop_device()  # the first device goes away mid-request: only its request fails
+        with pytest.raises(grpc.RpcError) as lost:
+            list(first_stream)
+        assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert [c.finish_reason for c in second_stream][-1] == LENGTH  # unlisted, it still finishes where it started
+        service.wait_health(NOT_SERVING)  # the second left the answer, the first is gone: no device
+        dns.answers["devices.test"] = ["127.0.0.1", "127.0.0.2"]  # the second is listed again
+        service.wait_health(SERVING)
+        assert service.stub.Generate(chat("x", max_tokens=3)).text == "t1 t2 t3 "
+    finally:
+        service.stop()
+        second_server.stop(0).wait()
         peers.stop()
