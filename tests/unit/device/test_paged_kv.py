@@ -74,7 +74,8 @@ def test_forward_batch_orders_decode_rows_first_and_keeps_sample_order():
     assert batch.positions.tolist() == [5, 2, 3, 4]
     assert batch.slot_mapping.tolist() == [6 * 4 + 1, 5 * 4 + 2, 5 * 4 + 3, 1 * 4 + 0]
     assert batch.sample_indices.tolist() == [3, 0]
-    assert batch.decode_slots.tolist() == [[12, 13, 14, 15, 24, 25]]
+    assert batch.decode_blocks.tolist() == [[3, 6]]
+    assert batch.decode_mask.tolist() == [[True] * 6 + [False] * 2]
     assert batch.prefills[0].mask.tolist()[0] == [True, True, True, False, False]
     with pytest.raises(ValueError, match="cannot hold"):
         build_forward_batch([([1, 2], 7, [0, 1], True)], BLOCK_SIZE, "cpu")
