@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from stageserve.v1 import common_pb2, prepare_pb2, prepare_pb2_grpc
+from stageserve.v1 import common_pb2, prepare_pb2_grpc
 
 from .conftest import launch
 from .test_generation_api import chat, collect
