@@ -63,6 +63,9 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         self._tokenizer = tokenizer
 
     def GenerateStream(self, request: prepare_pb2.GenerateRequest, context: grpc.ServicerContext) -> Iterator[prepare_pb2.GenerateStreamResponse]:
+        """Stream the completion: one chunk per published step with new text or ids; the last has
+        finish_reason and usage. Errors (gRPC status): INVALID_ARGUMENT, ALREADY_EXISTS,
+        RESOURCE_EXHAUSTED at admission; UNAVAILABLE, INTERNAL, CANCELLED, DEADLINE_EXCEEDED later."""
         handle = self._accept(request, context)
         request_id = handle.request.request_id
         for event in self._events(handle, context):
@@ -70,6 +73,7 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
                 yield stream_chunk(request_id, event)
 
     def Generate(self, request: prepare_pb2.GenerateRequest, context: grpc.ServicerContext) -> prepare_pb2.GenerateResponse:
+        """The whole completion at once: the stream's chunks joined; same errors as GenerateStream."""
         handle = self._accept(request, context)
         response = prepare_pb2.GenerateResponse(request_id=handle.request.request_id)
         text = []
@@ -87,9 +91,11 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         return response
 
     def Abort(self, request: prepare_pb2.AbortRequest, context: grpc.ServicerContext) -> prepare_pb2.AbortResponse:
+        """Abort a running request by id; idempotent (unknown or finished ids give aborted=false)."""
         return prepare_pb2.AbortResponse(aborted=self._router.abort(request.request_id))
 
     def Tokenize(self, request: prepare_pb2.TokenizeRequest, context: grpc.ServicerContext) -> prepare_pb2.TokenizeResponse:
+        """Token ids and strings of a prompt or chat, exactly as Generate would see them; INVALID_ARGUMENT for a bad input."""
         try:
             ids = tokenize_prompt(self._tokenizer, prompt=request.prompt, messages=request.messages)
         except RequestError as error:
@@ -97,6 +103,7 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         return prepare_pb2.TokenizeResponse(token_ids=ids, tokens=self._tokenizer.convert_ids_to_tokens(ids), count=len(ids))
 
     def GetModelInfo(self, request: prepare_pb2.GetModelInfoRequest, context: grpc.ServicerContext) -> prepare_pb2.ModelInfo:
+        """Model facts and load, summed over attached devices plus per device; UNAVAILABLE while none is attached."""
         try:
             load, devices = self._router.load()
         except RequestError as error:

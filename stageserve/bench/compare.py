@@ -361,7 +361,7 @@ def sweep(common: Common, concurrency: list[int], llama_max_requests: int, plot_
                 series[peer][count] = report
     _save(common, "sweep", series)
     plot_sweep(series, plot_path, f"{common.model_path.name}, {common.dtype}, {common.output_len} output tokens")
-    lines = [f"| concurrency | " + " | ".join(f"{name} tok/s | {name} ITL p99 (ms)" for name in series) + " |",
+    lines = ["| concurrency | " + " | ".join(f"{name} tok/s | {name} ITL p99 (ms)" for name in series) + " |",
              "|---:|" + "---:|---:|" * len(series)]
     for count in concurrency:
         cells = []
