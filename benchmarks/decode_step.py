@@ -1,7 +1,7 @@
 """Decode step time and tokens/s of the device's model against Hugging Face transformers ``generate``.
 
-Both sides run in this one process, on the same GGUF file, dtype, torch threads, batch and context,
-one after the other for each batch size, so the ratio is measured side by side:
+Both sides run in this one process, on the same model file, device, dtype, torch threads, batch and
+context, one after the other for each batch size, so the ratio is measured side by side:
 
 - **stageserve**: ``LlamaModel`` over the paged KV cache plus the on-device sampler (greedy), one
   batched decode step per token, prompts of ``--context`` tokens prefilled first;
@@ -11,6 +11,9 @@ one after the other for each batch size, so the ratio is measured side by side:
 Prints a Markdown table (median of ``--repeats`` runs). Usage::
 
     python benchmarks/decode_step.py --dtype bfloat16 --batch 1 8 32 64 --context 128 --steps 32
+    python benchmarks/decode_step.py --device cuda --model DIR --batch 1 32 256   # on a GPU
+
+On an accelerator both sides synchronize the device before reading the clock.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -28,36 +32,46 @@ from stageserve.model_files import embedded_model_path
 BLOCK_SIZE = 16
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    if device.type != "cpu":
+        torch.get_device_module(device.type).synchronize(device)
+
+
 def ours_decode_ms(model: LlamaModel, batch: int, context: int, steps: int) -> float:
     """Median ms of one batched greedy decode step at ``batch`` rows, context ``context`` → ``context+steps``."""
+    device = model.device
     blocks_per_row = (context + steps) // BLOCK_SIZE + 1
-    cache = PagedKVCache(model.config, batch * blocks_per_row, BLOCK_SIZE, model.dtype, "cpu")
+    cache = PagedKVCache(model.config, batch * blocks_per_row, BLOCK_SIZE, model.dtype, device)
     tables = [list(range(r * blocks_per_row, (r + 1) * blocks_per_row)) for r in range(batch)]
     prompt = [(7 * i) % 1000 + 10 for i in range(context)]
     tokens = []
     with torch.inference_mode():
         for r in range(batch):  # prefill each row alone; only decode is timed
-            logits = model.forward(build_forward_batch([(prompt, 0, tables[r], True)], BLOCK_SIZE, "cpu"), cache)
+            logits = model.forward(build_forward_batch([(prompt, 0, tables[r], True)], BLOCK_SIZE, device), cache)
             tokens.append(int(logits.argmax(-1)))
         times = []
+        synchronize(device)
         for step in range(steps):
             start = time.perf_counter()
             rows = [([tokens[r]], context + step, tables[r], True) for r in range(batch)]
-            logits = model.forward(build_forward_batch(rows, BLOCK_SIZE, "cpu"), cache)
-            tokens = logits.argmax(-1).tolist()
+            logits = model.forward(build_forward_batch(rows, BLOCK_SIZE, device), cache)
+            tokens = logits.argmax(-1).tolist()  # the next step needs them on the host: this synchronizes
             times.append(time.perf_counter() - start)
     return statistics.median(times[2:]) * 1e3
 
 
 def transformers_decode_ms(hf_model, batch: int, context: int, steps: int) -> float:
     """Decode ms per step of ``generate`` (greedy, static batch), prefill subtracted."""
-    ids = torch.tensor([[(7 * i) % 1000 + 10 for i in range(context)]] * batch)
+    ids = torch.tensor([[(7 * i) % 1000 + 10 for i in range(context)]] * batch, device=hf_model.device)
     mask = torch.ones_like(ids)
 
     def timed(new_tokens: int) -> float:
+        synchronize(hf_model.device)
         start = time.perf_counter()
         with torch.inference_mode():
             hf_model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        synchronize(hf_model.device)
         return time.perf_counter() - start
 
     timed(2)  # warm-up
@@ -72,15 +86,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--model", type=Path, default=None, help="GGUF file or HF directory (default: the embedded model)")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | npu (default %(default)s)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    path = embedded_model_path()
-    ours = LlamaModel.from_path(path, dtype, "cpu")
+    path = args.model or embedded_model_path()
+    device = torch.device(args.device)
+    if device.type == "npu":
+        import torch_npu  # noqa: F401 - registers the npu device
+    ours = LlamaModel.from_path(path, dtype, device)
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
-    print(f"model {path.name}, dtype {args.dtype}, threads {args.threads}, context {args.context}, {args.steps} decode steps, median of {args.repeats}")
+    source = {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name} if path.is_file() else {"pretrained_model_name_or_path": str(path)}
+    hf = AutoModelForCausalLM.from_pretrained(**source, dtype=dtype).to(device).eval()
+    print(f"model {path.name}, {args.device}, dtype {args.dtype}, threads {args.threads}, context {args.context}, {args.steps} decode steps, median of {args.repeats}")
     print("| batch | stageserve step ms | stageserve tokens/s | transformers step ms | transformers tokens/s | ratio |")
     print("|---:|---:|---:|---:|---:|---:|")
     for batch in args.batch:

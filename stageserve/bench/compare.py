@@ -102,13 +102,14 @@ class RunResult:
 
 
 class ServicesSide:
-    """The three services as processes (started like ``stageserve up``), driven over gRPC."""
+    """The three services as processes (started like ``stageserve up``), driven over gRPC; all three load ``model_path``."""
 
-    def __init__(self, name: str, workdir: Path, device_args: list[str], prepare_args: list[str] = ()) -> None:
+    def __init__(self, name: str, workdir: Path, model_path: Path, device_args: list[str]) -> None:
         self.name = name
         logs = workdir / name
         logs.mkdir(parents=True, exist_ok=True)
-        self.pipeline: Pipeline = start_pipeline(logs, device_args=device_args, prepare_args=list(prepare_args), log_dir=logs)
+        model = ["--model", str(model_path)]
+        self.pipeline: Pipeline = start_pipeline(logs, device_args=[*model, *device_args], prepare_args=model, reclaim_args=model, log_dir=logs)
 
     def run(self, workload: Workload, load: Load, progress: bool = True) -> RunResult:
         clock = StepClock(self.pipeline.reclaim.address)
@@ -185,11 +186,16 @@ class Common:
 
     model_path: Path
     dtype: str
+    backend: str
     repeats: int
     output_len: int
     input_len: int
     seed: int
     out_dir: Path
+
+    def model_device_args(self) -> list[str]:
+        """``stageserve device`` flags for the real model."""
+        return ["--backend", self.backend, "--dtype", self.dtype]
 
 
 def _workload(common: Common, tokenize) -> Workload:
@@ -220,14 +226,14 @@ def compare_dispatch(common: Common, sim_step_ms: list[float], streams: int, inc
     warmup = Load(streams=min(streams, 4), requests=min(streams, 4))
     cases = [(f"sim {ms:g} ms", ["--backend", "sim", "--sim-step-ms", str(ms)], ms) for ms in sim_step_ms]
     if include_model:
-        cases.append((f"cpu model {common.dtype}", ["--dtype", common.dtype], None))
+        cases.append((f"{common.backend} model {common.dtype}", common.model_device_args(), None))
     rows, raw = [], {}
     with tempfile.TemporaryDirectory(prefix="stageserve-bench-") as tmp:
         for label, device_args, stage_ms in cases:
             sides = []
             try:
                 for mode in ("async", "sync"):
-                    sides.append(ServicesSide(mode, Path(tmp) / label.replace(" ", "_"), [*device_args, "--dispatch", mode]))
+                    sides.append(ServicesSide(mode, Path(tmp) / label.replace(" ", "_"), common.model_path, [*device_args, "--dispatch", mode]))
                 results = _alternate(sides, workload, load, common.repeats, warmup)
             finally:
                 for side in sides:
@@ -259,12 +265,12 @@ def compare_split(common: Common, streams: list[int]) -> str:
     """The three services versus the in-process baseline at each stream count; returns the Markdown table."""
     tokenize = local_tokenize(common.model_path)
     workload = _workload(common, tokenize)
-    device_args = ["--dtype", common.dtype]
+    device_args = common.model_device_args()
     rows, raw = [], {}
     with tempfile.TemporaryDirectory(prefix="stageserve-bench-") as tmp:
         services = inprocess = None
         try:
-            services = ServicesSide("services", Path(tmp), device_args)
+            services = ServicesSide("services", Path(tmp), common.model_path, device_args)
             inprocess = InProcessSide("inprocess", common.model_path, device_args)
             for count in streams:
                 load = Load(streams=count, requests=max(count, 3))
@@ -298,9 +304,12 @@ def run_peer(name: str, common: Common, workload: Workload, concurrency: int, re
     from stageserve.bench import peers
 
     prompts = _peer_prompts(workload, requests)
+    if name == "llama-cpp-python" and common.model_path.suffix != ".gguf":
+        print(f"{name}: skipped, it reads GGUF files only ({common.model_path})", flush=True)
+        return None
     try:
         if name == "transformers":
-            records = peers.transformers_static_batches(common.model_path, common.dtype, prompts, common.output_len, concurrency)
+            records = peers.transformers_static_batches(common.model_path, common.dtype, prompts, common.output_len, concurrency, common.backend)
         else:
             records = peers.llama_cpp_serial(common.model_path, prompts, common.output_len)
     except ImportError as exc:
@@ -314,7 +323,7 @@ def compare_peers(common: Common, streams: int) -> str:
     workload = _workload(common, local_tokenize(common.model_path))
     raw: dict[str, dict[str, list]] = {}
     with tempfile.TemporaryDirectory(prefix="stageserve-bench-") as tmp:
-        services = ServicesSide("stageserve", Path(tmp), ["--dtype", common.dtype])
+        services = ServicesSide("stageserve", Path(tmp), common.model_path, common.model_device_args())
         try:
             for count in (streams, 1):
                 results = _alternate([services], workload, Load(streams=count, requests=count), common.repeats, Load(streams=count, requests=count))
@@ -347,7 +356,7 @@ def sweep(common: Common, concurrency: list[int], llama_max_requests: int, plot_
     workload = _workload(common, local_tokenize(common.model_path))
     series: dict[str, dict[int, dict[str, Any]]] = {"stageserve": {}, "transformers": {}, "llama-cpp-python": {}}
     with tempfile.TemporaryDirectory(prefix="stageserve-bench-") as tmp:
-        services = ServicesSide("stageserve", Path(tmp), ["--dtype", common.dtype])
+        services = ServicesSide("stageserve", Path(tmp), common.model_path, common.model_device_args())
         try:
             services.run(workload, Load(streams=4, requests=4), progress=False)
             for count in concurrency:

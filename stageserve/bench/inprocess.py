@@ -28,6 +28,8 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import torch
+
 from stageserve.bench.loadgen import StreamFailed
 from stageserve.device import main as device_main
 from stageserve.device.service import DeviceCore
@@ -69,7 +71,7 @@ class InProcessPipeline:
         self._plans: queue.SimpleQueue[device_pb2.StepPlan | None] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self.core.table.reset()  # what opening an Execute stream does
-        self._timed_runner = _TimedRunner(self.core.executor.runner)
+        self._timed_runner = _TimedRunner(self.core.executor.runner, self.core.executor.backend.device)
         self.core.executor.runner = self._timed_runner
         self.engine.start()
         self._threads = [
@@ -96,8 +98,8 @@ class InProcessPipeline:
             self.engine.cancel(handle)  # as the servicer's RPC-end callback does
 
     def device_step_ms(self, rows: int, since: int = 0) -> float | None:
-        """Median device work time (ms) of the steps with ``rows`` sampling rows among steps ``since``.. (see `steps_run`)."""
-        times = sorted(seconds for count, seconds in self._timed_runner.samples[since:] if count == rows)
+        """Median device stage time (ms) of the steps with ``rows`` sampling rows among steps ``since``.. (see `steps_run`)."""
+        times = sorted(seconds for count, seconds in self._timed_runner.stage_seconds(since) if count == rows)
         return times[len(times) // 2] * 1e3 if times else None
 
     def steps_run(self) -> int:
@@ -144,25 +146,44 @@ class InProcessPipeline:
 
 
 class _TimedRunner:
-    """The executor's step runner, plus the wall time of each step's device work (``run``) by sampling rows.
+    """The executor's step runner, plus the time of each step's device stage by sampling rows.
 
-    On the cpu backend ``run`` is the forward pass and sampling on the compute thread: its time is
-    the device stage of the step. Benchmark instrumentation only.
+    On the cpu backend ``run`` is the forward pass and sampling on the compute thread: its wall
+    time is the device stage. On cuda/npu ``run`` only enqueues; the stage is the longer of the
+    host's enqueue time and the device's execution time between two timing events recorded on
+    the compute stream around it. Benchmark instrumentation only.
     """
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, device: torch.device) -> None:
         self._runner = runner
-        self.samples: list[tuple[int, float]] = []  # (sampling rows, seconds), in step order
+        self._module = None if device.type == "cpu" else torch.get_device_module(device.type)
+        self.samples: list[tuple[int, float, tuple | None]] = []  # (sampling rows, host seconds, (start, end) events), in step order
 
     def stage(self, step):
         return self._runner.stage(step), len(step.sampled_seq_index)
 
     def run(self, staged, out):
         inner, rows = staged
+        events = None if self._module is None else (self._module.Event(enable_timing=True), self._module.Event(enable_timing=True))
+        if events:
+            events[0].record()  # run() is called inside the backend's compute-stream context
         start = time.perf_counter()
         result = self._runner.run(inner, out)
-        self.samples.append((rows, time.perf_counter() - start))
+        host_s = time.perf_counter() - start
+        if events:
+            events[1].record()
+        self.samples.append((rows, host_s, events))
         return result
+
+    def stage_seconds(self, since: int = 0) -> list[tuple[int, float]]:
+        """(sampling rows, device stage seconds) of steps ``since``..; waits for their timing events."""
+        stages = []
+        for rows, host_s, events in self.samples[since:]:
+            if events is not None:
+                events[1].synchronize()
+                host_s = max(host_s, events[0].elapsed_time(events[1]) / 1e3)
+            stages.append((rows, host_s))
+        return stages
 
 
 class InProcessTransport:

@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     sub = parser.add_subparsers(dest="comparison", metavar="COMPARISON", help="run a comparison instead of loading --target")
     dispatch = _comparison(sub, "compare-dispatch", "async versus sync dispatch: step period, tokens/s, period / max stage time")
-    dispatch.add_argument("--sim-step-ms", type=float, nargs="+", default=[2.0, 5.0, 20.0], metavar="MS", help="simulated step times (default 2 5 20)")
+    dispatch.add_argument("--sim-step-ms", type=float, nargs="*", default=[2.0, 5.0, 20.0], metavar="MS",
+                          help="simulated step times (default 2 5 20; none: only the real model)")
     dispatch.add_argument("--streams", type=int, default=32, dest="compare_streams", help="concurrent streams (default %(default)s)")
     dispatch.add_argument("--no-model", action="store_true", help="only the simulated device")
     split = _comparison(sub, "compare-split", "three services versus the same code in one process: TTFT, ITL, tokens/s")
@@ -61,6 +62,7 @@ def _comparison(sub, name: str, help_text: str) -> argparse.ArgumentParser:
     parser = sub.add_parser(name, help=help_text, description=help_text)
     parser.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="real-model dtype (default %(default)s)")
+    parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "npu"], help="where the real model runs (default %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per side; figures are medians (default %(default)s)")
     parser.add_argument("--output-len", type=int, default=128, dest="compare_output_len", metavar="TOKENS", help="output tokens per request (default %(default)s)")
     parser.add_argument("--input-len", type=int, default=64, dest="compare_input_len", metavar="TOKENS", help="prompt tokens per request (default %(default)s)")
@@ -118,7 +120,7 @@ def _run_comparison(args: argparse.Namespace) -> str:
     from stageserve.model_files import resolve_model_path
 
     common = compare.Common(
-        model_path=resolve_model_path(args.model), dtype=args.dtype, repeats=args.repeats, output_len=args.compare_output_len,
+        model_path=resolve_model_path(args.model), dtype=args.dtype, backend=args.backend, repeats=args.repeats, output_len=args.compare_output_len,
         input_len=args.compare_input_len, seed=args.compare_seed, out_dir=args.out,
     )
     if args.comparison == "compare-dispatch":

@@ -1,7 +1,8 @@
 """Peers run on the same machine, model file and prompt token ids, timed into the same `RequestRecord`s.
 
 - **transformers**: ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`` (the GGUF is
-  dequantized to ``dtype``, as stageserve's device does), ``generate`` on a static batch (all
+  dequantized to ``dtype``, as stageserve's device does; or an HF directory), on the same device
+  as stageserve's (``--backend``), ``generate`` on a static batch (all
   requests of the batch start together, greedy, exactly ``max_tokens`` new tokens). A streamer
   timestamps every decoding step, so TTFT and ITL are per step as for stageserve.
 - **llama-cpp-python** (``Llama`` API on the same GGUF, which llama.cpp computes in its own Q4_1
@@ -19,8 +20,9 @@ from pathlib import Path
 from stageserve.bench.metrics import RequestRecord
 
 
-def transformers_static_batches(model_path: Path, dtype: str, prompts: list[list[int]], max_tokens: int, batch: int, threads: int | None = None) -> list[RequestRecord]:
-    """Run ``prompts`` (token ids, equal lengths) in static batches of ``batch``; one record per prompt.
+def transformers_static_batches(model_path: Path, dtype: str, prompts: list[list[int]], max_tokens: int, batch: int,
+                                device: str = "cpu", threads: int | None = None) -> list[RequestRecord]:
+    """Run ``prompts`` (token ids, equal lengths) in static batches of ``batch`` on ``device``; one record per prompt.
 
     Raises:
         ImportError: transformers is not installed.
@@ -34,7 +36,9 @@ def transformers_static_batches(model_path: Path, dtype: str, prompts: list[list
         raise ValueError("transformers static batches need prompts of one length; use --input-len")
     if threads:
         torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name, dtype=getattr(torch, dtype)).eval()
+    source = {"pretrained_model_name_or_path": str(model_path.parent), "gguf_file": model_path.name} if model_path.is_file() \
+        else {"pretrained_model_name_or_path": str(model_path)}
+    model = AutoModelForCausalLM.from_pretrained(**source, dtype=getattr(torch, dtype)).to(device).eval()
 
     class StepTimes(BaseStreamer):
         """Arrival time of each generated step (``put`` is called once with the prompt, then once per step)."""
@@ -43,7 +47,7 @@ def transformers_static_batches(model_path: Path, dtype: str, prompts: list[list
             self.times: list[float] = []
             self._prompt_seen = False
 
-        def put(self, value) -> None:
+        def put(self, value) -> None:  # generate hands over host copies: the step has finished
             if self._prompt_seen:
                 self.times.append(time.perf_counter())
             self._prompt_seen = True
@@ -56,13 +60,13 @@ def transformers_static_batches(model_path: Path, dtype: str, prompts: list[list
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                            do_sample=False, pad_token_id=0, streamer=streamer)
 
-    generate(torch.tensor(prompts[:1]), 2)  # warm-up
+    generate(torch.tensor(prompts[:1], device=device), 2)  # warm-up
     records = []
     for first in range(0, len(prompts), batch):
         group = prompts[first : first + batch]
         streamer = StepTimes()
         sent = time.perf_counter()
-        generate(torch.tensor(group), max_tokens, streamer)
+        generate(torch.tensor(group, device=device), max_tokens, streamer)
         ended = time.perf_counter()
         for prompt in group:
             records.append(RequestRecord(sent_s=sent, chunks=[(t, 1) for t in streamer.times], ended_s=ended,

@@ -203,9 +203,13 @@ def real_model():
     return LlamaModel.from_path(embedded_model_path(), torch.float32, "cpu")
 
 
-def run_plans(model, dispatch: str) -> list[list[int]]:
+EMBEDDED_PROMPTS = ([1, 9690, 198, 2683, 359, 253, 5356], [1, 4093, 1050, 28, 6128, 314])
+
+
+def run_plans(model, dispatch: str, backend=None, prompts: tuple[list[int], list[int]] = EMBEDDED_PROMPTS) -> list[list[int]]:
     """Two sequences (one greedy, one seeded with top-p and a repetition penalty), prefill then 5 decode
-    steps with placeholders, through a fresh table/KV cache/executor; returns each step's sampled ids."""
+    steps with placeholders, through a fresh table/KV cache/executor on ``backend`` (default: a new
+    `CpuBackend`; closed at the end); returns each step's sampled ids."""
     from stageserve.device.kv_cache import PagedKVCache
     from stageserve.device.sampler import MAX_LOGPROBS, validate_sampling_params
     from stageserve.device.sequence_table import SequenceTable
@@ -213,13 +217,13 @@ def run_plans(model, dispatch: str) -> list[list[int]]:
     from stageserve.device.step_runner import ModelStepRunner
     from stageserve.v1 import common_pb2, device_pb2
 
+    backend = backend or CpuBackend()
     vocab = model.config.vocab_size
-    kv = PagedKVCache(model.config, 16, 16, torch.float32, "cpu")
-    table = SequenceTable(4, vocab, 16, torch.device("cpu"))
-    executor = StepExecutor(CpuBackend(), ModelStepRunner(model, kv, table), pipeline_depth=2, max_rows=4,
+    kv = PagedKVCache(model.config, 16, 16, model.dtype, backend.device)
+    table = SequenceTable(4, vocab, 16, backend.device)
+    executor = StepExecutor(backend, ModelStepRunner(model, kv, table), pipeline_depth=2, max_rows=4,
                             max_top_logprobs=MAX_LOGPROBS, dispatch=dispatch)
     limits = PlanLimits(max_num_seqs=4, vocab_size=vocab, num_blocks=16, block_size=16, max_step_tokens=256, max_model_len=256)
-    prompts = [[1, 9690, 198, 2683, 359, 253, 5356], [1, 4093, 1050, 28, 6128, 314]]
     samplings = [
         common_pb2.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.0),
         common_pb2.SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.3, seed=7, logprobs=2),
@@ -257,7 +261,7 @@ def test_async_and_sync_dispatch_give_identical_tokens(real_model):
     from stageserve.device.kv_cache import PagedKVCache
     from stageserve.device.model import build_forward_batch
 
-    ids, reference = [1, 9690, 198, 2683, 359, 253, 5356], []
+    ids, reference = list(EMBEDDED_PROMPTS[0]), []
     kv = PagedKVCache(real_model.config, 1, 16, torch.float32, "cpu")
     for _ in range(6):
         logits = real_model.forward(build_forward_batch([(ids, 0, [0], True)], 16, "cpu"), kv)

@@ -1,0 +1,45 @@
+"""A tiny randomly initialised Llama checkpoint with its own byte-level tokenizer, written offline.
+
+For tests that need a whole model directory (weights, config, tokenizer) where the embedded GGUF is
+not available or too slow, e.g. on an accelerator machine: ``config.json`` + ``model.safetensors``
+from transformers' ``LlamaForCausalLM`` and a byte-level BPE tokenizer with no merges (256 byte
+tokens + ``<|endoftext|>``), so any text round-trips and nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+EOS = "<|endoftext|>"
+VOCAB_SIZE = 257  # 256 byte tokens + EOS
+
+
+def write_tiny_checkpoint(directory: Path, seed: int = 0) -> Path:
+    """Write the checkpoint into ``directory`` (created if needed); return ``directory``.
+
+    The model: 2 layers, hidden 64, 4 query heads over 1 KV head (GQA), tied embeddings,
+    ``initializer_range`` 0.2 so logits are well separated and greedy choices are stable across
+    devices in float32.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    directory.mkdir(parents=True, exist_ok=True)
+    byte_symbols = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {symbol: index for index, symbol in enumerate(sorted(byte_symbols))}
+    vocab[EOS] = len(vocab)
+    assert len(vocab) == VOCAB_SIZE
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=EOS)
+    fast.save_pretrained(directory)
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.2,
+                         bos_token_id=None, eos_token_id=vocab[EOS], pad_token_id=vocab[EOS])
+    LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
