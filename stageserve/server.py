@@ -129,15 +129,23 @@ class ServiceServer:
         """Ask :meth:`run_until_stopped` to drain and return (what SIGTERM/SIGINT do)."""
         self._stop_requested.set()
 
+    def handle_stop_signals(self) -> None:
+        """Make SIGTERM/SIGINT call :meth:`request_stop`. Main thread only (Python's rule for handlers)."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._stop_requested.set())
+
     def run_until_stopped(self, drain: Callable[[], None], grace_s: float = 5.0) -> None:
         """Block until SIGTERM/SIGINT (or :meth:`request_stop`), then drain and stop.
 
         Order: readiness NOT_SERVING (load balancers stop sending), ``drain()`` (the service
         finishes or fails its in-flight work within its drain timeout), write the trace window
-        still recording, then ``server.stop(grace_s)``.
+        still recording, then ``server.stop(grace_s)``. On the main thread this installs the
+        signal handlers itself; a service that calls it from another thread calls
+        :meth:`handle_stop_signals` on the main thread first (and keeps that thread returning to
+        Python at least every 0.2 s, so the handlers run).
         """
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self._stop_requested.set())
+        if threading.current_thread() is threading.main_thread():
+            self.handle_stop_signals()
         # Wait with a timeout: a signal lands on whichever thread the kernel picks (often a gRPC
         # worker), and Python runs its handler only when the main thread next runs bytecode; an
         # untimed wait would never return to run it.

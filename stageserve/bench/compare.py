@@ -132,7 +132,7 @@ class InProcessSide:
 
     def run(self, workload: Workload, load: Load, progress: bool = True) -> RunResult:
         mark = self.pipeline.steps_run()
-        records = asyncio.run(run_load(lambda: InProcessTransport(self.pipeline), workload, load, progress))
+        records = self.pipeline.serve_while(lambda: asyncio.run(run_load(lambda: InProcessTransport(self.pipeline), workload, load, progress)))
         step_ms = self.pipeline.device_step_ms(load.streams or 1, since=mark)
         return RunResult(build_report(records, _config(self.name, workload, load)), None, step_ms)
 

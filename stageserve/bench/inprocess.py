@@ -14,7 +14,9 @@ gRPC's threads and the three processes' separate interpreters (the baseline shar
 
 Threads: the engine's step loop; ``inprocess-device`` (the device's Execute handler: decode,
 wait for a slot, admit, submit); ``inprocess-reclaim`` (the device-link loop of reclaim); the
-executor's compute thread and completion lane; one thread per open request stream.
+executor's completion lane; one thread per open request stream. On the cpu backend the steps run
+on the thread that calls `InProcessPipeline.serve_while` (the main thread), as the device service
+runs them on its main thread; so the load goes inside ``serve_while``.
 """
 
 from __future__ import annotations
@@ -25,13 +27,16 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from stageserve.bench.loadgen import StreamFailed
 from stageserve.device import main as device_main
+from stageserve.device.backends import create_backend
 from stageserve.device.service import DeviceCore
 from stageserve.device.step_plan import PlanError, decode_plan
 from stageserve.prepare.api import stream_chunk
@@ -44,6 +49,7 @@ from stageserve.tokenizer import load_tokenizer
 from stageserve.v1 import device_pb2, prepare_pb2
 
 _SESSION = 1
+T = TypeVar("T")
 _POLL_S = 0.1
 
 
@@ -64,7 +70,10 @@ class InProcessPipeline:
                  max_waiting: int = 256, completion_timeout_s: float = 30.0) -> None:
         parser = argparse.ArgumentParser()
         device_main.add_arguments(parser)
-        self.core: DeviceCore = device_main.build_core(parser.parse_args(list(device_args)), model_path)
+        args = parser.parse_args(list(device_args))
+        backend = create_backend("cpu", args.threads, on_caller=True) if args.backend == "cpu" else None
+        build = partial(device_main.build_core, args, model_path, backend=backend)
+        self.core: DeviceCore = backend.serve_while(build) if backend is not None else build()
         self.tokenizer = load_tokenizer(model_path)
         self.engine = Engine(max_prefill_chunk=max_prefill_chunk, max_waiting=max_waiting)
         self._handler = CompletionHandler(self.core.facts, IncrementalDetokenizer(decoder_for(self.tokenizer)), completion_timeout_s)
@@ -82,8 +91,12 @@ class InProcessPipeline:
             thread.start()
         self.engine.open_session(_SESSION, self.core.facts, self._plans.put)
 
+    def serve_while(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (which sends requests) while this thread runs the device's steps; return its result."""
+        return self.core.executor.backend.serve_while(fn)
+
     def generate_stream(self, request: prepare_pb2.GenerateRequest) -> Iterator[prepare_pb2.GenerateStreamResponse]:
-        """What ``Generation.GenerateStream`` yields for ``request``.
+        """What ``Generation.GenerateStream`` yields for ``request``; iterate it inside `serve_while`.
 
         Raises:
             RequestError: the status the RPC would end with (validation, queue full, failed step).
@@ -108,6 +121,9 @@ class InProcessPipeline:
 
     def close(self) -> None:
         """Stop the threads and the executor (requests still running fail with ``UNAVAILABLE``)."""
+        self.serve_while(self._close)
+
+    def _close(self) -> None:
         self.engine.close_session(_SESSION, "the in-process pipeline is closing")
         self.engine.stop()
         self._stopping.set()

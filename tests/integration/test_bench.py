@@ -58,7 +58,7 @@ def test_inprocess_baseline_matches_the_services(sim_pipeline: Pipeline):
         served = prepare_pb2_grpc.GenerationStub(channel).Generate(request, timeout=60)
     pipeline = InProcessPipeline(embedded_model_path(), [*SIM_ARGS, "--max-model-len", "256", "--kv-cache-memory", "256MiB"])
     try:
-        chunks = list(pipeline.generate_stream(request))
+        chunks = pipeline.serve_while(lambda: list(pipeline.generate_stream(request)))
     finally:
         pipeline.close()
     assert [t for c in chunks for t in c.token_ids] == list(served.token_ids)

@@ -1,0 +1,59 @@
+"""`CpuBackend` with ``on_caller``: steps run on the thread inside `serve_while` (the device
+service's main thread), in launch order, with errors and results handed back to that thread."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from stageserve.device.backends import CpuBackend
+
+
+def test_steps_run_on_the_thread_inside_serve_while():
+    backend = CpuBackend(on_caller=True)
+    ran_on: list[str] = []
+
+    def control() -> str:
+        completions = [backend.launch(lambda i=i: ran_on.append(f"{i}:{threading.current_thread().name}")) for i in range(3)]
+        assert all(c.wait(10) for c in completions)
+        return threading.current_thread().name
+
+    control_thread = backend.serve_while(control)
+    here = threading.current_thread().name
+    assert ran_on == [f"0:{here}", f"1:{here}", f"2:{here}"]  # in launch order, on this thread
+    assert control_thread != here
+    backend.close()
+
+
+def test_a_step_launched_outside_serve_while_waits_for_it():
+    backend = CpuBackend(on_caller=True)
+    completion = backend.launch(lambda: None)
+    assert completion.wait(0.05) is False  # nobody runs steps yet
+    assert backend.serve_while(lambda: completion.wait(10)) is True
+    backend.close()
+
+
+def test_serve_while_reraises_the_error_of_its_function_and_steps_keep_theirs():
+    backend = CpuBackend(on_caller=True)
+
+    def failing_step() -> None:
+        raise ValueError("step failed")
+
+    completion = backend.launch(failing_step)
+    with pytest.raises(ValueError, match="step failed"):
+        backend.serve_while(lambda: completion.wait(10))
+
+    def control() -> None:
+        raise KeyError("control failed")
+
+    with pytest.raises(KeyError, match="control failed"):
+        backend.serve_while(control)
+    backend.close()
+
+
+def test_without_on_caller_serve_while_just_calls():
+    backend = CpuBackend()
+    assert backend.serve_while(lambda: threading.current_thread().name) == threading.current_thread().name
+    assert backend.launch(lambda: None).wait(10)
+    backend.close()
