@@ -49,8 +49,8 @@ from stageserve.tokenizer import load_tokenizer
 from stageserve.v1 import device_pb2, prepare_pb2
 
 _SESSION = 1
-T = TypeVar("T")
 _POLL_S = 0.1
+T = TypeVar("T")
 
 
 class InProcessPipeline:
