@@ -29,6 +29,8 @@ from stageserve.v1 import prepare_pb2, prepare_pb2_grpc, reclaim_pb2
 log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
+# A call that ends this close (seconds) to its deadline is counted as DEADLINE_EXCEEDED, not CANCELLED.
+DEADLINE_SLACK_S = 0.25
 
 
 def stream_chunk(request_id: str, event: reclaim_pb2.SequenceEvent) -> prepare_pb2.GenerateStreamResponse:
@@ -158,4 +160,8 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
             log.info("failed with %s: %s", error.code.name, error.message, extra={REQUEST_ID: handle.request.request_id})
             context.abort(error.code, error.message)
         finally:
-            observer.on_client_gone()  # ignored after a terminal; else the client left first
+            # Ignored after a terminal; else the client left first. A client whose deadline passes
+            # cancels the call a little before the server's copy of the deadline (the server's
+            # starts when the request arrives), hence the slack.
+            remaining = context.time_remaining()
+            observer.on_client_gone(deadline_passed=remaining is not None and remaining < DEADLINE_SLACK_S)

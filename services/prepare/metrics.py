@@ -144,9 +144,10 @@ class RequestObserver:
         """The request ended with the gRPC status ``code_name`` (e.g. ``UNAVAILABLE``)."""
         self._end(ERROR_LABEL, code_name)
 
-    def on_client_gone(self) -> None:
-        """The client cancelled, disconnected or hit its deadline before the terminal message."""
-        self._end("abort", "CANCELLED")
+    def on_client_gone(self, deadline_passed: bool = False) -> None:
+        """The client cancelled or disconnected (``CANCELLED``), or its deadline passed
+        (``DEADLINE_EXCEEDED``), before the terminal message."""
+        self._end("abort", "DEADLINE_EXCEEDED" if deadline_passed else "CANCELLED")
 
     def _end(self, finish_reason: str, code_name: str) -> None:
         if self._ended:

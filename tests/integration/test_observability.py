@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.request
 from collections import defaultdict
 from pathlib import Path
@@ -256,3 +257,26 @@ def test_sync_dispatch_trace_is_labelled_blocking_span_and_logs_are_json(tmp_pat
     assert {line["service"] for line in lines} == {"prepare"}
     about_requests = [line for line in lines if line.get("request_id", "").startswith("sync-")]
     assert {line["request_id"] for line in about_requests} == {f"sync-{i}" for i in range(4)}
+
+
+def test_cancel_and_deadline_are_counted_apart(traced, startup_window):
+    """A client cancel ends as ``abort``/``CANCELLED``, a passed deadline as ``abort``/``DEADLINE_EXCEEDED``."""
+    pipeline, _ = traced  # after the start-up trace window is written, so these requests stay out of it
+
+    def counts(code: str) -> float:
+        return metric(scrape(pipeline.prepare), "stageserve_requests_total", finish_reason="abort", code=code)
+
+    before = counts("CANCELLED"), counts("DEADLINE_EXCEEDED")
+    request = prepare_pb2.GenerateRequest(prompt="Count to a hundred.", max_tokens=200, ignore_eos=True)
+    with grpc.insecure_channel(pipeline.prepare.address) as channel:
+        stub = prepare_pb2_grpc.GenerationStub(channel)
+        stream = stub.GenerateStream(request)
+        next(stream)
+        stream.cancel()
+        with pytest.raises(grpc.RpcError) as late:
+            list(stub.GenerateStream(request, timeout=1.0))
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 10
+    while (counts("CANCELLED"), counts("DEADLINE_EXCEEDED")) != (before[0] + 1, before[1] + 1) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the handlers count their ends just after the client sees them
+    assert (counts("CANCELLED"), counts("DEADLINE_EXCEEDED")) == (before[0] + 1, before[1] + 1)
