@@ -92,9 +92,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     path = args.model or embedded_model_path()
+    if args.device.startswith("npu"):
+        import torch_npu  # noqa: F401 - registers the npu device type
     device = torch.device(args.device)
-    if device.type == "npu":
-        import torch_npu  # noqa: F401 - registers the npu device
     ours = LlamaModel.from_path(path, dtype, device)
     from transformers import AutoModelForCausalLM
 

@@ -1,8 +1,8 @@
 """Write a randomly initialised Hugging Face checkpoint shaped like a given model, with its tokenizer.
 
-For speed measurements where the real weights cannot travel (the embedded GGUF is 92 MB; a lent
-accelerator machine takes 64 MiB of files): a step's time depends on the shapes, not on the
-weight values, so a random checkpoint of the same config times the same. Greedy text from it is
+For speed measurements on a machine the real weights cannot be copied to (no network, little room
+for files; the embedded GGUF is 92 MB): a step's time depends on the shapes, not on the weight
+values, so a random checkpoint of the same config times the same. Greedy text from it is
 meaningless; benchmarks use ``ignore_eos`` with a fixed output length.
 
 Usage::

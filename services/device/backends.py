@@ -91,7 +91,8 @@ class Backend(ABC):
         """Block until all launched work has finished (start-up and shutdown only, never per step)."""
 
     def close(self) -> None:
-        """Stop accepting work and release the backend's threads; launched work finishes first."""
+        """Stop accepting work and release the backend's threads; launched work finishes first
+        (on an ``on_caller`` cpu backend: if a thread is inside `serve_while` to run it)."""
 
     def serve_while(self, fn: Callable[[], T]) -> T:
         """Return ``fn()``; a backend whose steps run on the calling thread runs them meanwhile."""
@@ -138,7 +139,8 @@ class CpuBackend(Backend):
     def serve_while(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on a helper thread and the steps on this one until ``fn`` returns; return its result.
 
-        Only for ``on_caller`` backends (else this is ``fn()``). ``fn``'s exception is re-raised here.
+        Only for ``on_caller`` backends (else this is ``fn()``). ``fn``'s exception is re-raised here;
+        a ``KeyboardInterrupt`` raised on this thread fails the running step and propagates.
         """
         if self._thread is not None:
             return fn()
@@ -154,7 +156,8 @@ class CpuBackend(Backend):
                 done.set()
                 self._queue.put(None)  # wake the loop
 
-        threading.Thread(target=control, name="device-control", daemon=True).start()
+        helper = threading.Thread(target=control, name="device-control", daemon=True)
+        helper.start()
         while not done.is_set():
             try:
                 item = self._queue.get(timeout=self._IDLE_WAKE_S)
@@ -163,6 +166,7 @@ class CpuBackend(Backend):
             if item is not None:
                 self._run(*item)
                 del item
+        helper.join()  # its OpenMP workers, if any, are gone before the caller goes on
         ok, value = outcome[0]
         if not ok:
             raise value
@@ -184,6 +188,8 @@ class CpuBackend(Backend):
                 run()
         except BaseException as exc:  # noqa: BLE001 - every failure belongs to its step
             future.set_exception(exc)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise  # Ctrl-C on the main thread stops the caller too
         else:
             future.set_result(None)
 

@@ -109,10 +109,11 @@ def run(args: argparse.Namespace) -> int:
     from stageserve.device.backends import create_backend
 
     backend = create_backend("cpu", args.threads, on_caller=True)
-    server.handle_stop_signals()
     core = backend.serve_while(lambda: _load(args, model_path, server, tracer, metrics, backend))
     if isinstance(core, int):
         return core
+    # Only now: a signal during loading keeps its default action and stops the process at once.
+    server.handle_stop_signals()
     return backend.serve_while(lambda: _serve(args, server, servicer, tracer, metrics, core))
 
 

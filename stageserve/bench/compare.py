@@ -219,7 +219,11 @@ def _jsonable(value: Any) -> Any:
 
 # ---- async versus sync dispatch ----------------------------------------------------------------------
 def compare_dispatch(common: Common, sim_step_ms: list[float], streams: int, include_model: bool) -> str:
-    """Async versus sync dispatch (see the module docstring); returns the Markdown table."""
+    """Async versus sync dispatch (see the module docstring); returns the Markdown table.
+
+    Raises:
+        ValueError: no simulated step time and no model: nothing to compare.
+    """
     tokenize = local_tokenize(common.model_path)
     workload = _workload(common, tokenize)
     load = Load(streams=streams, requests=streams)
@@ -227,6 +231,8 @@ def compare_dispatch(common: Common, sim_step_ms: list[float], streams: int, inc
     cases = [(f"sim {ms:g} ms", ["--backend", "sim", "--sim-step-ms", str(ms)], ms) for ms in sim_step_ms]
     if include_model:
         cases.append((f"{common.backend} model {common.dtype}", common.model_device_args(), None))
+    if not cases:
+        raise ValueError("nothing to compare: give --sim-step-ms values or leave out --no-model")
     rows, raw = [], {}
     with tempfile.TemporaryDirectory(prefix="stageserve-bench-") as tmp:
         for label, device_args, stage_ms in cases:

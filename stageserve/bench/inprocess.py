@@ -116,7 +116,7 @@ class InProcessPipeline:
         return times[len(times) // 2] * 1e3 if times else None
 
     def steps_run(self) -> int:
-        """Steps whose device work has run so far (a mark for `device_step_ms`)."""
+        """Steps whose device work has run (on cuda/npu: been enqueued) so far; a mark for `device_step_ms`."""
         return len(self._timed_runner.samples)
 
     def close(self) -> None:

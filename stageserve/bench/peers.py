@@ -36,6 +36,8 @@ def transformers_static_batches(model_path: Path, dtype: str, prompts: list[list
         raise ValueError("transformers static batches need prompts of one length; use --input-len")
     if threads:
         torch.set_num_threads(threads)
+    if device.startswith("npu"):
+        import torch_npu  # noqa: F401 - registers the npu device type
     source = {"pretrained_model_name_or_path": str(model_path.parent), "gguf_file": model_path.name} if model_path.is_file() \
         else {"pretrained_model_name_or_path": str(model_path)}
     model = AutoModelForCausalLM.from_pretrained(**source, dtype=getattr(torch, dtype)).to(device).eval()

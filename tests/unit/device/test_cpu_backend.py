@@ -57,3 +57,18 @@ def test_without_on_caller_serve_while_just_calls():
     assert backend.serve_while(lambda: threading.current_thread().name) == threading.current_thread().name
     assert backend.launch(lambda: None).wait(10)
     backend.close()
+
+
+def test_ctrl_c_during_a_step_fails_the_step_and_stops_the_caller():
+    """A KeyboardInterrupt on the calling (main) thread is not swallowed as a step error."""
+    backend = CpuBackend(on_caller=True)
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    completion = backend.launch(interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        backend.serve_while(lambda: completion.wait(10))
+    with pytest.raises(KeyboardInterrupt):
+        completion.wait(0)  # the step's own waiters see it too
+    backend.close()
