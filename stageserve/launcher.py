@@ -27,6 +27,9 @@ SERVICE_NAMES = {
     "reclaim": "stageserve.v1.Reclaim",
 }
 
+# How long `up` lets the services finish the shutdown a Ctrl-C started before it sends SIGTERM (seconds).
+CTRL_C_GRACE_S = 5.0
+
 
 class ServiceProcess:
     """One stageserve service running as a child process (``python -m stageserve ROLE ...``).
@@ -126,10 +129,20 @@ class ServiceProcess:
                 time.sleep(0.1)
         raise RuntimeError(f"{self.role} was not ready within {timeout_s:.0f} s ({self._log_hint})")
 
-    def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM, wait up to ``timeout_s``, then SIGKILL. Returns the exit code (None if never started)."""
+    def stop(self, timeout_s: float = 30.0, exiting_grace_s: float = 0.0) -> int | None:
+        """SIGTERM, wait up to ``timeout_s``, then SIGKILL. Returns the exit code (None if never started).
+
+        ``exiting_grace_s``: first wait this long for a process that is already stopping on its own
+        (after a terminal's Ctrl-C reached the whole process group), so that no SIGTERM lands in
+        the middle of its shutdown.
+        """
         if self.process is None:
             return None
+        if exiting_grace_s > 0:
+            try:
+                self.process.wait(exiting_grace_s)
+            except subprocess.TimeoutExpired:
+                pass
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -157,9 +170,13 @@ class Pipeline:
     def processes(self) -> list[ServiceProcess]:
         return [self.prepare, self.reclaim, self.device]
 
-    def stop(self, timeout_s: float = 30.0) -> dict[str, int | None]:
-        """Stop prepare, reclaim, then device (the order in which nothing dials a stopped peer)."""
-        return {p.role: p.stop(timeout_s) for p in self.processes}
+    def stop(self, timeout_s: float = 30.0, exiting_grace_s: float = 0.0) -> dict[str, int | None]:
+        """Stop prepare, reclaim, then device (the order in which nothing dials a stopped peer).
+
+        ``exiting_grace_s`` (see `ServiceProcess.stop`) is one window for all three, not one each.
+        """
+        grace_ends = time.monotonic() + exiting_grace_s
+        return {p.role: p.stop(timeout_s, max(0.0, grace_ends - time.monotonic())) for p in self.processes}
 
 
 def start_pipeline(
@@ -245,8 +262,14 @@ def run(args: argparse.Namespace) -> int:
     device_args = [*common_args, "--metrics-port", device_metrics, "--dtype", args.dtype, "--backend", args.backend, "--dispatch", args.dispatch,
                    "--pipeline-depth", str(args.pipeline_depth)]
     stop = threading.Event()
+    interrupted: list[bool] = []  # True for SIGINT: Ctrl-C, which the terminal also sent to the three services
+
+    def on_signal(signum, _frame) -> None:
+        interrupted.append(signum == signal.SIGINT)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     with tempfile.TemporaryDirectory(prefix="stageserve-up-") as tmp:
         print("starting device, reclaim and prepare (loading the model and warming up)...", file=sys.stderr, flush=True)
         try:
@@ -281,5 +304,5 @@ def run(args: argparse.Namespace) -> int:
                     break
             return code
         finally:
-            codes = pipeline.stop()
+            codes = pipeline.stop(exiting_grace_s=CTRL_C_GRACE_S if any(interrupted) else 0.0)
             print(f"stopped: {codes}", file=sys.stderr)
