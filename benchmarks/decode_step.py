@@ -27,7 +27,7 @@ import torch
 
 from stageserve.device.kv_cache import PagedKVCache
 from stageserve.device.model import LlamaModel, build_forward_batch
-from stageserve.model_files import embedded_model_path
+from stageserve.model_files import embedded_model_path, transformers_source
 
 BLOCK_SIZE = 16
 
@@ -98,8 +98,7 @@ def main() -> None:
     ours = LlamaModel.from_path(path, dtype, device)
     from transformers import AutoModelForCausalLM
 
-    source = {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name} if path.is_file() else {"pretrained_model_name_or_path": str(path)}
-    hf = AutoModelForCausalLM.from_pretrained(**source, dtype=dtype).to(device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(**transformers_source(path), dtype=dtype).to(device).eval()
     print(f"model {path.name}, {args.device}, dtype {args.dtype}, threads {args.threads}, context {args.context}, {args.steps} decode steps, median of {args.repeats}")
     print("| batch | stageserve step ms | stageserve tokens/s | transformers step ms | transformers tokens/s | ratio |")
     print("|---:|---:|---:|---:|---:|---:|")

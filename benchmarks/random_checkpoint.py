@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from stageserve.model_files import embedded_model_path, transformers_source
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -30,10 +32,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.like is None:
-        from stageserve.model_files import embedded_model_path
-
         args.like = embedded_model_path()
-    source = {"pretrained_model_name_or_path": str(args.like.parent), "gguf_file": args.like.name} if args.like.is_file() else {"pretrained_model_name_or_path": str(args.like)}
+    source = transformers_source(args.like)
     config = AutoConfig.from_pretrained(**source, local_files_only=True)
     AutoTokenizer.from_pretrained(**source, local_files_only=True).save_pretrained(args.out)
     if args.config_only:

@@ -47,3 +47,11 @@ def resolve_model_path(model: str | None) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"--model {model!r}: no such file or directory (give a .gguf file or a Hugging Face model directory)")
     return path
+
+
+def transformers_source(path: Path) -> dict[str, str]:
+    """``from_pretrained`` keyword arguments for ``path``: a ``.gguf`` file (its folder plus
+    ``gguf_file``) or a Hugging Face model directory."""
+    if path.is_file():
+        return {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
+    return {"pretrained_model_name_or_path": str(path)}

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from stageserve.model_files import transformers_source
+
 
 def load_tokenizer(model_path: Path) -> PreTrainedTokenizerBase:
     """Load the tokenizer of a GGUF file or a Hugging Face model directory.
@@ -25,10 +27,6 @@ def load_tokenizer(model_path: Path) -> PreTrainedTokenizerBase:
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        if model_path.is_file():
-            return AutoTokenizer.from_pretrained(
-                str(model_path.parent), gguf_file=model_path.name, local_files_only=True
-            )
-        return AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+        return AutoTokenizer.from_pretrained(**transformers_source(model_path), local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"cannot load a tokenizer from {model_path}: {exc}") from exc

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from stageserve.bench.metrics import RequestRecord
+from stageserve.model_files import transformers_source
 
 
 def transformers_static_batches(model_path: Path, dtype: str, prompts: list[list[int]], max_tokens: int, batch: int,
@@ -38,9 +39,7 @@ def transformers_static_batches(model_path: Path, dtype: str, prompts: list[list
         torch.set_num_threads(threads)
     if device.startswith("npu"):
         import torch_npu  # noqa: F401 - registers the npu device type
-    source = {"pretrained_model_name_or_path": str(model_path.parent), "gguf_file": model_path.name} if model_path.is_file() \
-        else {"pretrained_model_name_or_path": str(model_path)}
-    model = AutoModelForCausalLM.from_pretrained(**source, dtype=getattr(torch, dtype)).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(**transformers_source(model_path), dtype=getattr(torch, dtype)).to(device).eval()
 
     class StepTimes(BaseStreamer):
         """Arrival time of each generated step (``put`` is called once with the prompt, then once per step)."""
