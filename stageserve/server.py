@@ -1,6 +1,11 @@
 """Server bootstrap shared by the three services: gRPC server, health, reflection, port report,
 SIGTERM drain.
 
+:class:`ServiceServer` is grpcio's synchronous server (a thread per running RPC; device and
+reclaim). :class:`AioServiceServer` is the same server on ``grpc.aio``, its event loop on a thread of
+its own (prepare: a coroutine per open stream, where a handler thread costs two GIL hand-offs per
+streamed message); the rest of the process stays threaded.
+
 Follows grpc's own Python examples: the library's health servicer is set to SERVING only when
 the service is ready; ``server.stop(grace)`` on shutdown; server reflection so that
 ``grpcurl -plaintext HOST:PORT list`` works without .proto files.
@@ -18,13 +23,15 @@ defined once, in :func:`add_service_arguments`.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import inspect
 import logging
 import signal
 import threading
 from collections.abc import Mapping
 from concurrent import futures
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -87,33 +94,31 @@ class ServiceServer:
         profile_peers: Mapping[str, str] | None = None,
     ) -> None:
         self.service_name = service_name
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
-        self.health = health.HealthServicer(experimental_non_blocking=True)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.server, self.health = self._call(self._new_server, futures.ThreadPoolExecutor(max_workers=max_workers))
+        self._call(health_pb2_grpc.add_HealthServicer_to_server, self.health, self.server)
         self._tracer = tracer
         if tracer is not None:
-            admin_pb2_grpc.add_AdminServicer_to_server(ProfileServicer(tracer, profile_peers), self.server)
+            self._call(admin_pb2_grpc.add_AdminServicer_to_server, ProfileServicer(tracer, profile_peers), self.server)
         self._port_file = port_file
         self._host = host
         try:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
+            self.port = self._call(self.server.add_insecure_port, f"{host}:{port}")
         except RuntimeError as exc:
             raise RuntimeError(f"cannot listen on {host}:{port}: {exc}") from exc
         self._stop_requested = threading.Event()
 
     def add_servicer(self, add_fn: Callable[[object, grpc.Server], None], servicer: object) -> None:
         """Register a servicer (``add_XServicer_to_server``, servicer instance)."""
-        add_fn(servicer, self.server)
+        self._call(add_fn, servicer, self.server)
 
     def start(self, reflected_services: list[str]) -> None:
         """Start serving: liveness SERVING, readiness NOT_SERVING, reflection for the given services."""
         admin = [ADMIN_SERVICE_NAME] if self._tracer is not None else []
-        reflection.enable_server_reflection(
-            [*reflected_services, *admin, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
-        )
-        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        self.health.set(self.service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.server.start()
+        self._call(reflection.enable_server_reflection,
+                   [*reflected_services, *admin, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        self._call(self.health.set, "", health_pb2.HealthCheckResponse.SERVING)
+        self._call(self.health.set, self.service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._call(self.server.start)
         if self._port_file is not None:
             tmp = self._port_file.with_suffix(".tmp")
             tmp.write_text(str(self.port))
@@ -123,7 +128,13 @@ class ServiceServer:
     def set_ready(self, ready: bool) -> None:
         """Set readiness (the service name's health status)."""
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-        self.health.set(self.service_name, status)
+        self._call(self.health.set, self.service_name, status)
+
+    def stop(self, grace_s: float | None) -> None:
+        """Health NOT_SERVING for good, then stop the server: new RPCs are refused, running ones get
+        ``grace_s`` seconds (``None``: none) before they are cancelled. Returns once stopped."""
+        self._call(self.health.enter_graceful_shutdown)
+        self.server.stop(grace_s).wait()
 
     def request_stop(self) -> None:
         """Ask :meth:`run_until_stopped` to drain and return (what SIGTERM/SIGINT do)."""
@@ -139,7 +150,7 @@ class ServiceServer:
 
         Order: readiness NOT_SERVING (load balancers stop sending), ``drain()`` (the service
         finishes or fails its in-flight work within its drain timeout), write the trace window
-        still recording, then ``server.stop(grace_s)``. On the main thread this installs the
+        still recording, then :meth:`stop` with ``grace_s``. On the main thread this installs the
         signal handlers itself; a service that calls it from another thread calls
         :meth:`handle_stop_signals` on the main thread first (and keeps that thread returning to
         Python at least every 0.2 s, so the handlers run).
@@ -155,10 +166,16 @@ class ServiceServer:
         self.set_ready(False)
         drain()
         self._write_trace_window()
-        self.health.enter_graceful_shutdown()
-        self.server.stop(grace_s).wait()
+        self.stop(grace_s)
         log.info("%s: stopped", self.service_name)
 
+    def _new_server(self, pool: futures.ThreadPoolExecutor) -> tuple[Any, Any]:
+        """The gRPC server and its health servicer; ``pool`` runs the RPC handlers."""
+        return grpc.server(pool, options=SERVER_OPTIONS), health.HealthServicer(experimental_non_blocking=True)
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` where the server's objects may be used (here: any thread)."""
+        return fn(*args)
 
     def _write_trace_window(self) -> None:
         if self._tracer is None or not self._tracer.enabled:
@@ -167,6 +184,70 @@ class ServiceServer:
             log.info("trace window written to %s", self._tracer.stop())
         except (OSError, RuntimeError) as exc:  # a StopProfile may have raced us; never block the shutdown
             log.warning("trace window not written: %s", exc)
+
+
+class AioServiceServer(ServiceServer):
+    """:class:`ServiceServer` on ``grpc.aio``: the servicers' ``async def`` handlers run as
+    coroutines on one event loop, which runs on a thread of its own (``thread_name``), so the
+    caller's threads (and the main thread's signal wait in :meth:`run_until_stopped`) stay as they are.
+
+    Same arguments and health, reflection, Admin, port file and shutdown as :class:`ServiceServer`,
+    except ``max_workers``: the threads of the loop's default executor, which also runs synchronous
+    handlers (Admin's, which dial peers; ``grpc.aio``'s ``migration_thread_pool``) and whatever a
+    handler hands to ``loop.run_in_executor(None, ...)``. Every method may be called from any thread
+    but the loop's; the server's objects are used on the loop only (``grpc.aio`` binds them to it).
+
+    Raises:
+        RuntimeError: the address could not be bound.
+    """
+
+    def __init__(self, *args: Any, thread_name: str = "grpc-aio", **kwargs: Any) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._run_loop, name=thread_name, daemon=True)
+        self._loop_thread.start()
+        try:
+            super().__init__(*args, **kwargs)
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def stop(self, grace_s: float | None) -> None:
+        """As :meth:`ServiceServer.stop`, then end the event loop and its thread."""
+        self._call(self.health.enter_graceful_shutdown)
+        self._call(self.server.stop, grace_s)
+        self._stop_loop()
+
+    def _new_server(self, pool: futures.ThreadPoolExecutor) -> tuple[Any, Any]:
+        self.loop.set_default_executor(pool)
+        return grpc.aio.server(pool, options=SERVER_OPTIONS), health.aio.HealthServicer()
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the loop (awaited there if it returns an awaitable); blocks until done.
+
+        Raises:
+            RuntimeError: called on the loop's own thread (it would wait for itself).
+        """
+        if threading.current_thread() is self._loop_thread:
+            raise RuntimeError(f"{getattr(fn, '__qualname__', fn)} must not be called from the gRPC event loop's thread")
+
+        async def call() -> Any:
+            result = fn(*args)
+            return await result if inspect.isawaitable(result) else result
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result()
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+    def _stop_loop(self) -> None:
+        """End the loop and its thread; closing the loop shuts its default executor down."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._loop_thread.join()
 
 
 def add_service_arguments(parser: argparse.ArgumentParser, default_port: int, default_metrics_port: int) -> None:

@@ -7,8 +7,9 @@ places each request on one of them. Threads and who calls what (everything share
 - the step loop thread (:meth:`Engine._run`): waits for a credit and work, schedules, sends;
 - the links' reader threads: :meth:`Engine.on_receipt`, :meth:`Engine.on_step_events`;
 - the lane (``lanes.py``): :meth:`Engine.open_session` / :meth:`Engine.close_session`;
-- RPC handler threads (through the router): :meth:`Engine.submit`, :meth:`Engine.abort`,
-  :meth:`Engine.cancel`, figures.
+- the RPC handlers on prepare's gRPC event loop thread (through the router): :meth:`Engine.submit`,
+  :meth:`Engine.abort`, :meth:`Engine.cancel`, figures; each request's events reach its handler
+  through its :class:`RequestHandle`.
 
 A *session* is one attached device plus one reclaim subscription; it owns a fresh
 :class:`~stageserve.prepare.scheduler.Scheduler` and ``pipeline_depth`` credits (a plan takes one;
@@ -27,11 +28,14 @@ the request, so a begin always precedes its end) and the step loop ends ``reques
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import queue
 import threading
 import time
+from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Iterator
 
 import grpc
@@ -50,8 +54,46 @@ log = logging.getLogger(__name__)
 _CLIENT_GONE = object()  # handle sentinel: the RPC ended on the client's side, stop waiting
 
 
+class LoopWaker:
+    """Resolves futures of one event loop from any thread, with one wake-up of the loop per burst.
+
+    A ``loop.call_soon_threadsafe`` per future would write the loop's self-pipe once per stream
+    and step (a syscall, and a chance for the GIL to pass to the loop thread mid-burst); reclaim's
+    reader thread routes a step's events to all of its streams in one go, so the futures it
+    resolves share one wake-up.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._due: list[asyncio.Future] = []
+
+    def wake(self, future: asyncio.Future) -> None:
+        """Resolve ``future`` (to ``None``) on the loop soon; any thread, the loop's included."""
+        with self._lock:
+            self._due.append(future)
+            first = len(self._due) == 1
+        if first:
+            try:
+                self.loop.call_soon_threadsafe(self._resolve)
+            except RuntimeError:  # the loop is closed: its consumers are gone with it
+                pass
+
+    def _resolve(self) -> None:
+        with self._lock:
+            due, self._due = self._due, []
+        for future in due:
+            if not future.done():  # a cancelled consumer leaves its future behind
+                future.set_result(None)
+
+
 class RequestHandle:
     """One accepted request's outcomes, in order, for the RPC handler that serves it.
+
+    The engine's threads :meth:`put` items; one consumer takes them, with :meth:`events` on a
+    thread (the in-process baseline) or :meth:`events_async` on an event loop (prepare's gRPC
+    handlers). A consumer that finds nothing arms a one-shot wake-up, so a :meth:`put` wakes it
+    only when it waits, and several items that arrive meanwhile are taken in one go.
 
     Attributes:
         request: the validated request.
@@ -65,32 +107,86 @@ class RequestHandle:
         self.observer = observer
         self.accepted_ns = accepted_ns
         self.queued = True
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._items: deque = deque()
+        self._wake: Callable[[], None] | None = None  # armed by a waiting consumer, fired by the next put
 
     def put(self, item: reclaim_pb2.SequenceEvent | RequestError) -> None:
-        self._queue.put(item)
+        """Deliver ``item`` (an event, or the terminal error) and wake the consumer if it waits; any thread."""
+        with self._lock:
+            self._items.append(item)
+            wake, self._wake = self._wake, None
+        if wake is not None:
+            wake()
 
     def client_gone(self) -> None:
         """Wake the handler: the client cancelled, disconnected or hit its deadline."""
-        self._queue.put(_CLIENT_GONE)
+        self.put(_CLIENT_GONE)
 
     def events(self) -> Iterator[reclaim_pb2.SequenceEvent]:
-        """Yield the request's events up to and including the one with a finish reason.
+        """Yield the request's events up to and including the one with a finish reason, blocking
+        the calling thread while none is there.
 
         Ends early (without error) once the client is gone.
 
         Raises:
             RequestError: the request ended with this gRPC status instead.
         """
+        ready = threading.Event()
         while True:
-            item = self._queue.get()
-            if item is _CLIENT_GONE:
-                return
-            if isinstance(item, RequestError):
-                raise item
-            yield item
-            if item.finish_reason:
-                return
+            items = self._take(ready.set)
+            if items is None:
+                ready.wait()
+                ready.clear()  # fired once per arming: no set can be lost here
+                continue
+            for item in items:
+                if (event := _event(item)) is None:
+                    return
+                yield event
+                if event.finish_reason:
+                    return
+
+    async def events_async(self, waker: LoopWaker) -> AsyncIterator[reclaim_pb2.SequenceEvent]:
+        """:meth:`events` for a coroutine on ``waker``'s loop: awaits while none is there.
+
+        Raises:
+            RequestError: the request ended with this gRPC status instead.
+        """
+        ready = waker.loop.create_future()
+        while True:
+            items = self._take(partial(waker.wake, ready))
+            if items is None:
+                await ready
+                ready = waker.loop.create_future()
+                continue
+            for item in items:
+                if (event := _event(item)) is None:
+                    return
+                yield event
+                if event.finish_reason:
+                    return
+
+    def _take(self, wake: Callable[[], None]) -> deque | None:
+        """Every item delivered so far, or ``None`` after arming ``wake`` for the next :meth:`put`."""
+        with self._lock:
+            if self._items:
+                items, self._items = self._items, deque()
+                return items
+            self._wake = wake
+            return None
+
+
+def _event(item: reclaim_pb2.SequenceEvent | RequestError | object) -> reclaim_pb2.SequenceEvent | None:
+    """The event ``item`` is; ``None`` for the client-gone mark.
+
+    Raises:
+        RequestError: ``item`` is the request's terminal error.
+    """
+    if item is _CLIENT_GONE:
+        return None
+    if isinstance(item, RequestError):
+        raise item
+    return item
 
 
 @dataclass(frozen=True)
@@ -338,7 +434,7 @@ class Engine:
         session = self._session
         return session if session is not None and session.number == number else None
 
-    # ---- requests (RPC handler threads) ------------------------------------------------------------
+    # ---- requests (RPC handlers) -------------------------------------------------------------------
     def model_limits(self) -> ModelLimits:
         """The attached model's vocabulary and context sizes.
 

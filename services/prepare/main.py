@@ -3,9 +3,10 @@
 Dials reclaim (``--reclaim``) and every device service (``--device``: a list, or a ``dns:///``
 name re-resolved every ``--device-refresh-s``), keeps reconnecting with backoff, and places each
 request on one device (``router.py``). Readiness is SERVING while reclaim is subscribed and at least
-one device takes requests. SIGTERM: readiness NOT_SERVING, new requests refused with
-``UNAVAILABLE`` ("server is draining"), in-flight requests complete for up to ``--drain-timeout``
-seconds, exit 0.
+one device takes requests. The public API is served on ``grpc.aio``: one event loop on the thread
+``prepare-grpc``, one coroutine per RPC; the scheduler and the links keep their threads. SIGTERM:
+readiness NOT_SERVING, new requests refused with ``UNAVAILABLE`` ("server is draining"), in-flight
+requests complete for up to ``--drain-timeout`` seconds, exit 0.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt tokens of one sequence per step at most (chunked prefill; default: %(default)s)")
     parser.add_argument("--step-timeout", type=float, default=60.0, metavar="SECONDS",
                         help="a step not published by reclaim within this time ends that device's session (default: %(default)s)")
-    parser.add_argument("--max-workers", type=_positive_int, default=320,
-                        help="RPC handler threads; each open stream holds one (default: %(default)s)")
+    parser.add_argument("--max-workers", type=_positive_int, default=16,
+                        help="threads for work kept off the gRPC event loop: prompt validation and tokenization, "
+                             "the Admin RPCs; streams need none (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from stageserve.prepare.engine import Engine
     from stageserve.prepare.metrics import PrepareMetrics
     from stageserve.prepare.router import DeviceRouter
-    from stageserve.server import ServiceServer, configure_logging
+    from stageserve.server import AioServiceServer, configure_logging
     from stageserve.tokenizer import load_tokenizer
     from stageserve.tracing import Tracer
     from stageserve.v1 import prepare_pb2_grpc
@@ -64,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
                      "reclaim": args.reclaim}
     try:
         tokenizer = load_tokenizer(resolve_model_path(args.model))
-        server = ServiceServer(SERVICE_NAME, args.host, args.port, max_workers=args.max_workers, port_file=args.port_file,
-                               tracer=tracer, profile_peers=profile_peers)
+        server = AioServiceServer(SERVICE_NAME, args.host, args.port, max_workers=args.max_workers, port_file=args.port_file,
+                                  tracer=tracer, profile_peers=profile_peers, thread_name="prepare-grpc")
         start_metrics_server(metrics.registry, args.host, args.metrics_port, args.port_file)
         if args.trace_dir:
             tracer.start(args.trace_dir)

@@ -106,7 +106,7 @@ class RequestObserver:
 
     Call :meth:`on_event` with each event before it is forwarded, then exactly one of the
     terminal calls (:meth:`on_event` with a finish reason, :meth:`on_error`, :meth:`on_client_gone`);
-    later calls are ignored. Not thread-safe: one handler thread owns it.
+    later calls are ignored. Not thread-safe: the request's RPC handler owns it.
 
     Args:
         request_id: the request's id (the async-span id in the trace).

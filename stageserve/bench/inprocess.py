@@ -203,8 +203,9 @@ class _TimedRunner:
 
 
 class InProcessTransport:
-    """A load-generator `Transport` over an `InProcessPipeline`: one thread per open stream (as
-    prepare's gRPC server has one handler thread per stream), chunks handed to the event loop."""
+    """A load-generator `Transport` over an `InProcessPipeline`: one thread per open stream (the
+    blocking `RequestHandle.events` consumer; prepare's gRPC handlers await theirs on one event
+    loop instead), chunks handed to the event loop."""
 
     def __init__(self, pipeline: InProcessPipeline) -> None:
         self._pipeline = pipeline

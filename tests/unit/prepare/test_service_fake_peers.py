@@ -19,7 +19,7 @@ from stageserve.prepare.engine import Engine
 from stageserve.prepare.main import SERVICE_NAME
 from stageserve.prepare.metrics import PrepareMetrics
 from stageserve.prepare.router import DeviceRouter
-from stageserve.server import ServiceServer
+from stageserve.server import AioServiceServer
 from stageserve.v1 import common_pb2, prepare_pb2, prepare_pb2_grpc
 
 from .fake_peers import FakePeers
@@ -42,7 +42,7 @@ class Prepare:
     """The prepare service wired as ``main.run`` wires it, on an ephemeral port, without signals."""
 
     def __init__(self, peers: FakePeers, tokenizer, max_waiting: int = 8, device: str = "", resolver=socket.getaddrinfo) -> None:
-        self.server = ServiceServer(SERVICE_NAME, "127.0.0.1", 0)
+        self.server = AioServiceServer(SERVICE_NAME, "127.0.0.1", 0)
         metrics = PrepareMetrics(CollectorRegistry())
         self.connector = PipelineConnector(
             parse_device_endpoints(device or f"127.0.0.1:{peers.device_port}"), f"127.0.0.1:{peers.reclaim_port}",
@@ -78,7 +78,7 @@ class Prepare:
     def stop(self) -> None:
         self.channel.close()
         self.connector.stop()
-        self.server.server.stop(0).wait()
+        self.server.stop(0)
 
 
 @pytest.fixture(scope="module")
