@@ -27,6 +27,7 @@ import torch
 
 from stageserve.device.kv_cache import PagedKVCache
 from stageserve.device.model import LlamaModel, build_forward_batch
+from stageserve.device.sampler import argmax_rows
 from stageserve.model_files import embedded_model_path, transformers_source
 
 BLOCK_SIZE = 16
@@ -56,7 +57,7 @@ def ours_decode_ms(model: LlamaModel, batch: int, context: int, steps: int) -> f
             start = time.perf_counter()
             rows = [([tokens[r]], context + step, tables[r], True) for r in range(batch)]
             logits = model.forward(build_forward_batch(rows, BLOCK_SIZE, device), cache)
-            tokens = logits.argmax(-1).tolist()  # the next step needs them on the host: this synchronizes
+            tokens = argmax_rows(logits).tolist()  # the sampler's greedy path; .tolist() synchronizes
             times.append(time.perf_counter() - start)
     return statistics.median(times[2:]) * 1e3
 

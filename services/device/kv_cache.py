@@ -17,14 +17,16 @@ from stageserve.device.model_config import ModelConfig
 
 
 class PagedKVCache:
-    """K and V pools for every layer, each one tensor ``[num_layers, num_kv_heads, num_blocks, block_size, head_dim]``.
+    """Keys and values of every layer in one pool ``kv`` ``[num_layers, 2 * num_kv_heads, num_blocks, block_size, head_dim]``.
 
-    Head-major, so a layer's pool viewed as ``[num_kv_heads * num_blocks, block_size * head_dim]``
-    has one contiguous row per (kv head, block): gathering a step's blocks is a single row
-    ``index_select`` (memcpy speed) whose result is already the ``[kv_head * row, tokens,
-    head_dim]`` operand of batched matmuls, with no transpose copy. The pools are zero-filled:
-    attention reads padded slots under a mask, and a masked NaN from uninitialised memory would
-    still poison ``softmax(scores) @ V``.
+    Per layer the K heads come first, then the V heads, and the pool is head-major: viewed as
+    ``[2 * num_kv_heads * num_blocks, block_size * head_dim]`` it has one contiguous row per (head,
+    block). Gathering a step's blocks is then a single row ``index_select`` (memcpy speed) for keys
+    and values together, whose halves are already the ``[kv_head * row, tokens, head_dim]`` operands
+    of batched matmuls, with no transpose copy; storing a step's new keys and values is one
+    ``index_copy_``. (One call instead of one per K and V: on a CPU each call's fixed cost is a few
+    µs, times two per layer per step.) The pool is zero-filled: attention reads padded slots under
+    a mask, and a masked NaN from uninitialised memory would still poison ``softmax(scores) @ V``.
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -32,16 +34,23 @@ class PagedKVCache:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
-        shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        # Per-layer views, made once for the hot path: slots [num_kv_heads, num_slots, head_dim] and
-        # block rows [num_kv_heads * num_blocks, block_size, head_dim].
-        self._k_slots = [layer.view(config.num_kv_heads, -1, config.head_dim) for layer in self.k]
-        self._v_slots = [layer.view(config.num_kv_heads, -1, config.head_dim) for layer in self.v]
-        self._k_block_rows = [layer.view(-1, block_size, config.head_dim) for layer in self.k]
-        self._v_block_rows = [layer.view(-1, block_size, config.head_dim) for layer in self.v]
-        self._head_offsets = torch.arange(config.num_kv_heads, device=device)[:, None] * num_blocks  # [K, 1]
+        heads = 2 * config.num_kv_heads
+        self.kv = torch.zeros((config.num_layers, heads, num_blocks, block_size, config.head_dim), dtype=dtype, device=device)
+        # Per-layer views, made once for the hot path: slots [2K, num_slots, head_dim] and
+        # block rows [2K * num_blocks, block_size, head_dim].
+        self._slots = [layer.view(heads, -1, config.head_dim) for layer in self.kv]
+        self._block_rows = [layer.view(-1, block_size, config.head_dim) for layer in self.kv]
+        self._head_offsets = torch.arange(heads, device=device)[:, None] * num_blocks  # [2K, 1]
+
+    @property
+    def k(self) -> torch.Tensor:
+        """The keys, a view ``[num_layers, num_kv_heads, num_blocks, block_size, head_dim]`` of the pool."""
+        return self.kv[:, : self.num_kv_heads]
+
+    @property
+    def v(self) -> torch.Tensor:
+        """The values, a view shaped as :attr:`k`."""
+        return self.kv[:, self.num_kv_heads :]
 
     @property
     def num_slots(self) -> int:
@@ -49,21 +58,21 @@ class PagedKVCache:
         return self.num_blocks * self.block_size
 
     def block_rows(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Pool rows ``[num_kv_heads * B * W]`` int64 of block tables ``blocks`` ``[B, W]``, kv-head-major; compute once per step."""
+        """Pool rows ``[2 * num_kv_heads * B * W]`` int64 of block tables ``blocks`` ``[B, W]``, head-major
+        (K heads, then V heads); compute once per step."""
         return (self._head_offsets + blocks.view(1, -1)).view(-1)
 
     def gather_blocks(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[len(rows), block_size, head_dim]`` of ``layer``'s pool ``rows`` (from ``block_rows``)."""
-        return self._k_block_rows[layer].index_select(0, rows), self._v_block_rows[layer].index_select(0, rows)
+        """Keys and values, each ``[num_kv_heads * B * W, block_size, head_dim]``, of ``layer``'s pool ``rows`` (from ``block_rows``)."""
+        return self._block_rows[layer].index_select(0, rows).chunk(2)
 
     def gather_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[num_kv_heads, len(slots), head_dim]`` of ``layer`` at flat slots ``slots`` ``[n]`` int64."""
-        return self._k_slots[layer].index_select(1, slots), self._v_slots[layer].index_select(1, slots)
+        """Keys and values, each ``[num_kv_heads, len(slots), head_dim]``, of ``layer`` at flat slots ``slots`` ``[n]`` int64."""
+        return self._slots[layer].index_select(1, slots).chunk(2)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store new keys/values ``[T, num_kv_heads, head_dim]`` of ``layer`` at flat slots ``slot_mapping`` ``[T]`` int64."""
-        self._k_slots[layer].index_copy_(1, slot_mapping, k.transpose(0, 1))
-        self._v_slots[layer].index_copy_(1, slot_mapping, v.transpose(0, 1))
+        self._slots[layer].index_copy_(1, slot_mapping, torch.cat((k, v), 1).transpose(0, 1))
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

