@@ -78,6 +78,18 @@ def test_all_greedy_step_returns_argmax(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_greedy_takes_the_first_of_tied_maxima(device):
+    # A vocabulary-sized row, so a vectorised or multi-threaded reduction splits it into chunks.
+    logits = torch.zeros(4, 49152)
+    logits[0, [7, 100, 40000]] = 3.0
+    logits[1, [30000, 49151]] = 1.0
+    logits[2, :] = -2.0
+    logits[3, [5, 6]] = float("inf")
+    token_ids = sample(logits.to(device), make_tensors(4, device, temperature=0.0)).token_ids
+    assert token_ids.tolist() == [7, 30000, 0, 5]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_greedy_rows_in_a_sampled_batch_return_argmax(device):
     logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(2)).to(device)
     tensors = make_tensors(6, device, temperature=[0.0, 1.5, 0.0, 0.7, 0.0, 1.0], top_p=0.9, min_p=0.01)
