@@ -126,9 +126,10 @@ class ServiceServer:
         log.info("%s listening on %s:%d", self.service_name, self._host, self.port)
 
     def set_ready(self, ready: bool) -> None:
-        """Set readiness (the service name's health status)."""
+        """Set readiness (the service name's health status). Never waits for the server's threads:
+        callers may hold locks that RPC handlers take (prepare's connector does)."""
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-        self._call(self.health.set, self.service_name, status)
+        self._submit(self.health.set, self.service_name, status)
 
     def stop(self, grace_s: float | None) -> None:
         """Health NOT_SERVING for good, then stop the server: new RPCs are refused, running ones get
@@ -177,6 +178,10 @@ class ServiceServer:
         """``fn(*args)`` where the server's objects may be used (here: any thread)."""
         return fn(*args)
 
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)`` as :meth:`_call`, without waiting for it where it runs elsewhere; calls apply in order."""
+        fn(*args)
+
     def _write_trace_window(self) -> None:
         if self._tracer is None or not self._tracer.enabled:
             return
@@ -203,6 +208,7 @@ class AioServiceServer(ServiceServer):
 
     def __init__(self, *args: Any, thread_name: str = "grpc-aio", **kwargs: Any) -> None:
         self.loop = asyncio.new_event_loop()
+        self._submitted: set[asyncio.Future] = set()
         self._loop_thread = threading.Thread(target=self._run_loop, name=thread_name, daemon=True)
         self._loop_thread.start()
         try:
@@ -235,6 +241,24 @@ class AioServiceServer(ServiceServer):
             return await result if inspect.isawaitable(result) else result
 
         return asyncio.run_coroutine_threadsafe(call(), self.loop).result()
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Schedule ``fn(*args)`` on the loop and return at once; submitted calls start in order.
+
+        Waiting here could deadlock: prepare's connector sets readiness while holding the lock that
+        handlers on the loop take to place a request. A call after the loop closed does nothing.
+        """
+        def start() -> None:
+            result = fn(*args)
+            if inspect.isawaitable(result):
+                task = asyncio.ensure_future(result)
+                self._submitted.add(task)  # a reference, so the task is not collected mid-run
+                task.add_done_callback(self._submitted.discard)
+
+        try:
+            self.loop.call_soon_threadsafe(start)
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)

@@ -64,6 +64,27 @@ def test_health_reflection_admin_and_port_file(served, tmp_path):
     assert part.service == "test" and part.trace_file
 
 
+def test_set_ready_does_not_wait_for_a_busy_loop(served):
+    # prepare's connector sets readiness while holding the lock that handlers on the loop take to
+    # place a request: waiting for the loop there would deadlock both.
+    server, channel, _ = served
+    lock, loop_waits = threading.Lock(), threading.Event()
+
+    def handler_taking_the_lock() -> None:
+        loop_waits.set()
+        with lock:
+            pass
+
+    with lock:
+        server.loop.call_soon_threadsafe(handler_taking_the_lock)
+        assert loop_waits.wait(5)
+        setter = threading.Thread(target=server.set_ready, args=(True,), daemon=True)
+        setter.start()
+        setter.join(5)
+        assert not setter.is_alive()
+    assert status(channel, NAME) == SERVING  # applied once the loop is free
+
+
 def test_run_until_stopped_drains_then_stops_the_loop(served):
     server, channel, _ = served
     server.set_ready(True)
