@@ -27,6 +27,9 @@ class PagedKVCache:
     ``index_copy_``. (One call instead of one per K and V: on a CPU each call's fixed cost is a few
     µs, times two per layer per step.) The pool is zero-filled: attention reads padded slots under
     a mask, and a masked NaN from uninitialised memory would still poison ``softmax(scores) @ V``.
+
+    Raises:
+        ValueError: ``num_blocks`` or ``block_size`` below 1.
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -41,16 +44,6 @@ class PagedKVCache:
         self._slots = [layer.view(heads, -1, config.head_dim) for layer in self.kv]
         self._block_rows = [layer.view(-1, block_size, config.head_dim) for layer in self.kv]
         self._head_offsets = torch.arange(heads, device=device)[:, None] * num_blocks  # [2K, 1]
-
-    @property
-    def k(self) -> torch.Tensor:
-        """The keys, a view ``[num_layers, num_kv_heads, num_blocks, block_size, head_dim]`` of the pool."""
-        return self.kv[:, : self.num_kv_heads]
-
-    @property
-    def v(self) -> torch.Tensor:
-        """The values, a view shaped as :attr:`k`."""
-        return self.kv[:, self.num_kv_heads :]
 
     @property
     def num_slots(self) -> int:

@@ -65,13 +65,14 @@ def device_status(device: DeviceFigures) -> prepare_pb2.DeviceStatus:
 
 class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
     """Serves the public API on top of ``router``, on a ``grpc.aio`` server; ``tokenizer`` is the
-    served model's tokenizer. Tokenization runs in the loop's default executor, so that a long
+    served model's tokenizer, ``waker`` that server's loop's (it hands each request's events to
+    its handler). Tokenization runs in the loop's default executor, so that a long
     prompt (milliseconds of chat template and tokenizer) does not hold up every other stream's chunks."""
 
-    def __init__(self, router: DeviceRouter, tokenizer) -> None:
+    def __init__(self, router: DeviceRouter, tokenizer, waker: LoopWaker) -> None:
         self._router = router
         self._tokenizer = tokenizer
-        self._waker: LoopWaker | None = None  # the serving loop's, made on the first request
+        self._waker = waker
 
     async def GenerateStream(self, request: prepare_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         """Stream the completion: one chunk per published step with new text or ids; the last has
@@ -173,8 +174,6 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
     async def _events(self, handle: RequestHandle, context: grpc.aio.ServicerContext) -> AsyncIterator[reclaim_pb2.SequenceEvent]:
         """The request's events, each fed to its observer first; a terminal error aborts the RPC
         with its status; a handler that ends without a terminal tells the observer the client left."""
-        if self._waker is None:
-            self._waker = LoopWaker(asyncio.get_running_loop())
         observer = handle.observer
         try:
             async with aclosing(handle.events_async(self._waker)) as events:

@@ -35,7 +35,6 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Callable, Iterator
 
 import grpc
@@ -133,18 +132,12 @@ class RequestHandle:
             RequestError: the request ended with this gRPC status instead.
         """
         ready = threading.Event()
-        while True:
-            items = self._take(ready.set)
-            if items is None:
+        for event in self._events_or_waits(ready.set):
+            if event is None:
                 ready.wait()
                 ready.clear()  # fired once per arming: no set can be lost here
-                continue
-            for item in items:
-                if (event := _event(item)) is None:
-                    return
+            else:
                 yield event
-                if event.finish_reason:
-                    return
 
     async def events_async(self, waker: LoopWaker) -> AsyncIterator[reclaim_pb2.SequenceEvent]:
         """:meth:`events` for a coroutine on ``waker``'s loop: awaits while none is there.
@@ -153,11 +146,31 @@ class RequestHandle:
             RequestError: the request ended with this gRPC status instead.
         """
         ready = waker.loop.create_future()
-        while True:
-            items = self._take(partial(waker.wake, ready))
-            if items is None:
+        # The wake-up reads ``ready`` when a put fires it: the future being awaited, since a new one
+        # is made only after that one resolved, and armed only after that.
+        for event in self._events_or_waits(lambda: waker.wake(ready)):
+            if event is None:
                 await ready
                 ready = waker.loop.create_future()
+            else:
+                yield event
+
+    def _events_or_waits(self, wake: Callable[[], None]) -> Iterator[reclaim_pb2.SequenceEvent | None]:
+        """The request's events in order up to its end, with ``None`` each time none is there and
+        ``wake`` is armed for the next :meth:`put`: the consumer then waits for ``wake`` and resumes.
+
+        Raises:
+            RequestError: the request ended with this gRPC status instead.
+        """
+        while True:
+            with self._lock:
+                items = self._items
+                if items:
+                    self._items = deque()
+                else:
+                    self._wake = wake
+            if not items:
+                yield None
                 continue
             for item in items:
                 if (event := _event(item)) is None:
@@ -165,15 +178,6 @@ class RequestHandle:
                 yield event
                 if event.finish_reason:
                     return
-
-    def _take(self, wake: Callable[[], None]) -> deque | None:
-        """Every item delivered so far, or ``None`` after arming ``wake`` for the next :meth:`put`."""
-        with self._lock:
-            if self._items:
-                items, self._items = self._items, deque()
-                return items
-            self._wake = wake
-            return None
 
 
 def _event(item: reclaim_pb2.SequenceEvent | RequestError | object) -> reclaim_pb2.SequenceEvent | None:

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from stageserve.model_files import resolve_model_path
     from stageserve.prepare.api import GenerationServicer
     from stageserve.prepare.connector import PipelineConnector
-    from stageserve.prepare.engine import Engine
+    from stageserve.prepare.engine import Engine, LoopWaker
     from stageserve.prepare.metrics import PrepareMetrics
     from stageserve.prepare.router import DeviceRouter
     from stageserve.server import AioServiceServer, configure_logging
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     )
     router = DeviceRouter(connector.lanes, metrics)
     metrics.watch_engine(router.current_load)
-    server.add_servicer(prepare_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(router, tokenizer))
+    server.add_servicer(prepare_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(router, tokenizer, LoopWaker(server.loop)))
     server.start([SERVICE_NAME])
     connector.start()
 

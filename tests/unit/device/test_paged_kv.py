@@ -49,8 +49,7 @@ def test_mixed_batch_over_scattered_blocks_matches_rows_alone(model):
         (rand(2), rand(1), True),    # decode, context inside one block
     ]
     cache = PagedKVCache(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
-    cache.k.normal_(0.0, 50.0, generator=g)  # stale finite data everywhere; read unmasked it would show
-    cache.v.normal_(0.0, 50.0, generator=g)
+    cache.kv.normal_(0.0, 50.0, generator=g)  # stale finite data everywhere; read unmasked it would show
     pool = torch.randperm(NUM_BLOCKS, generator=g).tolist()
     tables = []
     for history, new, _ in rows:

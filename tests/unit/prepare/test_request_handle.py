@@ -102,20 +102,26 @@ def test_async_consumer_ends_when_the_client_is_gone_and_raises_the_terminal_err
 def test_a_cancelled_consumer_or_a_closed_loop_does_not_trouble_the_engine_thread():
     handle = new_handle()
 
-    async def main() -> None:
-        task = asyncio.create_task(anext(aiter(handle.events_async(LoopWaker(asyncio.get_running_loop())))))
+    async def main() -> tuple[list[dict], list[int]]:
+        loop = asyncio.get_running_loop()
+        loop_errors: list[dict] = []
+        loop.set_exception_handler(lambda _, context: loop_errors.append(context))
+        waker = LoopWaker(loop)
+        task = asyncio.create_task(anext(aiter(handle.events_async(waker))))
         await asyncio.sleep(0.01)  # it waits, armed
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        in_thread(lambda: handle.put(event(1)))  # resolves nothing: the future was cancelled
+        in_thread(lambda: handle.put(event(1, finish=True)))  # resolves nothing: the future was cancelled
         await asyncio.sleep(0.01)
+        return loop_errors, [e.token_ids[0] async for e in handle.events_async(waker)]
 
-    asyncio.run(main())
+    loop_errors, later = asyncio.run(main())
+    assert loop_errors == [] and later == [1]  # no error on the loop, and the event is not lost
 
     closed = asyncio.new_event_loop()
     closed.close()
-    LoopWaker(closed).wake(None)  # the loop is gone: nothing to wake, no error for the caller
+    assert LoopWaker(closed).wake(None) is None  # the loop is gone: nothing to wake, no error for the caller
 
 
 def test_sync_consumer_blocks_until_events_arrive():
