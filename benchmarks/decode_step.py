@@ -4,7 +4,8 @@ Both sides run in this one process, on the same model file, device, dtype, torch
 context, one after the other for each batch size, so the ratio is measured side by side:
 
 - **stageserve**: ``LlamaModel`` over the paged KV cache plus the on-device sampler (greedy), one
-  batched decode step per token, prompts of ``--context`` tokens prefilled first;
+  batched decode step per token, prompts of ``--context`` tokens prefilled first; where the fused CPU
+  decode attention kernel is in use, the same model with the pure-torch attention runs alongside;
 - **transformers**: ``AutoModelForCausalLM.generate`` (greedy, static batch, KV cache), decode time
   per step = (time for 1 + N new tokens − time for 1 new token) / N, so the prefill is excluded.
 
@@ -28,6 +29,7 @@ import torch
 from stageserve.device.kv_cache import PagedKVCache
 from stageserve.device.model import LlamaModel, build_forward_batch
 from stageserve.device.sampler import argmax_rows
+from stageserve.device.weights import load_weights
 from stageserve.model_files import embedded_model_path, transformers_source
 
 BLOCK_SIZE = 16
@@ -96,17 +98,30 @@ def main() -> None:
     if args.device.startswith("npu"):
         import torch_npu  # noqa: F401 - registers the npu device type
     device = torch.device(args.device)
-    ours = LlamaModel.from_path(path, dtype, device)
+    config, weights = load_weights(path, dtype)
+    ours = LlamaModel(config, weights, device)
+    # The same model with the pure-torch decode attention, where the fused CPU kernel is in use.
+    ours_torch = LlamaModel(config, weights, device, cpu_kernels_allowed=False) if ours.fused_decode_attention else None
+    del weights
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(**transformers_source(path), dtype=dtype).to(device).eval()
     print(f"model {path.name}, {args.device}, dtype {args.dtype}, threads {args.threads}, context {args.context}, {args.steps} decode steps, median of {args.repeats}")
-    print("| batch | stageserve step ms | stageserve tokens/s | transformers step ms | transformers tokens/s | ratio |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print(f"stageserve decode attention: {'fused CPU kernel (torch attention shown alongside)' if ours_torch else 'torch'}")
+    print("| batch | stageserve step ms | stageserve tokens/s | transformers step ms | transformers tokens/s | ratio |" + (" torch-attention step ms | kernel speed-up |" if ours_torch else ""))
+    print("|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if ours_torch else ""))
     for batch in args.batch:
-        ours_ms = statistics.median(ours_decode_ms(ours, batch, args.context, args.steps) for _ in range(args.repeats))
-        hf_ms = statistics.median(transformers_decode_ms(hf, batch, args.context, args.steps) for _ in range(args.repeats))
-        print(f"| {batch} | {ours_ms:.1f} | {batch / ours_ms * 1e3:.0f} | {hf_ms:.1f} | {batch / hf_ms * 1e3:.0f} | {hf_ms / ours_ms:.2f}x |", flush=True)
+        ours_ms, hf_ms, torch_ms = [], [], []
+        for _ in range(args.repeats):  # the sides alternate, so machine noise hits them alike
+            ours_ms.append(ours_decode_ms(ours, batch, args.context, args.steps))
+            hf_ms.append(transformers_decode_ms(hf, batch, args.context, args.steps))
+            if ours_torch:
+                torch_ms.append(ours_decode_ms(ours_torch, batch, args.context, args.steps))
+        ours_ms, hf_ms = statistics.median(ours_ms), statistics.median(hf_ms)
+        row = f"| {batch} | {ours_ms:.1f} | {batch / ours_ms * 1e3:.0f} | {hf_ms:.1f} | {batch / hf_ms * 1e3:.0f} | {hf_ms / ours_ms:.2f}x |"
+        if ours_torch:
+            row += f" {statistics.median(torch_ms):.1f} | {statistics.median(torch_ms) / ours_ms:.2f}x |"
+        print(row, flush=True)
 
 
 if __name__ == "__main__":

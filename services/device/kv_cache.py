@@ -50,6 +50,10 @@ class PagedKVCache:
         """Token slots per layer (``num_blocks * block_size``)."""
         return self.num_blocks * self.block_size
 
+    def layer(self, index: int) -> torch.Tensor:
+        """``index``'s pool ``[2 * num_kv_heads, num_blocks, block_size, head_dim]`` (a contiguous view)."""
+        return self.kv[index]
+
     def block_rows(self, blocks: torch.Tensor) -> torch.Tensor:
         """Pool rows ``[2 * num_kv_heads * B * W]`` int64 of block tables ``blocks`` ``[B, W]``, head-major
         (K heads, then V heads); compute once per step."""

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from stageserve.device import cpu_kernels
 from stageserve.device.kv_cache import PagedKVCache
 from stageserve.device.model_config import ModelConfig
 from stageserve.device.weights import load_weights
@@ -288,10 +289,12 @@ class LayerWeights:
 class LlamaModel:
     """The decoder's weights on one device and its forward pass (no autograd, no nn.Module hooks)."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device | str) -> None:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device | str, cpu_kernels_allowed: bool = True) -> None:
         """Take HF-named ``weights`` (as ``load_weights`` returns them, any float dtype) onto ``device``.
 
-        The activation dtype is the weights' dtype.
+        The activation dtype is the weights' dtype. ``cpu_kernels_allowed``: on a CPU, decode rows use
+        the fused paged attention kernel (``cpu_kernels``) where it supports this CPU, dtype and head
+        shape; ``False`` keeps the pure-torch path (for comparison).
         """
         self.config, self.device = config, torch.device(device)
 
@@ -323,12 +326,17 @@ class LlamaModel:
             ))
         self.cos, self.signed_sin = rope_tables(config, self.dtype, self.device)
         self.scale = config.head_dim**-0.5
+        self.fused_decode_attention = (
+            cpu_kernels_allowed
+            and self.device.type == "cpu"
+            and cpu_kernels.paged_decode_attention_available(self.dtype, config.head_dim, config.num_heads // config.num_kv_heads)
+        )
 
     @classmethod
-    def from_path(cls, path: Path, dtype: torch.dtype, device: torch.device | str) -> LlamaModel:
+    def from_path(cls, path: Path, dtype: torch.dtype, device: torch.device | str, cpu_kernels_allowed: bool = True) -> LlamaModel:
         """Load a GGUF file or HF directory (see ``load_weights``; raises ``ModelLoadError``)."""
         config, weights = load_weights(path, dtype)
-        return cls(config, weights, device)
+        return cls(config, weights, device, cpu_kernels_allowed)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
@@ -340,8 +348,10 @@ class LlamaModel:
         c = self.config
         cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, D]
         sin = self.signed_sin[batch.positions].unsqueeze(1)
-        decode_bias = decode_rows = None
-        if batch.num_decode:
+        decode_bias = decode_rows = context_lens = None
+        if batch.num_decode and self.fused_decode_attention:
+            context_lens = batch.positions[: batch.num_decode] + 1  # [Bd]
+        elif batch.num_decode:
             decode_rows = kv_cache.block_rows(batch.decode_blocks)  # [2 * kv_heads * Bd * W]
             # Additive mask [kv_heads * Bd, q_per_kv, L] (kv-head-major, as the gathered cache), made once per step for every layer.
             b, length = batch.decode_mask.shape
@@ -350,7 +360,7 @@ class LlamaModel:
         x = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (c.hidden_size,), layer.input_norm, c.rms_norm_eps)
-            attn = self._attention(index, layer, h, cos, sin, batch, kv_cache, decode_rows, decode_bias)
+            attn = self._attention(index, layer, h, cos, sin, batch, kv_cache, decode_rows, decode_bias, context_lens)
             x = x + layer.o(attn)
             h = F.rms_norm(x, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
             x = x + layer.down(_swiglu(layer.gate_up(h), c.intermediate_size))
@@ -360,11 +370,13 @@ class LlamaModel:
     def _attention(
         self, index: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         batch: ForwardBatch, kv_cache: PagedKVCache, decode_rows: torch.Tensor | None, decode_bias: torch.Tensor | None,
+        context_lens: torch.Tensor | None,
     ) -> torch.Tensor:
         """Self-attention of all rows of one layer: ``h`` [T, hidden] -> [T, q_size].
 
-        ``decode_rows`` are the decode rows' cache block rows (``PagedKVCache.block_rows``) and
-        ``decode_bias`` their additive mask, both ``None`` without decode rows.
+        Decode rows take the fused kernel when ``context_lens`` ([Bd] int64, their positions + 1) is
+        given; otherwise ``decode_rows`` are their cache block rows (``PagedKVCache.block_rows``) and
+        ``decode_bias`` their additive mask. All three are ``None`` without decode rows.
         """
         c = self.config
         heads, kv_heads, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -374,7 +386,9 @@ class LlamaModel:
         v = qkv[:, (heads + kv_heads) * d :].view(-1, kv_heads, d)  # [T, K, D]
         kv_cache.write(index, k, v, batch.slot_mapping)
         outputs = []
-        if batch.num_decode:
+        if context_lens is not None:
+            outputs.append(cpu_kernels.paged_decode_attention(q[: batch.num_decode], kv_cache.layer(index), batch.decode_blocks, context_lens, self.scale))
+        elif batch.num_decode:
             k_context, v_context = kv_cache.gather_blocks(index, decode_rows)  # [K * Bd * W, block_size, D]
             outputs.append(self._decode_attention(q[: batch.num_decode], k_context, v_context, decode_bias))
         for seg in batch.prefills:

@@ -1,0 +1,106 @@
+"""Fused C++ kernels for the CPU backend, compiled on first use and cached on disk.
+
+The source (``csrc/paged_decode_attention.cpp``) registers ``torch.ops.stageserve.*`` ops. It is
+compiled with torch's own extension builder (``torch.utils.cpp_extension.load``: the C++ compiler,
+torch's headers and flags, ninja) into ``$STAGESERVE_KERNEL_CACHE`` (default
+``~/.cache/stageserve/kernels``), in a folder named by a hash of the source, the torch version and
+the flags, so a new torch or an edited source builds afresh. Each build runs in its own temporary
+folder and the finished library is renamed into place, so processes starting together never wait
+on a lock (a build takes ~6 s on a 2-core CPU). Where no compiler is available the build fails, the
+failure is logged once, and the model keeps its pure-torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.cpp"
+LIBRARY_NAME = "stageserve_cpu_kernels"
+CFLAGS = ["-O3", "-fopenmp"]  # -fopenmp: at::parallel_for runs on torch's OpenMP pool
+
+
+def cache_dir() -> Path:
+    """Where built kernel libraries live (``$STAGESERVE_KERNEL_CACHE`` or ``~/.cache/stageserve/kernels``)."""
+    configured = os.environ.get("STAGESERVE_KERNEL_CACHE")
+    return Path(configured) if configured else Path.home() / ".cache" / "stageserve" / "kernels"
+
+
+def library_path() -> Path:
+    """The cached library for this source, torch version and flags (it may not be built yet)."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    return cache_dir() / digest / f"{LIBRARY_NAME}.so"
+
+
+def build(target: Path) -> None:
+    """Compile the kernels into ``target`` (atomically). Raises whatever the compiler step raises."""
+    from torch.utils.cpp_extension import load  # imported only to build: it pulls in setuptools
+
+    # torch runs `ninja` from PATH; the `ninja` dependency puts it next to this interpreter, which is
+    # not on PATH when a service is started by its full path without activating the environment.
+    scripts = sysconfig.get_path("scripts")
+    if scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
+    try:
+        load(LIBRARY_NAME, [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(work), is_python_module=False, verbose=False)
+        os.replace(work / f"{LIBRARY_NAME}.so", target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@functools.cache
+def load_cpu_kernels() -> bool:
+    """Build if needed and load the kernels into ``torch.ops.stageserve``; ``False`` (logged) where that fails."""
+    target = library_path()
+    try:
+        if not target.exists():
+            logger.info("building the CPU kernels into %s", target.parent)
+            build(target)
+        torch.ops.load_library(str(target))
+        return True
+    except Exception as error:  # no compiler, no ninja, a read-only cache: the torch path still works
+        logger.warning("CPU kernels unavailable, using the pure-torch attention: %s", str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__)
+        return False
+
+
+def paged_decode_attention_available(dtype: torch.dtype, head_dim: int, group: int) -> bool:
+    """Whether ``paged_decode_attention`` runs ``dtype`` with this head size and query heads per kv head on this CPU."""
+    return load_cpu_kernels() and torch.ops.stageserve.paged_decode_attention_supported(dtype, head_dim, group)
+
+
+def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Single-query attention of each row over its paged context, read in place from the KV pool.
+
+    Args:
+        q: ``[B, H, D]`` bfloat16 or float32, ``D`` contiguous (RoPE already applied).
+        kv: one layer's pool ``[2 * K, num_blocks, block_size, D]`` contiguous, K heads then V heads
+            (``PagedKVCache.layer``), same dtype as ``q``.
+        block_tables: ``[B, W]`` int64 contiguous, each row's blocks in order (padding beyond its context unused).
+        context_lens: ``[B]`` int64, tokens each row attends to (its position + 1), ``1 <= len <= W * block_size``.
+        scale: the softmax scale, usually ``head_dim ** -0.5``.
+
+    Returns:
+        ``[B, H * D]`` in ``q``'s dtype; fp32 scores, exact softmax and fp32 accumulation inside.
+
+    Raises:
+        RuntimeError: shapes, dtypes or bounds that do not fit, or no kernel for them on this CPU
+            (check ``paged_decode_attention_available`` first).
+    """
+    return torch.ops.stageserve.paged_decode_attention(q, kv, block_tables, context_lens, scale)
+
+
+if __name__ == "__main__":  # `python -m stageserve.device.cpu_kernels`: build now (make install, images)
+    logging.basicConfig(level=logging.INFO)
+    raise SystemExit(0 if load_cpu_kernels() else 1)

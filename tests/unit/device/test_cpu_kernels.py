@@ -1,0 +1,128 @@
+"""The fused CPU paged decode attention: same results as plain torch attention over the same context."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from stageserve.device import cpu_kernels
+from stageserve.device.kv_cache import PagedKVCache
+from stageserve.device.model import LlamaModel, build_forward_batch
+from stageserve.model_files import embedded_model_path
+
+CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+HAS_AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma"} <= CPU_FLAGS
+needs_avx512 = pytest.mark.skipif(not HAS_AVX512, reason="the kernel needs an x86-64 CPU with AVX-512 (F/BW/DQ/VL)")
+
+
+def reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Float64 attention of each row over its context, gathered token by token from the pool."""
+    kv_heads, _, block_size, d = pool.shape[0] // 2, *pool.shape[1:]
+    rows, heads = q.shape[:2]
+    out = torch.empty(rows, heads * d, dtype=torch.float64)
+    for b in range(rows):
+        n = int(lens[b])
+        slots = [(int(tables[b, t // block_size]), t % block_size) for t in range(n)]
+        k = torch.stack([pool[:kv_heads, blk, off] for blk, off in slots], 1).double()  # [K, n, D]
+        v = torch.stack([pool[kv_heads:, blk, off] for blk, off in slots], 1).double()
+        qb = q[b].double().view(kv_heads, heads // kv_heads, d)  # [K, G, D]
+        p = (qb @ k.transpose(1, 2) * scale).softmax(-1)  # [K, G, n]
+        out[b] = (p @ v).reshape(-1)
+    return out
+
+
+@needs_avx512
+def test_kernel_is_built_and_enabled_on_this_cpu():
+    """On an AVX-512 CPU the kernel builds and the embedded model (bf16 and fp32, 3 query heads per kv head) uses it."""
+    assert cpu_kernels.load_cpu_kernels()
+    assert cpu_kernels.library_path().exists()
+    for dtype in (torch.bfloat16, torch.float32):
+        assert cpu_kernels.paged_decode_attention_available(dtype, 64, 3)
+    assert not cpu_kernels.paged_decode_attention_available(torch.float16, 64, 3)
+    assert not cpu_kernels.paged_decode_attention_available(torch.float32, 48, 3)  # head_dim must be 64 or 128
+    assert not cpu_kernels.paged_decode_attention_available(torch.float32, 64, 9)  # at most 8 query heads per kv head
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "group", "block_size"), [(64, 3, 16), (64, 1, 4), (128, 8, 16), (64, 7, 8), (128, 2, 32)])
+def test_matches_reference_over_scattered_blocks(dtype, head_dim, group, block_size):
+    """Contexts of 1 token, inside a block, on and across block edges and long; shuffled blocks; the
+    pool's other blocks hold large garbage that must never be read. fp32 within 2e-5, bf16 within
+    bf16 rounding of the output (the kernel accumulates in fp32)."""
+    g = torch.Generator().manual_seed(head_dim * group + block_size)
+    kv_heads, lens = 2, torch.tensor([1, block_size - 1, block_size, block_size + 1, 5 * block_size + 3, 300])
+    width = -(-int(lens.max()) // block_size)
+    num_blocks = len(lens) * width + 5
+    pool = torch.randn(2 * kv_heads, num_blocks, block_size, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = perm[: len(lens) * width].view(len(lens), width).contiguous()
+    owned = torch.zeros(num_blocks, dtype=torch.bool)
+    for b, n in enumerate(lens.tolist()):
+        owned[tables[b, : -(-n // block_size)]] = True
+    pool[:, ~owned] = 1e4  # read by mistake, it would dominate the softmax
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=g).to(dtype)
+    scale = head_dim**-0.5
+    out = cpu_kernels.paged_decode_attention(q, pool, tables, lens, scale)
+    assert out.shape == (len(lens), kv_heads * group * head_dim) and out.dtype == dtype
+    expected = reference(q, pool, tables, lens, scale)
+    tolerance = 2e-5 if dtype == torch.float32 else 8e-3
+    assert (out.double() - expected).abs().max().item() < tolerance
+
+
+@needs_avx512
+def test_reads_q_through_its_strides():
+    """``q`` may be a view (the model passes a slice of the fused q/k/v projection)."""
+    g = torch.Generator().manual_seed(1)
+    pool = torch.randn(2, 4, 16, 64, generator=g)
+    qkv = torch.randn(3, 5, 64, generator=g)  # 3 query heads + 2 more per row, then sliced
+    q = qkv[:, :3]
+    tables, lens = torch.tensor([[0, 1], [2, 3], [1, 0]]), torch.tensor([20, 3, 32])
+    assert not q.is_contiguous()
+    out = cpu_kernels.paged_decode_attention(q, pool, tables, lens, 0.125)
+    assert (out.double() - reference(q, pool, tables, lens, 0.125)).abs().max().item() < 2e-5
+
+
+@needs_avx512
+@pytest.mark.parametrize(
+    ("tables", "lens", "message"),
+    [
+        (torch.tensor([[0, 9]]), torch.tensor([20]), "block id 9 outside the pool"),
+        (torch.tensor([[0, 1]]), torch.tensor([33]), "context 33 outside 1..32"),
+        (torch.tensor([[0, 1]]), torch.tensor([0]), "context 0 outside"),
+        (torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([3]), "block_tables must be contiguous int64"),
+    ],
+)
+def test_refuses_out_of_bounds_input(tables, lens, message):
+    """Bad tables or lengths raise a RuntimeError naming the problem instead of reading outside the pool."""
+    pool, q = torch.zeros(2, 4, 16, 64), torch.zeros(1, 1, 64)
+    with pytest.raises(RuntimeError, match=message):
+        cpu_kernels.paged_decode_attention(q, pool, tables, lens, 0.125)
+
+
+def test_model_fused_and_torch_attention_agree():
+    """The embedded model's mixed step (decode rows of several lengths plus a prefill) gives the same
+    fp32 logits (< 1e-4) with the kernel as with the pure-torch attention; off an AVX-512 CPU both
+    are the torch path."""
+    from stageserve.device.weights import load_weights
+
+    config, weights = load_weights(embedded_model_path(), torch.float32)
+    fused, plain = LlamaModel(config, weights, "cpu"), LlamaModel(config, weights, "cpu", cpu_kernels_allowed=False)
+    assert fused.fused_decode_attention == HAS_AVX512 and not plain.fused_decode_attention
+    g = torch.Generator().manual_seed(0)
+    rows = [(37, 1), (3, 1), (16, 1), (0, 9)]  # (tokens cached, new tokens)
+    logits = []
+    for model in (fused, plain):
+        cache = PagedKVCache(config, 32, 16, torch.float32, "cpu")
+        g.manual_seed(0)
+        tables = [torch.randperm(32, generator=g)[:4].tolist() for _ in rows]
+        step = []
+        for (cached, new), table in zip(rows, tables):
+            tokens = torch.randint(3, 49152, (cached + new,), generator=g).tolist()
+            if cached:
+                model.forward(build_forward_batch([(tokens[:cached], 0, table, False)], 16, "cpu"), cache)
+            step.append((tokens[cached:], cached, table, True))
+        logits.append(model.forward(build_forward_batch(step, 16, "cpu"), cache))
+    assert (logits[0] - logits[1]).abs().max().item() < 1e-4
