@@ -1,12 +1,17 @@
 """Fused C++ kernels for the CPU backend, compiled on first use and cached on disk.
 
-The source (``csrc/paged_decode_attention.cpp``) registers ``torch.ops.stageserve.*`` ops. It is
-compiled with torch's own extension builder (``torch.utils.cpp_extension.load``: the C++ compiler,
-torch's headers and flags, ninja) into ``$STAGESERVE_KERNEL_CACHE`` (default
-``~/.cache/stageserve/kernels``), in a folder named by a hash of the source, the torch version and
-the flags, so a new torch or an edited source builds afresh. Each build runs in its own temporary
+On an x86-64 CPU with AVX-512 the decode step's small operations are fused, as vLLM's CPU backend
+does: paged decode attention reading the KV pool in place, RoPE plus the KV store, residual add
+plus RMSNorm, SwiGLU. On a CPU without AVX-512 (or another dtype or head shape) the model keeps its
+pure-torch path; ``available`` says which.
+
+The sources (``csrc/``) register ``torch.ops.stageserve.*`` ops. They are compiled with torch's
+own extension builder (``torch.utils.cpp_extension.load``: the C++ compiler, torch's headers and
+flags, ninja) into ``$STAGESERVE_KERNEL_CACHE`` (default ``~/.cache/stageserve/kernels``), in a
+folder named by a hash of the sources, the torch version and the flags, so a new torch or an edited
+source builds afresh. Each build runs in its own temporary
 folder and the finished library is renamed into place, so processes starting together never wait
-on a lock (a build takes ~6 s on a 2-core CPU). Where no compiler is available the build fails, the
+on a lock (a build takes ~20 s on a 2-core CPU). Where no compiler is available the build fails, the
 failure is logged once, and the model keeps its pure-torch path.
 """
 
@@ -25,7 +30,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = sorted(CSRC.glob("*.cpp"))
+HEADERS = sorted(CSRC.glob("*.h"))
 LIBRARY_NAME = "stageserve_cpu_kernels"
 CFLAGS = ["-O3", "-fopenmp"]  # -fopenmp: at::parallel_for runs on torch's OpenMP pool
 
@@ -37,9 +44,12 @@ def cache_dir() -> Path:
 
 
 def library_path() -> Path:
-    """The cached library for this source, torch version and flags (it may not be built yet)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    return cache_dir() / digest / f"{LIBRARY_NAME}.so"
+    """The cached library for these sources, torch version and flags (it may not be built yet)."""
+    digest = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        digest.update(path.name.encode() + path.read_bytes())
+    digest.update(torch.__version__.encode() + " ".join(CFLAGS).encode())
+    return cache_dir() / digest.hexdigest()[:16] / f"{LIBRARY_NAME}.so"
 
 
 def build(target: Path) -> None:
@@ -54,7 +64,7 @@ def build(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
     try:
-        load(LIBRARY_NAME, [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(work), is_python_module=False, verbose=False)
+        load(LIBRARY_NAME, [str(p) for p in SOURCES], extra_cflags=CFLAGS, extra_include_paths=[str(CSRC)], build_directory=str(work), is_python_module=False, verbose=False)
         os.replace(work / f"{LIBRARY_NAME}.so", target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -71,13 +81,15 @@ def load_cpu_kernels() -> bool:
         torch.ops.load_library(str(target))
         return True
     except Exception as error:  # no compiler, no ninja, a read-only cache: the torch path still works
-        logger.warning("CPU kernels unavailable, using the pure-torch attention: %s", str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__)
+        lines = str(error).strip().splitlines() or [type(error).__name__]
+        reason = next((line for line in lines if "error:" in line), lines[-1])  # the compiler's first error, if any
+        logger.warning("CPU kernels unavailable, the model keeps its pure-torch path: %s", reason.strip())
         return False
 
 
-def paged_decode_attention_available(dtype: torch.dtype, head_dim: int, group: int) -> bool:
-    """Whether ``paged_decode_attention`` runs ``dtype`` with this head size and query heads per kv head on this CPU."""
-    return load_cpu_kernels() and torch.ops.stageserve.paged_decode_attention_supported(dtype, head_dim, group)
+def available(dtype: torch.dtype, head_dim: int, group: int) -> bool:
+    """Whether every op here runs ``dtype`` with this head size and query heads per kv head on this CPU."""
+    return load_cpu_kernels() and torch.ops.stageserve.supported(dtype, head_dim, group)
 
 
 def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -96,9 +108,35 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: torc
 
     Raises:
         RuntimeError: shapes, dtypes or bounds that do not fit, or no kernel for them on this CPU
-            (check ``paged_decode_attention_available`` first).
+            (check ``available`` first). So do the other ops here.
     """
     return torch.ops.stageserve.paged_decode_attention(q, kv, block_tables, context_lens, scale)
+
+
+def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """RoPE on the q and k heads of ``qkv`` and the new keys and values stored into the KV pool.
+
+    ``qkv`` ``[T, (H + 2K) * D]`` (rows contiguous); ``cos``/``signed_sin`` ``[positions, D]``
+    (``model.rope_tables``); ``positions`` and ``slot_mapping`` ``[T]`` int64; ``kv`` one layer's
+    pool ``[2K, num_blocks, block_size, D]``, written at ``slot_mapping``. Returns the rotated q and k
+    heads ``[T, H + K, D]``. fp32 inside, rounded once.
+    """
+    return torch.ops.stageserve.rope_and_cache(qkv, cos, signed_sin, positions, kv, slot_mapping, num_heads)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` ``[T, hidden]`` (contiguous) times ``weight`` ``[hidden]``, fp32 inside -> new ``[T, hidden]``."""
+    return torch.ops.stageserve.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``residual += delta`` in place (rounded to its dtype), then return ``rms_norm(residual, weight, eps)``; both ``[T, hidden]`` contiguous."""
+    return torch.ops.stageserve.add_rms_norm(residual, delta, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` of ``gate_up`` ``[T, 2 * I]`` (contiguous, gate first) -> ``[T, I]``, fp32 inside."""
+    return torch.ops.stageserve.silu_and_mul(gate_up)
 
 
 if __name__ == "__main__":  # `python -m stageserve.device.cpu_kernels`: build now (make install, images)

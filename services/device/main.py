@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS", help="longest sequence (prompt + output) to accept (default: the model's context, capped by the KV pool)")
     parser.add_argument("--max-step-tokens", type=int, default=2048, metavar="TOKENS", help="tokens one step may carry (default %(default)s)")
     parser.add_argument("--threads", type=int, default=None, metavar="N", help="torch intra-op threads (default: torch's choice)")
-    parser.add_argument("--no-cpu-kernels", action="store_true", help="cpu backend: keep the pure-torch decode attention instead of the fused C++ kernel (for comparison)")
+    parser.add_argument("--no-cpu-kernels", action="store_true", help="cpu backend: run the layers in plain torch ops instead of the fused C++ kernels (for comparison)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -233,7 +233,7 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
         log.info("loading %s as %s on %s", model_path, dtype_name, backend.device)
         model = LlamaModel.from_path(model_path, dtype, backend.device, cpu_kernels_allowed=not args.no_cpu_kernels)
         config = model.config
-        log.info("decode attention: %s", "fused CPU kernel" if model.fused_decode_attention else "torch")
+        log.info("layers run %s", "with the fused CPU kernels" if model.cpu_kernels else "in plain torch ops")
 
     if args.kv_cache_memory is not None:
         kv_bytes = args.kv_cache_memory

@@ -292,9 +292,9 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device | str, cpu_kernels_allowed: bool = True) -> None:
         """Take HF-named ``weights`` (as ``load_weights`` returns them, any float dtype) onto ``device``.
 
-        The activation dtype is the weights' dtype. ``cpu_kernels_allowed``: on a CPU, decode rows use
-        the fused paged attention kernel (``cpu_kernels``) where it supports this CPU, dtype and head
-        shape; ``False`` keeps the pure-torch path (for comparison).
+        The activation dtype is the weights' dtype. ``cpu_kernels_allowed``: on a CPU, run the layers
+        with the fused C++ ops of ``cpu_kernels`` where they support this CPU, dtype and head shape
+        (``self.cpu_kernels`` says whether they do); ``False`` keeps the pure-torch path (for comparison).
         """
         self.config, self.device = config, torch.device(device)
 
@@ -326,10 +326,10 @@ class LlamaModel:
             ))
         self.cos, self.signed_sin = rope_tables(config, self.dtype, self.device)
         self.scale = config.head_dim**-0.5
-        self.fused_decode_attention = (
+        self.cpu_kernels = (
             cpu_kernels_allowed
             and self.device.type == "cpu"
-            and cpu_kernels.paged_decode_attention_available(self.dtype, config.head_dim, config.num_heads // config.num_kv_heads)
+            and cpu_kernels.available(self.dtype, config.head_dim, config.num_heads // config.num_kv_heads)
         )
 
     @classmethod
@@ -346,58 +346,84 @@ class LlamaModel:
         block tables name.
         """
         c = self.config
+        x = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
+        x = self._layers_fused(x, batch, kv_cache) if self.cpu_kernels else self._layers_torch(x, batch, kv_cache)
+        x = F.rms_norm(x[batch.sample_indices], (c.hidden_size,), self.norm, c.rms_norm_eps)  # [S, hidden]
+        return self.lm_head(x).float()
+
+    def _layers_torch(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        """All decoder layers in plain torch ops (any device): ``x`` [T, hidden] -> [T, hidden]."""
+        c = self.config
         cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, D]
         sin = self.signed_sin[batch.positions].unsqueeze(1)
-        decode_bias = decode_rows = context_lens = None
-        if batch.num_decode and self.fused_decode_attention:
-            context_lens = batch.positions[: batch.num_decode] + 1  # [Bd]
-        elif batch.num_decode:
+        decode_bias = decode_rows = None
+        if batch.num_decode:
             decode_rows = kv_cache.block_rows(batch.decode_blocks)  # [2 * kv_heads * Bd * W]
             # Additive mask [kv_heads * Bd, q_per_kv, L] (kv-head-major, as the gathered cache), made once per step for every layer.
             b, length = batch.decode_mask.shape
             bias = torch.zeros(1, b, 1, length, dtype=self.dtype, device=self.device).masked_fill_(~batch.decode_mask.view(1, b, 1, length), float("-inf"))
             decode_bias = bias.expand(c.num_kv_heads, b, c.num_heads // c.num_kv_heads, length).reshape(-1, c.num_heads // c.num_kv_heads, length)
-        x = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
+        heads, kv_heads, d = c.num_heads, c.num_kv_heads, c.head_dim
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (c.hidden_size,), layer.input_norm, c.rms_norm_eps)
-            attn = self._attention(index, layer, h, cos, sin, batch, kv_cache, decode_rows, decode_bias, context_lens)
-            x = x + layer.o(attn)
+            qkv = layer.qkv(h)  # [T, (H + 2K) * D]
+            qk = apply_rope(qkv[:, : (heads + kv_heads) * d].view(-1, heads + kv_heads, d), cos, sin)  # [T, H + K, D]
+            v = qkv[:, (heads + kv_heads) * d :].view(-1, kv_heads, d)  # [T, K, D]
+            kv_cache.write(index, qk[:, heads:], v, batch.slot_mapping)
+            decode = None
+            if batch.num_decode:
+                k_context, v_context = kv_cache.gather_blocks(index, decode_rows)  # [K * Bd * W, block_size, D]
+                decode = self._decode_attention(qk[: batch.num_decode, :heads], k_context, v_context, decode_bias)
+            x = x + layer.o(self._attention_output(index, decode, qk, v, batch, kv_cache))
             h = F.rms_norm(x, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
             x = x + layer.down(_swiglu(layer.gate_up(h), c.intermediate_size))
-        x = F.rms_norm(x[batch.sample_indices], (c.hidden_size,), self.norm, c.rms_norm_eps)  # [S, hidden]
-        return self.lm_head(x).float()
+        return x
 
-    def _attention(
-        self, index: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        batch: ForwardBatch, kv_cache: PagedKVCache, decode_rows: torch.Tensor | None, decode_bias: torch.Tensor | None,
-        context_lens: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Self-attention of all rows of one layer: ``h`` [T, hidden] -> [T, q_size].
+    def _layers_fused(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        """All decoder layers with ``cpu_kernels``' fused ops (CPU): ``x`` [T, hidden] -> [T, hidden].
 
-        Decode rows take the fused kernel when ``context_lens`` ([Bd] int64, their positions + 1) is
-        given; otherwise ``decode_rows`` are their cache block rows (``PagedKVCache.block_rows``) and
-        ``decode_bias`` their additive mask. All three are ``None`` without decode rows.
+        Same math as ``_layers_torch``, in fewer passes: RoPE and the KV store in one op, decode
+        attention reading the pool in place, each residual add fused into the next RMSNorm
+        (``x`` is updated in place), SwiGLU in one op.
         """
-        c = self.config
+        c, eps = self.config, self.config.rms_norm_eps
         heads, kv_heads, d = c.num_heads, c.num_kv_heads, c.head_dim
-        qkv = layer.qkv(h)  # [T, (H + 2K) * D]
-        qk = apply_rope(qkv[:, : (heads + kv_heads) * d].view(-1, heads + kv_heads, d), cos, sin)  # [T, H + K, D]
-        q, k = qk[:, :heads], qk[:, heads:]
-        v = qkv[:, (heads + kv_heads) * d :].view(-1, kv_heads, d)  # [T, K, D]
-        kv_cache.write(index, k, v, batch.slot_mapping)
-        outputs = []
-        if context_lens is not None:
-            outputs.append(cpu_kernels.paged_decode_attention(q[: batch.num_decode], kv_cache.layer(index), batch.decode_blocks, context_lens, self.scale))
-        elif batch.num_decode:
-            k_context, v_context = kv_cache.gather_blocks(index, decode_rows)  # [K * Bd * W, block_size, D]
-            outputs.append(self._decode_attention(q[: batch.num_decode], k_context, v_context, decode_bias))
+        context_lens = batch.positions[: batch.num_decode] + 1  # [Bd] tokens each decode row attends to
+        h = cpu_kernels.rms_norm(x, self.layers[0].input_norm, eps)
+        for index, layer in enumerate(self.layers):
+            qkv = layer.qkv(h)  # [T, (H + 2K) * D]
+            qk = cpu_kernels.rope_and_cache(qkv, self.cos, self.signed_sin, batch.positions, kv_cache.layer(index), batch.slot_mapping, heads)
+            v = qkv[:, (heads + kv_heads) * d :].view(-1, kv_heads, d)  # [T, K, D]
+            decode = None
+            if batch.num_decode:
+                decode = cpu_kernels.paged_decode_attention(qk[: batch.num_decode, :heads], kv_cache.layer(index), batch.decode_blocks, context_lens, self.scale)
+            h = cpu_kernels.add_rms_norm(x, layer.o(self._attention_output(index, decode, qk, v, batch, kv_cache)), layer.post_norm, eps)
+            mlp = layer.down(cpu_kernels.silu_and_mul(layer.gate_up(h)))
+            if index + 1 < len(self.layers):
+                h = cpu_kernels.add_rms_norm(x, mlp, self.layers[index + 1].input_norm, eps)
+            else:
+                x += mlp
+        return x
+
+    def _attention_output(
+        self, index: int, decode: torch.Tensor | None, qk: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, kv_cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """Attention output ``[T, q_size]`` of one layer: the decode rows' ``decode`` ([Bd, q_size], or
+        ``None`` without decode rows) followed by each prefill row's causal attention.
+
+        ``qk`` [T, H + K, D] are the rotated query and key heads, ``v`` [T, K, D] the values; this
+        step's keys and values are already in ``kv_cache``.
+        """
+        heads = self.config.num_heads
+        outputs = [] if decode is None else [decode]
         for seg in batch.prefills:
             rows = slice(seg.start, seg.start + seg.length)
+            q = qk[rows, :heads]
             if seg.context_slots is None:
-                outputs.append(self._prefill_attention(q[rows], k[rows].transpose(0, 1), v[rows].transpose(0, 1), None))
+                outputs.append(self._prefill_attention(q, qk[rows, heads:].transpose(0, 1), v[rows].transpose(0, 1), None))
             else:
                 k_context, v_context = kv_cache.gather_slots(index, seg.context_slots)  # [K, context, D]
-                outputs.append(self._prefill_attention(q[rows], k_context, v_context, seg.mask))
+                outputs.append(self._prefill_attention(q, k_context, v_context, seg.mask))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

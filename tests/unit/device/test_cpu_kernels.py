@@ -1,4 +1,4 @@
-"""The fused CPU paged decode attention: same results as plain torch attention over the same context."""
+"""The fused CPU ops (``cpu_kernels``): each gives what the model's plain torch ops give, and the model agrees with itself either way."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from stageserve.device import cpu_kernels
 from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.model import LlamaModel, build_forward_batch
+from stageserve.device.model import LlamaModel, apply_rope, build_forward_batch, rope_tables
 from stageserve.model_files import embedded_model_path
 
 CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
@@ -34,15 +34,15 @@ def reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, lens: t
 
 
 @needs_avx512
-def test_kernel_is_built_and_enabled_on_this_cpu():
-    """On an AVX-512 CPU the kernel builds and the embedded model (bf16 and fp32, 3 query heads per kv head) uses it."""
+def test_kernels_are_built_and_enabled_on_this_cpu():
+    """On an AVX-512 CPU the kernels build and suit the embedded model (bf16 and fp32, 3 query heads per kv head)."""
     assert cpu_kernels.load_cpu_kernels()
     assert cpu_kernels.library_path().exists()
     for dtype in (torch.bfloat16, torch.float32):
-        assert cpu_kernels.paged_decode_attention_available(dtype, 64, 3)
-    assert not cpu_kernels.paged_decode_attention_available(torch.float16, 64, 3)
-    assert not cpu_kernels.paged_decode_attention_available(torch.float32, 48, 3)  # head_dim must be 64 or 128
-    assert not cpu_kernels.paged_decode_attention_available(torch.float32, 64, 9)  # at most 8 query heads per kv head
+        assert cpu_kernels.available(dtype, 64, 3)
+    assert not cpu_kernels.available(torch.float16, 64, 3)
+    assert not cpu_kernels.available(torch.float32, 48, 3)  # head_dim must be 64 or 128
+    assert not cpu_kernels.available(torch.float32, 64, 9)  # at most 8 query heads per kv head
 
 
 @needs_avx512
@@ -102,17 +102,90 @@ def test_refuses_out_of_bounds_input(tables, lens, message):
         cpu_kernels.paged_decode_attention(q, pool, tables, lens, 0.125)
 
 
-def test_model_fused_and_torch_attention_agree():
-    """The embedded model's mixed step (decode rows of several lengths plus a prefill) gives the same
-    fp32 logits (< 1e-4) with the kernel as with the pure-torch attention; off an AVX-512 CPU both
-    are the torch path."""
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Within fp32 rounding, or for bf16 within two bf16 steps of the expected value's size."""
+    tolerance = 1e-5 if dtype == torch.float32 else 1.6e-2
+    return bool(((actual.double() - expected.double()).abs() <= tolerance * (1 + expected.double().abs())).all())
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 32, 300])  # 300: enough rows to split over threads
+def test_norms_and_swiglu_match_torch(dtype, rows):
+    """rms_norm, add_rms_norm (residual updated in place) and silu_and_mul against the torch ops the
+    model uses otherwise, on a hidden size that is not a multiple of 16 (masked tail)."""
+    g = torch.Generator().manual_seed(rows)
+    hidden, eps = 584, 1e-5
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    delta = torch.randn(rows, hidden, generator=g).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
+    reference = lambda t: torch.nn.functional.rms_norm(t.float(), (hidden,), weight.float(), eps)  # noqa: E731
+    assert _close(cpu_kernels.rms_norm(x, weight, eps), reference(x), dtype)
+    residual = x.clone()
+    h = cpu_kernels.add_rms_norm(residual, delta, weight, eps)
+    assert torch.equal(residual, x + delta)  # the sum, rounded to the dtype as torch rounds it
+    assert _close(h, reference(x + delta), dtype)
+    gate_up = torch.randn(rows, 2 * 200, generator=g).mul(4).to(dtype)
+    gate, up = gate_up.float().chunk(2, -1)
+    assert _close(cpu_kernels.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, dtype)
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128)])
+def test_rope_and_cache_matches_rope_then_store(dtype, heads, kv_heads, head_dim):
+    """Rotated q/k heads equal ``apply_rope``'s; keys and values land in the named slots of the pool
+    and every other slot is untouched."""
+    from stageserve.device.model_config import ModelConfig
+
+    g = torch.Generator().manual_seed(head_dim)
+    config = ModelConfig(
+        architecture="llama", vocab_size=10, hidden_size=heads * head_dim, intermediate_size=1, num_layers=1, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
+        tie_word_embeddings=True, attention_bias=False, bos_token_id=None, eos_token_ids=(0,),
+    )
+    cos, sin = rope_tables(config, dtype, "cpu")
+    tokens = 40
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    positions = torch.randint(0, 512, (tokens,), generator=g)
+    pool = torch.randn(2 * kv_heads, 8, 16, head_dim, generator=g).to(dtype)
+    slots = torch.randperm(8 * 16, generator=g)[:tokens]
+    before = pool.clone()
+    qk = cpu_kernels.rope_and_cache(qkv, cos, sin, positions, pool, slots, heads)
+    expected = apply_rope(qkv[:, : (heads + kv_heads) * head_dim].float().view(tokens, -1, head_dim), cos[positions].float()[:, None], sin[positions].float()[:, None])
+    assert qk.shape == (tokens, heads + kv_heads, head_dim) and _close(qk, expected, dtype)
+    flat = pool.view(2 * kv_heads, -1, head_dim)
+    assert torch.equal(flat[:kv_heads, slots], qk[:, heads:].transpose(0, 1))
+    assert torch.equal(flat[kv_heads:, slots], qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim).transpose(0, 1))
+    untouched = torch.ones(8 * 16, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(flat[:, untouched], before.view(2 * kv_heads, -1, head_dim)[:, untouched])
+
+
+@needs_avx512
+def test_rope_and_cache_refuses_a_slot_outside_the_pool():
+    """A slot or position out of range raises before anything is written."""
+    pool = torch.zeros(2, 2, 16, 64)
+    qkv = torch.zeros(1, 3 * 64)
+    cos = torch.ones(8, 64)
+    with pytest.raises(RuntimeError, match="slot 32 outside the pool of 32"):
+        cpu_kernels.rope_and_cache(qkv, cos, cos, torch.tensor([0]), pool, torch.tensor([32]), 1)
+    with pytest.raises(RuntimeError, match="position 8 outside the RoPE table of 8"):
+        cpu_kernels.rope_and_cache(qkv, cos, cos, torch.tensor([8]), pool, torch.tensor([0]), 1)
+    assert not pool.any()
+
+
+def test_model_fused_and_torch_paths_agree():
+    """The embedded model's mixed step (decode rows of several lengths, a fresh prefill and a later
+    prefill chunk) gives the same fp32 logits (< 1e-4) with the fused ops as in plain torch ops;
+    off an AVX-512 CPU both are the torch path."""
     from stageserve.device.weights import load_weights
 
     config, weights = load_weights(embedded_model_path(), torch.float32)
     fused, plain = LlamaModel(config, weights, "cpu"), LlamaModel(config, weights, "cpu", cpu_kernels_allowed=False)
-    assert fused.fused_decode_attention == HAS_AVX512 and not plain.fused_decode_attention
+    assert fused.cpu_kernels == HAS_AVX512 and not plain.cpu_kernels
     g = torch.Generator().manual_seed(0)
-    rows = [(37, 1), (3, 1), (16, 1), (0, 9)]  # (tokens cached, new tokens)
+    rows = [(37, 1), (3, 1), (16, 1), (0, 9), (20, 7)]  # (tokens cached, new tokens)
     logits = []
     for model in (fused, plain):
         cache = PagedKVCache(config, 32, 16, torch.float32, "cpu")

@@ -1,0 +1,83 @@
+// RMSNorm (Zhang & Sennrich 2019) over the last dimension, optionally after adding a delta into the
+// residual stream in place (vLLM's fused_add_rms_norm): one pass over the row instead of the
+// separate add, square, mean, rsqrt, multiply and dtype conversions of the torch path.
+
+#include "ops.h"
+#include "vec.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+
+#include <cmath>
+
+namespace stageserve {
+
+#if defined(__x86_64__)
+namespace {
+
+// out = x / sqrt(mean(x^2) + eps) * weight for one row of n elements, in fp32, rounded once to T.
+// With `delta`, x = residual + delta is first rounded to T and stored back into `residual`
+// (as the torch path's residual stream holds it).
+template <typename T>
+SS_AVX512 void norm_row(T* __restrict__ residual, const T* __restrict__ delta, const T* __restrict__ weight,
+                        T* __restrict__ out, int64_t n, float eps) {
+  const int64_t full = n / 16 * 16;
+  const __mmask16 tail = tail_mask(n - full);
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = i < full ? __mmask16(0xFFFF) : tail;
+    __m512 x = load16(residual + i, m);
+    if (delta != nullptr) {
+      store16(residual + i, _mm512_add_ps(x, load16(delta + i, m)), m);
+      x = load16(residual + i, m);  // the rounded sum, as stored
+    }
+    squares = _mm512_fmadd_ps(x, x, squares);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / n + eps));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = i < full ? __mmask16(0xFFFF) : tail;
+    store16(out + i, _mm512_mul_ps(_mm512_mul_ps(load16(residual + i, m), inv), load16(weight + i, m)), m);
+  }
+}
+
+at::Tensor norm(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(cpu_has_avx512(), "rms_norm needs an x86-64 CPU with AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x must be contiguous [tokens, hidden] bfloat16 or float32, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous [hidden] of x's dtype");
+  if (delta != nullptr)
+    TORCH_CHECK(delta->sizes() == x.sizes() && delta->is_contiguous() && delta->scalar_type() == x.scalar_type(),
+                "delta must be contiguous, with residual's shape and dtype");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const int64_t rows = x.size(0), n = x.size(1);
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1));  // a decode batch stays on one thread
+  auto body = [&](auto tag) {
+    using T = decltype(tag);
+    T* xp = static_cast<T*>(x.data_ptr());  // written only with a delta (add_rms_norm's residual)
+    const T* dp = delta ? delta->const_data_ptr<T>() : nullptr;
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        norm_row<T>(xp + r * n, dp ? dp + r * n : nullptr, weight.const_data_ptr<T>(), out.data_ptr<T>() + r * n, n, static_cast<float>(eps));
+    });
+  };
+  if (x.scalar_type() == at::kBFloat16) body(c10::BFloat16{});
+  else body(float{});
+  return out;
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return norm(x, nullptr, weight, eps); }
+at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+  return norm(residual, &delta, weight, eps);
+}
+
+#else
+at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double) { TORCH_CHECK(false, "rms_norm needs an x86-64 CPU with AVX-512"); }
+at::Tensor add_rms_norm(at::Tensor&, const at::Tensor&, const at::Tensor&, double) {
+  TORCH_CHECK(false, "add_rms_norm needs an x86-64 CPU with AVX-512");
+}
+#endif
+
+}  // namespace stageserve

@@ -1,0 +1,29 @@
+// The fused CPU ops of stageserve's device (torch.ops.stageserve.*), registered in registration.cpp.
+// Each needs an x86-64 CPU with AVX-512 F/BW/DQ/VL and FMA; `supported` says whether this CPU,
+// dtype (bfloat16 or float32) and head shape have them. Elsewhere they raise, and the model keeps
+// its pure-torch path.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace stageserve {
+
+bool supported(c10::ScalarType dtype, int64_t head_dim, int64_t group);
+
+// [B, H, D] queries over paged contexts -> [B, H * D]  (paged_attention.cpp)
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale);
+
+// RMSNorm of x [T, hidden] -> new tensor; add_rms_norm first adds delta into residual in place  (norm.cpp)
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight, double eps);
+
+// silu(gate) * up of [T, 2 * I] -> [T, I]  (activation.cpp)
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+
+// RoPE on the q and k heads of qkv [T, (H + 2K) * D] -> [T, H + K, D]; k and v stored into the
+// layer's pool [2K, blocks, block_size, D] at slot_mapping [T]  (rope_cache.cpp)
+at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin,
+                          const at::Tensor& positions, at::Tensor& kv, const at::Tensor& slot_mapping, int64_t num_heads);
+
+}  // namespace stageserve

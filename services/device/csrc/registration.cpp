@@ -1,0 +1,45 @@
+// Registers the fused CPU ops as torch.ops.stageserve.* (see ops.h).
+
+#include "ops.h"
+#include "vec.h"
+
+#include <torch/library.h>
+
+namespace stageserve {
+
+#if defined(__x86_64__)
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("fma");
+  return has;
+}
+#endif
+
+bool supported(c10::ScalarType dtype, int64_t head_dim, int64_t group) {
+#if defined(__x86_64__)
+  return cpu_has_avx512() && (dtype == at::kBFloat16 || dtype == at::kFloat) && (head_dim == 64 || head_dim == 128) &&
+         group >= 1 && group <= 8;
+#else
+  return false;
+#endif
+}
+
+}  // namespace stageserve
+
+TORCH_LIBRARY(stageserve, m) {
+  m.def("supported(ScalarType dtype, int head_dim, int group) -> bool", &stageserve::supported);
+  m.def("paged_decode_attention(Tensor q, Tensor kv, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("rope_and_cache(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor positions, Tensor(a!) kv, Tensor slot_mapping, int num_heads) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(stageserve, CPU, m) {
+  m.impl("paged_decode_attention", &stageserve::paged_decode_attention);
+  m.impl("rms_norm", &stageserve::rms_norm);
+  m.impl("add_rms_norm", &stageserve::add_rms_norm);
+  m.impl("silu_and_mul", &stageserve::silu_and_mul);
+  m.impl("rope_and_cache", &stageserve::rope_and_cache);
+}

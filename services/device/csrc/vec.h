@@ -1,0 +1,60 @@
+// AVX-512 helpers shared by the ops: 16 elements (bfloat16 or float32) <-> one fp32 vector, exp.
+// Every function carries the target attribute, so the library is built with the compiler's default
+// flags and loads on any x86-64 CPU; the ops check the CPU before calling into these.
+#pragma once
+
+#if defined(__x86_64__)
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <cstdint>
+
+#define SS_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
+#define SS_INLINE inline __attribute__((always_inline))
+
+namespace stageserve {
+
+bool cpu_has_avx512();
+
+SS_AVX512 SS_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+SS_AVX512 SS_INLINE __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+SS_AVX512 SS_INLINE __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+SS_AVX512 SS_INLINE __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+SS_AVX512 SS_INLINE __m256i to_bf16_bits(__m512 x) {  // round to nearest even
+  __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  return _mm512_cvtepi32_epi16(bits);
+}
+SS_AVX512 SS_INLINE void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+SS_AVX512 SS_INLINE void store16(c10::BFloat16* p, __m512 x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(x)); }
+SS_AVX512 SS_INLINE void store16(float* p, __m512 x, __mmask16 m) { _mm512_mask_storeu_ps(p, m, x); }
+SS_AVX512 SS_INLINE void store16(c10::BFloat16* p, __m512 x, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, to_bf16_bits(x)); }
+
+SS_INLINE __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }  // n in [0, 16)
+
+// exp(x), x clamped to [-87, 88] (fp32's range): x = n ln2 + r, degree-6 Taylor polynomial for e^r
+// (|r| <= ln2 / 2, relative error < 2e-7), times 2^n by scalef.
+SS_AVX512 SS_INLINE __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 split in two for precision
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace stageserve
+#endif
