@@ -12,12 +12,18 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 namespace stageserve {
 
 #if defined(__x86_64__)
 namespace {
+
+SS_INLINE void prefetch_block(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
 
 // In-place softmax of s[0, n), n >= 1.
 SS_AVX512 SS_INLINE void softmax(float* __restrict__ s, int64_t n) {
@@ -51,9 +57,14 @@ SS_AVX512 void attend(const T* __restrict__ q, int64_t q_head_stride, const T* _
   __m512 qv[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = _mm512_mul_ps(load16(q + g * q_head_stride + 16 * c), _mm512_set1_ps(scale));
+  const int64_t blocks = (context + block_size - 1) / block_size;
+  prefetch_block(k_pool + table[0] * block_size * D, block_size * D * sizeof(T));
   for (int64_t t0 = 0, j = 0; t0 < context; t0 += block_size, ++j) {
     const T* block = k_pool + table[j] * block_size * D;
     const int64_t n = std::min(block_size, context - t0);
+    // The next block (or the first value block) is scattered elsewhere in the pool, out of the
+    // hardware prefetcher's sight: ask for it while this one is computed.
+    prefetch_block(j + 1 < blocks ? k_pool + table[j + 1] * block_size * D : v_pool + table[0] * block_size * D, block_size * D * sizeof(T));
     for (int64_t o = 0; o < n; ++o) {
       __m512 k[C];
       for (int c = 0; c < C; ++c) k[c] = load16(block + o * D + 16 * c);
@@ -71,6 +82,7 @@ SS_AVX512 void attend(const T* __restrict__ q, int64_t q_head_stride, const T* _
   for (int64_t t0 = 0, j = 0; t0 < context; t0 += block_size, ++j) {
     const T* block = v_pool + table[j] * block_size * D;
     const int64_t n = std::min(block_size, context - t0);
+    if (j + 1 < blocks) prefetch_block(v_pool + table[j + 1] * block_size * D, block_size * D * sizeof(T));
     for (int64_t o = 0; o < n; ++o) {
       __m512 v[C];
       for (int c = 0; c < C; ++c) v[c] = load16(block + o * D + 16 * c);
@@ -112,9 +124,14 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables, co
   const int64_t* len = lens.const_data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const int64_t max_context = *std::max_element(len, len + B);
-  at::parallel_for(0, B * K, 1, [&](int64_t begin, int64_t end) {
+  // Tasks are taken one at a time from a shared counter rather than split in equal halves up front:
+  // when another process takes a core for a while, the other thread does the remaining tasks
+  // instead of waiting for it at the end of the loop.
+  std::atomic<int64_t> next{0};
+  const int64_t tasks = B * K;
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores(G * max_context);
-    for (int64_t i = begin; i < end; ++i) {
+    for (int64_t i = next.fetch_add(1); i < tasks; i = next.fetch_add(1)) {
       const int64_t b = i / K, h = i % K;
       kernel(qp + b * q.stride(0) + h * G * q.stride(1), q.stride(1), kvp + h * N * block_size * D,
              kvp + (K + h) * N * block_size * D, tab + b * W, len[b], block_size, static_cast<float>(scale),
