@@ -18,7 +18,12 @@ SS_AVX512 void silu_and_mul_row(const T* __restrict__ gate, const T* __restrict_
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = i < full ? __mmask16(0xFFFF) : tail_mask(n - full);
     const __m512 g = load16(gate + i, m);
-    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    // silu(g) = g / (1 + e^-g); the reciprocal by rcp14 and one Newton step (relative error ~1e-8)
+    // costs a fraction of a vector division.
+    const __m512 denom = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    __m512 inv = _mm512_rcp14_ps(denom);
+    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(denom, inv, _mm512_set1_ps(2.0f)));
+    const __m512 silu = _mm512_mul_ps(g, inv);
     store16(out + i, _mm512_mul_ps(silu, load16(up + i, m)), m);
   }
 }
