@@ -168,7 +168,7 @@ def _fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
     return "-" if value is None else f"{value:.{digits}f}{suffix}"
 
 
-def _alternate(sides: list, workload: Workload, load: Load, repeats: int, warmup: Load | None = None) -> dict[str, list[RunResult]]:
+def _alternate(sides: list, workload: Workload, load: Load, repeats: int, warmup: Load | None = None, progress: bool = True) -> dict[str, list[RunResult]]:
     """Run every side ``repeats`` times, side after side in each round; one warm-up run each first."""
     if warmup is not None:
         for side in sides:
@@ -176,7 +176,7 @@ def _alternate(sides: list, workload: Workload, load: Load, repeats: int, warmup
     results: dict[str, list[RunResult]] = {side.name: [] for side in sides}
     for _ in range(repeats):
         for side in sides:
-            results[side.name].append(side.run(workload, load))
+            results[side.name].append(side.run(workload, load, progress))
     return results
 
 
@@ -192,6 +192,7 @@ class Common:
     input_len: int
     seed: int
     out_dir: Path
+    progress: bool = True  # progress bars on stderr while a side runs
 
     def model_device_args(self) -> list[str]:
         """``stageserve device`` flags for the real model."""
@@ -240,14 +241,14 @@ def compare_dispatch(common: Common, sim_step_ms: list[float], streams: int, inc
             try:
                 for mode in ("async", "sync"):
                     sides.append(ServicesSide(mode, Path(tmp) / label.replace(" ", "_"), common.model_path, [*device_args, "--dispatch", mode]))
-                results = _alternate(sides, workload, load, common.repeats, warmup)
+                results = _alternate(sides, workload, load, common.repeats, warmup, common.progress)
             finally:
                 for side in sides:
                     side.close()
             if stage_ms is None:  # the real model: its device stage, measured in-process on the same workload
                 inprocess = InProcessSide("inprocess", common.model_path, [*device_args, "--dispatch", "async"])
                 try:
-                    stage_ms = _median([r.device_step_ms for r in _alternate([inprocess], workload, load, common.repeats, warmup)["inprocess"]])
+                    stage_ms = _median([r.device_step_ms for r in _alternate([inprocess], workload, load, common.repeats, warmup, common.progress)["inprocess"]])
                 finally:
                     inprocess.close()
             raw[label] = {"results": results, "max_stage_ms": stage_ms}
@@ -280,7 +281,7 @@ def compare_split(common: Common, streams: list[int]) -> str:
             inprocess = InProcessSide("inprocess", common.model_path, device_args)
             for count in streams:
                 load = Load(streams=count, requests=max(count, 3))
-                results = _alternate([services, inprocess], workload, load, common.repeats, Load(streams=count, requests=count) if count == streams[0] else None)
+                results = _alternate([services, inprocess], workload, load, common.repeats, Load(streams=count, requests=count) if count == streams[0] else None, common.progress)
                 raw[count] = results
                 for name in ("services", "inprocess"):
                     reports = [r.report for r in results[name]]
@@ -332,7 +333,7 @@ def compare_peers(common: Common, streams: int) -> str:
         services = ServicesSide("stageserve", Path(tmp), common.model_path, common.model_device_args())
         try:
             for count in (streams, 1):
-                results = _alternate([services], workload, Load(streams=count, requests=count), common.repeats, Load(streams=count, requests=count))
+                results = _alternate([services], workload, Load(streams=count, requests=count), common.repeats, Load(streams=count, requests=count), common.progress)
                 raw.setdefault("stageserve", {})[count] = [r.report for r in results["stageserve"]]
         finally:
             services.close()
@@ -366,7 +367,7 @@ def sweep(common: Common, concurrency: list[int], llama_max_requests: int, plot_
         try:
             services.run(workload, Load(streams=4, requests=4), progress=False)
             for count in concurrency:
-                series["stageserve"][count] = services.run(workload, Load(streams=count, requests=count)).report
+                series["stageserve"][count] = services.run(workload, Load(streams=count, requests=count), common.progress).report
         finally:
             services.close()
     for count in concurrency:

@@ -121,7 +121,7 @@ def _run_comparison(args: argparse.Namespace) -> str:
 
     common = compare.Common(
         model_path=resolve_model_path(args.model), dtype=args.dtype, backend=args.backend, repeats=args.repeats, output_len=args.compare_output_len,
-        input_len=args.compare_input_len, seed=args.compare_seed, out_dir=args.out,
+        input_len=args.compare_input_len, seed=args.compare_seed, out_dir=args.out, progress=not args.no_progress,
     )
     if args.comparison == "compare-dispatch":
         return compare.compare_dispatch(common, args.sim_step_ms, args.compare_streams, include_model=not args.no_model)
