@@ -65,6 +65,9 @@ def build(target: Path) -> None:
     work = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
     try:
         load(LIBRARY_NAME, [str(p) for p in SOURCES], extra_cflags=CFLAGS, extra_include_paths=[str(CSRC)], build_directory=str(work), is_python_module=False, verbose=False)
+        # load() has already loaded the library from `work`; the rename keeps its inode, so the
+        # caller's load_library(target) finds it loaded (the dynamic loader matches files by inode)
+        # instead of registering the ops a second time.
         os.replace(work / f"{LIBRARY_NAME}.so", target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
