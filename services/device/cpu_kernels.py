@@ -8,8 +8,8 @@ pure-torch path; ``available`` says which.
 The sources (``csrc/``) register ``torch.ops.stageserve.*`` ops. They are compiled with torch's
 own extension builder (``torch.utils.cpp_extension.load``: the C++ compiler, torch's headers and
 flags, ninja) into ``$STAGESERVE_KERNEL_CACHE`` (default ``~/.cache/stageserve/kernels``), in a
-folder named by a hash of the sources, the torch version and the flags, so a new torch or an edited
-source builds afresh. Each build runs in its own temporary
+folder named by a hash of the sources, the torch version, the machine type and the flags, so a new
+torch or an edited source builds afresh. Each build runs in its own temporary
 folder and the finished library is renamed into place, so processes starting together never wait
 on a lock (a build takes ~20 s on a 2-core CPU). Where no compiler is available the build fails, the
 failure is logged once, and the model keeps its pure-torch path.
@@ -21,9 +21,11 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import sysconfig
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -44,16 +46,16 @@ def cache_dir() -> Path:
 
 
 def library_path() -> Path:
-    """The cached library for these sources, torch version and flags (it may not be built yet)."""
+    """The cached library for these sources, torch version, machine type and flags (it may not be built yet)."""
     digest = hashlib.sha256()
     for path in SOURCES + HEADERS:
         digest.update(path.name.encode() + path.read_bytes())
-    digest.update(torch.__version__.encode() + " ".join(CFLAGS).encode())
+    digest.update(torch.__version__.encode() + platform.machine().encode() + " ".join(CFLAGS).encode())
     return cache_dir() / digest.hexdigest()[:16] / f"{LIBRARY_NAME}.so"
 
 
 def build(target: Path) -> None:
-    """Compile the kernels into ``target`` (atomically). Raises whatever the compiler step raises."""
+    """Compile the kernels into ``target`` (atomically) and load them into this process. Raises whatever the compiler step raises."""
     from torch.utils.cpp_extension import load  # imported only to build: it pulls in setuptools
 
     # torch runs `ninja` from PATH; the `ninja` dependency puts it next to this interpreter, which is
@@ -65,29 +67,42 @@ def build(target: Path) -> None:
     work = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
     try:
         load(LIBRARY_NAME, [str(p) for p in SOURCES], extra_cflags=CFLAGS, extra_include_paths=[str(CSRC)], build_directory=str(work), is_python_module=False, verbose=False)
-        # load() has already loaded the library from `work`; the rename keeps its inode, so the
-        # caller's load_library(target) finds it loaded (the dynamic loader matches files by inode)
-        # instead of registering the ops a second time.
+        # load() has already loaded the library from `work` into this process: it must not be loaded
+        # again (its ops would register twice). Another process building at the same time may
+        # replace `target` with its own copy; either copy is the same build.
         os.replace(work / f"{LIBRARY_NAME}.so", target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
+_load_lock = threading.Lock()
+
+
 @functools.cache
-def load_cpu_kernels() -> bool:
-    """Build if needed and load the kernels into ``torch.ops.stageserve``; ``False`` (logged) where that fails."""
+def _load() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        logger.info("CPU kernels not built: they need an x86-64 CPU with AVX-512; the model runs plain torch ops")
+        return False
     target = library_path()
     try:
-        if not target.exists():
+        if target.exists():
+            torch.ops.load_library(str(target))
+        else:
             logger.info("building the CPU kernels into %s", target.parent)
-            build(target)
-        torch.ops.load_library(str(target))
+            build(target)  # loads the library it builds
         return True
     except Exception as error:  # no compiler, no ninja, a read-only cache: the torch path still works
         lines = str(error).strip().splitlines() or [type(error).__name__]
         reason = next((line for line in lines if "error:" in line), lines[-1])  # the compiler's first error, if any
         logger.warning("CPU kernels unavailable, the model keeps its pure-torch path: %s", reason.strip())
         return False
+
+
+def load_cpu_kernels() -> bool:
+    """Build if needed and load the kernels into ``torch.ops.stageserve``, once per process; ``False``
+    (logged) on a CPU without AVX-512 (nothing is built there) or where the build fails."""
+    with _load_lock:  # two threads' first calls must not build into the same process twice
+        return _load()
 
 
 def available(dtype: torch.dtype, head_dim: int, group: int) -> bool:
@@ -103,7 +118,7 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: torc
         kv: one layer's pool ``[2 * K, num_blocks, block_size, D]`` contiguous, K heads then V heads
             (``PagedKVCache.layer``), same dtype as ``q``.
         block_tables: ``[B, W]`` int64 contiguous, each row's blocks in order (padding beyond its context unused).
-        context_lens: ``[B]`` int64, tokens each row attends to (its position + 1), ``1 <= len <= W * block_size``.
+        context_lens: ``[B]`` int64 contiguous, tokens each row attends to (its position + 1), ``1 <= len <= W * block_size``.
         scale: the softmax scale, usually ``head_dim ** -0.5``.
 
     Returns:

@@ -1,8 +1,9 @@
-"""Llama-family decoder (Llama, SmolLM, Qwen2) in plain torch, for batched serving over a paged KV cache.
+"""Llama-family decoder (Llama, SmolLM, Qwen2) for batched serving over a paged KV cache.
 
 One forward pass takes a flattened batch mixing prefill chunks and single-token decode rows
 (``ForwardBatch``, built once per step by ``build_forward_batch``) and returns the logits of the rows
-that sample. Everything is device-generic torch: the same code runs on cpu, cuda and npu tensors.
+that sample. The layers are device-generic torch (the same code runs on cpu, cuda and npu tensors),
+except that on x86-64 CPUs with AVX-512 they go through the fused C++ ops of ``cpu_kernels``.
 
 Layer math follows the Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` reference:
 RMSNorm (Zhang & Sennrich 2019), rotary position embeddings with rotate-half pairing (Su et al.

@@ -37,7 +37,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
               "gate_up must be contiguous [tokens, 2 * intermediate] bfloat16 or float32, got ", gate_up.sizes());
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
   at::Tensor out = at::empty({rows, n}, gate_up.options());
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1));  // a decode batch stays on one thread
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1));  // small batches (a decode step) stay on one thread
   auto body = [&](auto tag) {
     using T = decltype(tag);
     const T* in = gate_up.const_data_ptr<T>();

@@ -51,7 +51,7 @@ at::Tensor norm(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& 
                 "delta must be contiguous, with residual's shape and dtype");
   at::Tensor out = at::empty(x.sizes(), x.options());
   const int64_t rows = x.size(0), n = x.size(1);
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1));  // a decode batch stays on one thread
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1));  // small batches (a decode step) stay on one thread
   auto body = [&](auto tag) {
     using T = decltype(tag);
     T* xp = static_cast<T*>(x.data_ptr());  // written only with a delta (add_rms_norm's residual)

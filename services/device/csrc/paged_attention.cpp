@@ -146,7 +146,7 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables, co
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [rows, heads, head_dim] with contiguous head_dim, got ", q.sizes());
-  TORCH_CHECK(kv.dim() == 4 && kv.is_contiguous() && kv.size(0) % 2 == 0 && kv.size(3) == q.size(2),
+  TORCH_CHECK(kv.dim() == 4 && kv.is_contiguous() && kv.size(0) >= 2 && kv.size(0) % 2 == 0 && kv.size(3) == q.size(2),
               "kv must be a contiguous layer pool [2 * kv_heads, blocks, block_size, head_dim], got ", kv.sizes());
   TORCH_CHECK(kv.scalar_type() == q.scalar_type(), "q and kv dtypes differ");
   const int64_t K = kv.size(0) / 2;

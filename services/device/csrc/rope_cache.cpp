@@ -46,9 +46,10 @@ SS_AVX512 void rope_and_cache_token(const T* __restrict__ qkv, const T* __restri
 
 at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin,
                           const at::Tensor& positions, at::Tensor& kv, const at::Tensor& slot_mapping, int64_t num_heads) {
-  TORCH_CHECK(kv.dim() == 4 && kv.is_contiguous() && kv.size(0) % 2 == 0,
+  TORCH_CHECK(kv.dim() == 4 && kv.is_contiguous() && kv.size(0) >= 2 && kv.size(0) % 2 == 0,
               "kv must be a contiguous layer pool [2 * kv_heads, blocks, block_size, head_dim], got ", kv.sizes());
   const int64_t K = kv.size(0) / 2, D = kv.size(3), H = num_heads, T = qkv.size(0);
+  TORCH_CHECK(H >= 1, "num_heads must be positive, got ", H);
   TORCH_CHECK(supported(qkv.scalar_type(), D, H % K == 0 ? H / K : 0), "no rope_and_cache kernel for ", qkv.scalar_type(),
               " head_dim ", D, " with ", H, " query and ", K, " kv heads on this CPU");
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (H + 2 * K) * D && kv.scalar_type() == qkv.scalar_type(),
@@ -67,7 +68,7 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
     TORCH_CHECK(slots[t] >= 0 && slots[t] < slots_per_head, "token ", t, ": slot ", slots[t], " outside the pool of ", slots_per_head);
   }
   at::Tensor qk = at::empty({T, H + K, D}, qkv.options());
-  const int64_t grain = std::max<int64_t>(1, 65536 / ((H + 2 * K) * D));  // a decode batch stays on one thread
+  const int64_t grain = std::max<int64_t>(1, 65536 / ((H + 2 * K) * D));  // small batches (a decode step) stay on one thread
   auto body = [&](auto tag) {
     using S = decltype(tag);
     const S* in = qkv.const_data_ptr<S>();

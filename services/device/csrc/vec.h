@@ -26,10 +26,11 @@ SS_AVX512 SS_INLINE __m512 load16(const c10::BFloat16* p, __mmask16 m) {
   const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-SS_AVX512 SS_INLINE __m256i to_bf16_bits(__m512 x) {  // round to nearest even
+SS_AVX512 SS_INLINE __m256i to_bf16_bits(__m512 x) {  // round to nearest even; NaN -> quiet NaN (as c10)
   __m512i bits = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   bits = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  bits = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), bits, _mm512_set1_epi32(0x7FC0));
   return _mm512_cvtepi32_epi16(bits);
 }
 SS_AVX512 SS_INLINE void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
@@ -39,10 +40,11 @@ SS_AVX512 SS_INLINE void store16(c10::BFloat16* p, __m512 x, __mmask16 m) { _mm2
 
 SS_INLINE __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }  // n in [0, 16)
 
-// exp(x), x clamped to [-87, 88] (fp32's range): x = n ln2 + r, degree-6 Taylor polynomial for e^r
+// exp(x), x clamped to [-87, 88] (fp32's range; NaN stays NaN): x = n ln2 + r, degree-6 Taylor polynomial for e^r
 // (|r| <= ln2 / 2, relative error < 2e-7), times 2^n by scalef.
 SS_AVX512 SS_INLINE __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  // max/min return their second operand when one is NaN: x second, so a NaN stays NaN (as in torch).
+  x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 split in two for precision
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);

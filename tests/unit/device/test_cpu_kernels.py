@@ -178,12 +178,12 @@ def test_rope_and_cache_refuses_a_slot_outside_the_pool():
 def test_model_fused_and_torch_paths_agree():
     """The embedded model's mixed step (decode rows of several lengths, a fresh prefill and a later
     prefill chunk) gives the same fp32 logits (< 1e-4) with the fused ops as in plain torch ops;
-    off an AVX-512 CPU both are the torch path."""
+    where the kernels are unavailable both are the torch path."""
     from stageserve.device.weights import load_weights
 
     config, weights = load_weights(embedded_model_path(), torch.float32)
     fused, plain = LlamaModel(config, weights, "cpu"), LlamaModel(config, weights, "cpu", cpu_kernels_allowed=False)
-    assert fused.cpu_kernels == HAS_AVX512 and not plain.cpu_kernels
+    assert fused.cpu_kernels == cpu_kernels.available(torch.float32, 64, 3) and not plain.cpu_kernels
     g = torch.Generator().manual_seed(0)
     rows = [(37, 1), (3, 1), (16, 1), (0, 9), (20, 7)]  # (tokens cached, new tokens)
     logits = []
@@ -199,3 +199,29 @@ def test_model_fused_and_torch_paths_agree():
             step.append((tokens[cached:], cached, table, True))
         logits.append(model.forward(build_forward_batch(step, 16, "cpu"), cache))
     assert (logits[0] - logits[1]).abs().max().item() < 1e-4
+
+
+@needs_avx512
+def test_nan_propagates_as_in_torch():
+    """A NaN in a query or in one cached key makes that row's output NaN (as the torch path does)
+    instead of being clamped away inside the softmax; other rows are unaffected."""
+    g = torch.Generator().manual_seed(3)
+    pool = torch.randn(2, 4, 16, 64, generator=g)
+    tables, lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([20, 20])
+    q = torch.randn(2, 1, 64, generator=g)
+    q[0, 0, 5] = float("nan")
+    out = cpu_kernels.paged_decode_attention(q, pool, tables, lens, 0.125)
+    assert out[0].isnan().all() and not out[1].isnan().any()
+    q[0, 0, 5] = 0.0
+    pool[0, 3, 2, 7] = float("nan")  # a key of row 1 (block 3, token 18)
+    out = cpu_kernels.paged_decode_attention(q.bfloat16(), pool.bfloat16(), tables, lens, 0.125)
+    assert out[1].isnan().all() and not out[0].isnan().any()
+
+
+@needs_avx512
+def test_refuses_a_pool_without_heads():
+    """A pool with no kv heads is a RuntimeError, not a division by zero in the process."""
+    with pytest.raises(RuntimeError, match="kv must be a contiguous layer pool"):
+        cpu_kernels.paged_decode_attention(torch.zeros(1, 1, 64), torch.zeros(0, 4, 16, 64), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 0.125)
+    with pytest.raises(RuntimeError, match="kv must be a contiguous layer pool"):
+        cpu_kernels.rope_and_cache(torch.zeros(1, 64), torch.ones(8, 64), torch.ones(8, 64), torch.zeros(1, dtype=torch.long), torch.zeros(0, 4, 16, 64), torch.zeros(1, dtype=torch.long), 1)
