@@ -392,12 +392,12 @@ class LlamaModel:
         context_lens = batch.positions[: batch.num_decode] + 1  # [Bd] tokens each decode row attends to
         h = cpu_kernels.rms_norm(x, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(h)  # [T, (H + 2K) * D]
-            qk = cpu_kernels.rope_and_cache(qkv, self.cos, self.signed_sin, batch.positions, kv_cache.layer(index), batch.slot_mapping, heads)
+            qkv, pool = layer.qkv(h), kv_cache.layer(index)  # [T, (H + 2K) * D], [2K, blocks, block_size, D]
+            qk = cpu_kernels.rope_and_cache(qkv, self.cos, self.signed_sin, batch.positions, pool, batch.slot_mapping, heads)
             v = qkv[:, (heads + kv_heads) * d :].view(-1, kv_heads, d)  # [T, K, D]
             decode = None
             if batch.num_decode:
-                decode = cpu_kernels.paged_decode_attention(qk[: batch.num_decode, :heads], kv_cache.layer(index), batch.decode_blocks, context_lens, self.scale)
+                decode = cpu_kernels.paged_decode_attention(qk[: batch.num_decode, :heads], pool, batch.decode_blocks, context_lens, self.scale)
             h = cpu_kernels.add_rms_norm(x, layer.o(self._attention_output(index, decode, qk, v, batch, kv_cache)), layer.post_norm, eps)
             mlp = layer.down(cpu_kernels.silu_and_mul(layer.gate_up(h)))
             if index + 1 < len(self.layers):
