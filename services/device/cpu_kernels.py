@@ -137,13 +137,17 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tenso
     ``qkv`` ``[T, (H + 2K) * D]`` (rows contiguous); ``cos``/``signed_sin`` ``[positions, D]``
     (``model.rope_tables``); ``positions`` and ``slot_mapping`` ``[T]`` int64; ``kv`` one layer's
     pool ``[2K, num_blocks, block_size, D]``, written at ``slot_mapping``. Returns the rotated q and k
-    heads ``[T, H + K, D]``. fp32 inside, rounded once.
+    heads ``[T, H + K, D]``. fp32 inside, rounded once. Raises ``RuntimeError`` for shapes or dtypes
+    that do not fit, or a position or slot outside the tables, before anything is written.
     """
     return torch.ops.stageserve.rope_and_cache(qkv, cos, signed_sin, positions, kv, slot_mapping, num_heads)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of ``x`` ``[T, hidden]`` (contiguous) times ``weight`` ``[hidden]``, fp32 inside -> new ``[T, hidden]``."""
+    """RMSNorm of ``x`` ``[T, hidden]`` (contiguous) times ``weight`` ``[hidden]``, fp32 inside -> new ``[T, hidden]``.
+
+    Raises ``RuntimeError`` for another layout or dtype (bfloat16 and float32 only), as do the ops below.
+    """
     return torch.ops.stageserve.rms_norm(x, weight, eps)
 
 

@@ -13,7 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
-#include <vector>
+#include <memory>
 
 namespace stageserve {
 
@@ -129,13 +129,13 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables, co
   // instead of waiting for it at the end of the loop.
   std::atomic<int64_t> next{0};
   const int64_t tasks = B * K;
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> scores(G * max_context);
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks), 1, [&](int64_t, int64_t) {
+    const std::unique_ptr<float[]> scores(new float[G * max_context]);  // every score is written before it is read
     for (int64_t i = next.fetch_add(1); i < tasks; i = next.fetch_add(1)) {
       const int64_t b = i / K, h = i % K;
       kernel(qp + b * q.stride(0) + h * G * q.stride(1), q.stride(1), kvp + h * N * block_size * D,
              kvp + (K + h) * N * block_size * D, tab + b * W, len[b], block_size, static_cast<float>(scale),
-             op + b * H * D + h * G * D, scores.data());
+             op + b * H * D + h * G * D, scores.get());
     }
   });
 }
