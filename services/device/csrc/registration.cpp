@@ -14,6 +14,11 @@ bool cpu_has_avx512() {
                           __builtin_cpu_supports("fma");
   return has;
 }
+
+bool cpu_has_avx512_bf16() {
+  static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  return has;
+}
 #endif
 
 bool supported(c10::ScalarType dtype, int64_t head_dim, int64_t group) {

@@ -10,11 +10,13 @@
 #include <cstdint>
 
 #define SS_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
+#define SS_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx512bf16")))
 #define SS_INLINE inline __attribute__((always_inline))
 
 namespace stageserve {
 
 bool cpu_has_avx512();
+bool cpu_has_avx512_bf16();  // VDPBF16PS, for the bf16 paths that have a variant using it
 
 SS_AVX512 SS_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 SS_AVX512 SS_INLINE __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
@@ -38,7 +40,7 @@ SS_AVX512 SS_INLINE void store16(c10::BFloat16* p, __m512 x) { _mm256_storeu_si2
 SS_AVX512 SS_INLINE void store16(float* p, __m512 x, __mmask16 m) { _mm512_mask_storeu_ps(p, m, x); }
 SS_AVX512 SS_INLINE void store16(c10::BFloat16* p, __m512 x, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, to_bf16_bits(x)); }
 
-SS_INLINE __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }  // n in [0, 16)
+SS_INLINE __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }  // n in [0, 16]
 
 // exp(x), x clamped to [-87, 88] (fp32's range; NaN stays NaN): x = n ln2 + r, degree-6 Taylor polynomial for e^r
 // (|r| <= ln2 / 2, relative error < 2e-7), times 2^n by scalef.
