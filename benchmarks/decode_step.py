@@ -59,7 +59,7 @@ def ours_decode_ms(model: LlamaModel, batch: int, context: int, steps: int) -> f
             start = time.perf_counter()
             rows = [([tokens[r]], context + step, tables[r], True) for r in range(batch)]
             logits = model.forward(build_forward_batch(rows, BLOCK_SIZE, device), cache)
-            tokens = argmax_rows(logits).tolist()  # the sampler's greedy path; .tolist() synchronizes
+            tokens = argmax_rows(logits, model.cpu_kernels).tolist()  # the sampler's greedy path; .tolist() synchronizes
             times.append(time.perf_counter() - start)
     return statistics.median(times[2:]) * 1e3
 

@@ -161,6 +161,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.stageserve.silu_and_mul(gate_up)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Index ``[S]`` int64 of each row's maximum in ``x`` ``[S, V]`` (bfloat16 or float32, rows contiguous),
+    read in one pass in its own dtype; the first index on ties and the first NaN if any, as ``torch.max``."""
+    return torch.ops.stageserve.argmax_rows(x)
+
+
 if __name__ == "__main__":  # `python -m stageserve.device.cpu_kernels`: build now (make install, images)
     logging.basicConfig(level=logging.INFO)
     raise SystemExit(0 if load_cpu_kernels() else 1)

@@ -341,7 +341,8 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
-        """Run one step: write the new tokens' K/V into ``kv_cache``, return logits ``[S, vocab]`` float32.
+        """Run one step: write the new tokens' K/V into ``kv_cache``, return logits ``[S, vocab]`` in the
+        activation dtype (no float32 copy: greedy sampling reads them as they are, see ``sample``).
 
         ``batch`` must already be on this model's device. Rows read only the cache slots their
         block tables name.
@@ -350,7 +351,7 @@ class LlamaModel:
         x = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
         x = self._layers_fused(x, batch, kv_cache) if self.cpu_kernels else self._layers_torch(x, batch, kv_cache)
         x = F.rms_norm(x[batch.sample_indices], (c.hidden_size,), self.norm, c.rms_norm_eps)  # [S, hidden]
-        return self.lm_head(x).float()
+        return self.lm_head(x)
 
     def _layers_torch(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """All decoder layers in plain torch ops (any device): ``x`` [T, hidden] -> [T, hidden]."""

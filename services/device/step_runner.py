@@ -86,12 +86,12 @@ class ModelStepRunner:
         if staged.placeholder_seq is not None:
             ids = batch.input_ids[: batch.num_decode]  # [Bd]
             ids.copy_(torch.where(ids < 0, table.last_token[staged.placeholder_seq], ids))
-        logits = self.model.forward(batch, self.kv_cache)  # [S, vocab] float32
+        logits = self.model.forward(batch, self.kv_cache)  # [S, vocab], the activation dtype
         if staged.sampled is None:
             return
         rows, step_index = staged.sampled[0], staged.sampled[1]
         tensors = table.sampling_tensors(step, rows, step_index)
-        result = sample(logits, tensors, table.presence[rows] if tensors.any_penalty else None)
+        result = sample(logits, tensors, table.presence[rows] if tensors.any_penalty else None, fused_argmax=self.model.cpu_kernels)
         table.record_sampled(rows, result.token_ids, tensors.any_penalty)
         count = rows.shape[0]
         out.token_ids[:count].copy_(result.token_ids, non_blocking=True)

@@ -18,6 +18,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight, double eps);
 
+// the index [S] int64 of each row's maximum in logits [S, V]: the first one, or the first NaN  (sampling.cpp)
+at::Tensor argmax_rows(const at::Tensor& x);
+
 // silu(gate) * up of [T, 2 * I] -> [T, I]  (activation.cpp)
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 

@@ -38,6 +38,7 @@ TORCH_LIBRARY(stageserve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("rope_and_cache(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor positions, Tensor(a!) kv, Tensor slot_mapping, int num_heads) -> Tensor");
 }
 
@@ -46,5 +47,6 @@ TORCH_LIBRARY_IMPL(stageserve, CPU, m) {
   m.impl("rms_norm", &stageserve::rms_norm);
   m.impl("add_rms_norm", &stageserve::add_rms_norm);
   m.impl("silu_and_mul", &stageserve::silu_and_mul);
+  m.impl("argmax_rows", &stageserve::argmax_rows);
   m.impl("rope_and_cache", &stageserve::rope_and_cache);
 }

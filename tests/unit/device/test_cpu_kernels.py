@@ -116,6 +116,34 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> 
 
 @needs_avx512
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 49152])  # masked tails, one full vector, a vocabulary
+def test_argmax_rows_matches_torch_max(dtype, n):
+    """The first index of each row's maximum, as ``torch.max(x, -1).indices``: ties, a row of -inf,
+    NaN (the first one wins, as torch's), a maximum in the last (masked) lane, strided rows."""
+    x = torch.randn(40, n, generator=torch.Generator().manual_seed(n)).to(dtype)
+    x[1] = float("-inf")
+    x[2, -1] = 1e4
+    if n > 4:
+        x[3, [1, n - 2]] = 1e4
+        x[4, [2, 4]] = float("nan")
+        x[5, [0, 3]] = float("inf")
+    expected = x.float().max(-1).indices
+    assert torch.equal(cpu_kernels.argmax_rows(x), expected)
+    assert torch.equal(cpu_kernels.argmax_rows(x[::3]), expected[::3])  # rows further apart than n
+
+
+@needs_avx512
+def test_argmax_rows_refuses_other_layouts():
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        cpu_kernels.argmax_rows(torch.randn(4, 8).t())
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.argmax_rows(torch.randn(4, 8).half())
+    with pytest.raises(RuntimeError, match="1 to"):
+        cpu_kernels.argmax_rows(torch.empty(4, 0))
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 32, 300])  # 300: enough rows to split over threads
 def test_norms_and_swiglu_match_torch(dtype, rows):
     """rms_norm, add_rms_norm (residual updated in place) and silu_and_mul against the torch ops the

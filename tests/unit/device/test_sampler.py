@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from stageserve.device import cpu_kernels
 from stageserve.device.sampler import (
     MAX_LOGPROBS,
     SamplingTensors,
@@ -87,6 +88,27 @@ def test_greedy_takes_the_first_of_tied_maxima(device):
     logits[3, [5, 6]] = float("inf")
     token_ids = sample(logits.to(device), make_tensors(4, device, temperature=0.0)).token_ids
     assert token_ids.tolist() == [7, 30000, 0, 5]
+
+
+FUSED = [False] + ([True] if cpu_kernels.load_cpu_kernels() else [])  # True: the AVX-512 argmax of cpu_kernels
+
+
+@pytest.mark.parametrize("fused", FUSED)
+def test_bfloat16_logits_sample_as_their_float32_copy(fused):
+    """The model hands over logits in its activation dtype: every path gives what the float32 copy
+    gives (greedy reads bf16 as it is, the rest widens first), with the CPU argmax kernel or without."""
+    logits = torch.randn(6, 49152, generator=torch.Generator().manual_seed(9)).mul(3).bfloat16()
+    logits[0, [11, 40000]] = 20.0  # a tie: the first index
+    presence = torch.rand(6, 49152, generator=torch.Generator().manual_seed(10)) < 0.1
+    for params in ({"temperature": 0.0}, {"temperature": [0.0, 0.8, 0.0, 1.2, 0.0, 1.0], "top_p": 0.9},
+                   {"temperature": 0.0, "repetition_penalty": 1.3, "logprobs": 3}):
+        tensors = make_tensors(6, "cpu", **params)
+        ours = sample(logits, tensors, presence, fused_argmax=fused)
+        reference = sample(logits.float(), tensors, presence)
+        assert torch.equal(ours.token_ids, reference.token_ids), params
+        if ours.logprobs is not None:
+            assert torch.equal(ours.logprobs, reference.logprobs) and torch.equal(ours.top_ids, reference.top_ids)
+    assert sample(logits, make_tensors(6, "cpu", temperature=0.0), fused_argmax=fused).token_ids[0] == 11
 
 
 @pytest.mark.parametrize("device", DEVICES)
