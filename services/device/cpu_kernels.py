@@ -161,6 +161,39 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.stageserve.silu_and_mul(gate_up)
 
 
+AMX_MAX_ROWS = 64
+"""Most rows ``amx_linear`` takes (a decode step's batch); larger inputs go to oneDNN."""
+
+
+def amx_ready(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` ``[N, K]`` can run through ``amx_linear``: the kernels loaded, a CPU with
+    AMX-BF16 that the OS grants, a CPU bfloat16 weight with N a multiple of 16 and K of 32."""
+    n, k = weight.shape
+    return (
+        weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0
+        and load_cpu_kernels() and torch.ops.stageserve.has_amx()
+    )
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[N, K]`` bfloat16 -> ``[N / 16, K / 32, 16, 32]``: per 16 output columns and 32
+    inputs, one AMX tile in the VNNI layout TDPBF16PS reads (row r = input pair r, each column's two
+    values side by side), the tiles of 16 columns consecutive so a linear streams the weight once."""
+    n, k = weight.shape
+    return weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous().view(n // 16, k // 32, 16, 32)
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` on AMX: ``x`` ``[M, K]`` bfloat16 (rows contiguous, ``M <= AMX_MAX_ROWS``),
+    ``packed = amx_pack(W)``, ``bias`` ``[N]`` bfloat16 or ``None`` -> ``[M, N]`` bfloat16 (fp32 sums, rounded once).
+
+    Costs ~1 us of set-up per call where torch's packed oneDNN linear costs ~15 us, and streams the
+    weight with prefetching (a model's decode-step linears ~20 % faster on a 2-core Xeon). Raises
+    ``RuntimeError`` for other shapes or dtypes, or without AMX (check ``amx_ready`` first).
+    """
+    return torch.ops.stageserve.amx_linear(x, packed, bias)
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Index ``[S]`` int64 of each row's maximum in ``x`` ``[S, V]`` (bfloat16 or float32, rows contiguous),
     read in one pass in its own dtype; the first index on ties and the first NaN if any, as ``torch.max``."""

@@ -9,6 +9,10 @@
 namespace stageserve {
 
 bool supported(c10::ScalarType dtype, int64_t head_dim, int64_t group);
+bool cpu_has_amx();  // AMX-BF16 present and granted to this process  (amx_linear.cpp)
+
+// x [M <= 64, K] @ W^T (+ bias [N]) -> [M, N] bfloat16 on AMX, W packed [N / 16, K / 32, 16, 32]  (amx_linear.cpp)
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 
 // [B, H, D] queries over paged contexts -> [B, H * D]  (paged_attention.cpp)
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tables,

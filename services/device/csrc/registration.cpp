@@ -39,6 +39,8 @@ TORCH_LIBRARY(stageserve, m) {
   m.def("add_rms_norm(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("has_amx() -> bool", &stageserve::cpu_has_amx);
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("rope_and_cache(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor positions, Tensor(a!) kv, Tensor slot_mapping, int num_heads) -> Tensor");
 }
 
@@ -48,5 +50,6 @@ TORCH_LIBRARY_IMPL(stageserve, CPU, m) {
   m.impl("add_rms_norm", &stageserve::add_rms_norm);
   m.impl("silu_and_mul", &stageserve::silu_and_mul);
   m.impl("argmax_rows", &stageserve::argmax_rows);
+  m.impl("amx_linear", &stageserve::amx_linear);
   m.impl("rope_and_cache", &stageserve::rope_and_cache);
 }

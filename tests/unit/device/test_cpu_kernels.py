@@ -20,6 +20,8 @@ HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 needs_avx512 = pytest.mark.skipif(
     not (HAS_AVX512 and HAS_COMPILER), reason="the kernels need an x86-64 CPU with AVX-512 (F/BW/DQ/VL) and a C++ compiler to build them"
 )
+HAS_AMX = HAS_AVX512 and {"avx512_bf16", "amx_tile", "amx_bf16"} <= CPU_FLAGS
+needs_amx = pytest.mark.skipif(not (HAS_AMX and HAS_COMPILER), reason="amx_linear needs a CPU with AMX-BF16 and a C++ compiler")
 
 
 def reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -209,30 +211,80 @@ def test_rope_and_cache_refuses_a_slot_outside_the_pool():
     assert not pool.any()
 
 
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 64])  # partial and full 16-row tiles, 1 to 4 of them
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (960, 576), (576, 1536)])
+def test_amx_linear_matches_matmul(rows, n, k):
+    """x @ W.T (+ bias) within bf16 rounding of a float64 matmul of the same bf16 values, x read
+    through a row stride; the packed copy is built by amx_pack from the plain weight."""
+    g = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, k + 8, generator=g).bfloat16()[:, :k]  # rows further apart than k
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    assert cpu_kernels.amx_ready(w)
+    expected = x.double() @ w.double().t()
+    for b, want in ((None, expected), (bias, expected + bias.double())):
+        got = cpu_kernels.amx_linear(x, cpu_kernels.amx_pack(w), b)
+        assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+        assert ((got.double() - want).abs() <= 8e-3 * (want.abs() + 0.1)).all()
+
+
+@needs_amx
+def test_amx_linear_takes_no_rows_and_refuses_what_it_cannot_run():
+    w = cpu_kernels.amx_pack(torch.randn(32, 64).bfloat16())
+    assert cpu_kernels.amx_linear(torch.empty(0, 64, dtype=torch.bfloat16), w).shape == (0, 32)
+    with pytest.raises(RuntimeError, match="at most 64 rows"):
+        cpu_kernels.amx_linear(torch.randn(65, 64).bfloat16(), w)
+    with pytest.raises(RuntimeError, match="x has 32 inputs"):
+        cpu_kernels.amx_linear(torch.randn(4, 32).bfloat16(), w)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu_kernels.amx_linear(torch.randn(4, 64), w)
+    with pytest.raises(RuntimeError, match="bias"):
+        cpu_kernels.amx_linear(torch.randn(4, 64).bfloat16(), w, torch.zeros(31, dtype=torch.bfloat16))
+    assert not cpu_kernels.amx_ready(torch.randn(24, 64).bfloat16())  # 24 columns: not whole tiles
+    assert not cpu_kernels.amx_ready(torch.randn(32, 64))  # float32
+
+
+def mixed_step_logits(model: LlamaModel, dtype: torch.dtype) -> torch.Tensor:
+    """Float32 logits of one mixed step: decode rows of several lengths, a fresh prefill and a later
+    prefill chunk, over scattered blocks (the same random tokens and tables for every model)."""
+    g = torch.Generator().manual_seed(0)
+    rows = [(37, 1), (3, 1), (16, 1), (0, 9), (20, 7)]  # (tokens cached, new tokens)
+    cache = PagedKVCache(model.config, 32, 16, dtype, "cpu")
+    tables = [torch.randperm(32, generator=g)[:4].tolist() for _ in rows]
+    step = []
+    for (cached, new), table in zip(rows, tables):
+        tokens = torch.randint(3, 49152, (cached + new,), generator=g).tolist()
+        if cached:
+            model.forward(build_forward_batch([(tokens[:cached], 0, table, False)], 16, "cpu"), cache)
+        step.append((tokens[cached:], cached, table, True))
+    return model.forward(build_forward_batch(step, 16, "cpu"), cache).float()
+
+
 def test_model_fused_and_torch_paths_agree():
-    """The embedded model's mixed step (decode rows of several lengths, a fresh prefill and a later
-    prefill chunk) gives the same fp32 logits (< 1e-4) with the fused ops as in plain torch ops;
-    where the kernels are unavailable both are the torch path."""
+    """The embedded model's mixed step gives the same fp32 logits (< 1e-4) with the fused ops as in
+    plain torch ops; where the kernels are unavailable both are the torch path."""
     from stageserve.device.weights import load_weights
 
     config, weights = load_weights(embedded_model_path(), torch.float32)
     fused, plain = LlamaModel(config, weights, "cpu"), LlamaModel(config, weights, "cpu", cpu_kernels_allowed=False)
     assert fused.cpu_kernels == cpu_kernels.available(torch.float32, 64, 3) and not plain.cpu_kernels
-    g = torch.Generator().manual_seed(0)
-    rows = [(37, 1), (3, 1), (16, 1), (0, 9), (20, 7)]  # (tokens cached, new tokens)
-    logits = []
-    for model in (fused, plain):
-        cache = PagedKVCache(config, 32, 16, torch.float32, "cpu")
-        g.manual_seed(0)
-        tables = [torch.randperm(32, generator=g)[:4].tolist() for _ in rows]
-        step = []
-        for (cached, new), table in zip(rows, tables):
-            tokens = torch.randint(3, 49152, (cached + new,), generator=g).tolist()
-            if cached:
-                model.forward(build_forward_batch([(tokens[:cached], 0, table, False)], 16, "cpu"), cache)
-            step.append((tokens[cached:], cached, table, True))
-        logits.append(model.forward(build_forward_batch(step, 16, "cpu"), cache))
-    assert (logits[0] - logits[1]).abs().max().item() < 1e-4
+    assert (mixed_step_logits(fused, torch.float32) - mixed_step_logits(plain, torch.float32)).abs().max().item() < 1e-4
+
+
+def test_bfloat16_model_stays_close_to_float32():
+    """The embedded model in bf16 on its fastest path here (fused ops, decode-sized linears on AMX
+    where the CPU has it) against plain fp32: logits within 1 (0.56 measured) and the same argmax."""
+    from stageserve.device.weights import load_weights
+
+    config, weights = load_weights(embedded_model_path(), torch.bfloat16)
+    model = LlamaModel(config, weights, "cpu")
+    assert (model.layers[0].qkv.amx_weight is not None) == (model.cpu_kernels and cpu_kernels.amx_ready(weights["model.embed_tokens.weight"]))
+    config32, weights32 = load_weights(embedded_model_path(), torch.float32)
+    reference = mixed_step_logits(LlamaModel(config32, weights32, "cpu", cpu_kernels_allowed=False), torch.float32)
+    logits = mixed_step_logits(model, torch.bfloat16)
+    assert (logits - reference).abs().max().item() < 1.0
+    assert torch.equal(logits.argmax(-1), reference.argmax(-1))
 
 
 @needs_avx512
