@@ -233,7 +233,8 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
         log.info("loading %s as %s on %s", model_path, dtype_name, backend.device)
         model = LlamaModel.from_path(model_path, dtype, backend.device, cpu_kernels_allowed=not args.no_cpu_kernels)
         config = model.config
-        log.info("layers run %s", "with the fused CPU kernels" if model.cpu_kernels else "in plain torch ops")
+        log.info("layers run %s%s", "with the fused CPU kernels" if model.cpu_kernels else "in plain torch ops",
+                 ", decode-sized linears on AMX" if model.amx_linears else "")
 
     if args.kv_cache_memory is not None:
         kv_bytes = args.kv_cache_memory

@@ -302,7 +302,9 @@ class LlamaModel:
 
         The activation dtype is the weights' dtype. ``cpu_kernels_allowed``: on a CPU, run the layers
         with the fused C++ ops of ``cpu_kernels`` where they support this CPU, dtype and head shape
-        (``self.cpu_kernels`` says whether they do); ``False`` keeps the pure-torch path (for comparison).
+        (``self.cpu_kernels`` says whether they do), and with them the bfloat16 linears of decode-sized
+        inputs on AMX where the CPU has it (``self.amx_linears``); ``False`` keeps the pure-torch path
+        (for comparison).
         """
         self.config, self.device = config, torch.device(device)
 
@@ -339,6 +341,7 @@ class LlamaModel:
                 gate_up=Linear(cat(mlp + "gate_proj.weight", mlp + "up_proj.weight"), amx=amx),
                 down=Linear(w(mlp + "down_proj.weight"), amx=amx),
             ))
+        self.amx_linears = any(lin.amx_weight is not None for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.cos, self.signed_sin = rope_tables(config, self.dtype, self.device)
         self.scale = config.head_dim**-0.5
 

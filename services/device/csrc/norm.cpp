@@ -51,7 +51,9 @@ at::Tensor norm(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& 
                 "delta must be contiguous, with residual's shape and dtype");
   at::Tensor out = at::empty(x.sizes(), x.options());
   const int64_t rows = x.size(0), n = x.size(1);
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1));  // small batches (a decode step) stay on one thread
+  // ~16K values per thread at least: a 32-row decode step splits in two (750 -> 540 us per step of
+  // 59 calls on a 2-core Xeon), a few rows stay on one thread.
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
   auto body = [&](auto tag) {
     using T = decltype(tag);
     T* xp = static_cast<T*>(x.data_ptr());  // written only with a delta (add_rms_norm's residual)
