@@ -165,12 +165,13 @@ AMX_MAX_ROWS = 64
 """Most rows ``amx_linear`` takes (a decode step's batch); larger inputs go to oneDNN."""
 
 
-def amx_ready(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` ``[N, K]`` can run through ``amx_linear``: the kernels loaded, a CPU with
-    AMX-BF16 that the OS grants, a CPU bfloat16 weight with N a multiple of 16 and K of 32."""
+def amx_ready(weight: torch.Tensor, gated: bool = False) -> bool:
+    """Whether ``weight`` ``[N, K]`` can run through ``amx_linear`` (``gated``: ``amx_swiglu``): the
+    kernels loaded, a CPU with AMX-BF16 that the OS grants, a CPU bfloat16 weight with N a multiple
+    of 16 (32 gated) and K of 32."""
     n, k = weight.shape
     return (
-        weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0
+        weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and n % (32 if gated else 16) == 0 and k % 32 == 0
         and load_cpu_kernels() and torch.ops.stageserve.has_amx()
     )
 
@@ -181,6 +182,20 @@ def amx_pack(weight: torch.Tensor) -> torch.Tensor:
     values side by side), the tiles of 16 columns consecutive so a linear streams the weight once."""
     n, k = weight.shape
     return weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous().view(n // 16, k // 32, 16, 32)
+
+
+def amx_pack_gated(weight: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's fused ``[gate; up]`` weight ``[2 * I, K]`` -> ``amx_pack`` of its 16-row blocks taken
+    alternately from gate and up, so ``amx_swiglu`` finds each output block's two halves side by side."""
+    two_i, k = weight.shape
+    return amx_pack(weight.view(2, two_i // 32, 16, k).transpose(0, 1).reshape(two_i, k))
+
+
+def amx_swiglu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``silu(x @ gate.T) * (x @ up.T)`` on AMX from ``packed = amx_pack_gated([gate; up])``: ``x``
+    ``[M, K]`` as for ``amx_linear`` -> ``[M, I]`` bfloat16, both sums fp32, rounded once; the
+    ``[M, 2 * I]`` projection is never written. Raises as ``amx_linear``."""
+    return torch.ops.stageserve.amx_swiglu(x, packed)
 
 
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

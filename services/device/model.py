@@ -256,23 +256,35 @@ class Linear:
 
     ``amx``: also keep an AMX-packed copy (``cpu_kernels.amx_pack``, where ``cpu_kernels.amx_ready``)
     for inputs of at most ``AMX_MAX_ROWS`` rows, a decode step's: ``cpu_kernels.amx_linear`` runs them
-    ~20 % faster than oneDNN, at the cost of a second copy of the weight.
+    ~20 % faster than oneDNN, at the cost of a second copy of the weight. ``gated``: the weight is
+    SwiGLU's ``[gate; up]``, packed for ``swiglu``, which then runs on ``cpu_kernels.amx_swiglu``.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, amx: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, amx: bool = False, gated: bool = False) -> None:
         """``weight`` [out, in] and ``bias`` [out] already on their device, same dtype."""
-        self.bias = bias
-        self.amx_weight = cpu_kernels.amx_pack(weight) if amx and cpu_kernels.amx_ready(weight) else None
+        self.bias, self.gated = bias, gated
+        self.amx_weight = None
+        if amx and cpu_kernels.amx_ready(weight, gated) and not (gated and bias is not None):  # amx_swiglu takes no bias
+            self.amx_weight = (cpu_kernels.amx_pack_gated if gated else cpu_kernels.amx_pack)(weight)
         self.packed = _can_pack(weight)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if self.packed else weight
 
+    def _on_amx(self, x: torch.Tensor) -> bool:
+        return self.amx_weight is not None and x.dim() == 2 and x.shape[0] <= cpu_kernels.AMX_MAX_ROWS
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [..., in] -> [..., out], in ``x``'s dtype."""
-        if self.amx_weight is not None and x.dim() == 2 and x.shape[0] <= cpu_kernels.AMX_MAX_ROWS:
+        if not self.gated and self._on_amx(x):
             return cpu_kernels.amx_linear(x, self.amx_weight, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of this ``[gate; up]`` projection of ``x`` [T, in] -> [T, out / 2] (CPU kernels only)."""
+        if self._on_amx(x):
+            return cpu_kernels.amx_swiglu(x, self.amx_weight)
+        return cpu_kernels.silu_and_mul(self(x))
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -338,7 +350,7 @@ class LlamaModel:
                 ),
                 o=Linear(w(attn + "o_proj.weight"), w(attn + "o_proj.bias") if attn + "o_proj.bias" in weights else None, amx=amx),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(cat(mlp + "gate_proj.weight", mlp + "up_proj.weight"), amx=amx),
+                gate_up=Linear(cat(mlp + "gate_proj.weight", mlp + "up_proj.weight"), amx=amx, gated=True),
                 down=Linear(w(mlp + "down_proj.weight"), amx=amx),
             ))
         self.amx_linears = any(lin.amx_weight is not None for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
@@ -412,7 +424,7 @@ class LlamaModel:
             if batch.num_decode:
                 decode = cpu_kernels.paged_decode_attention(qk[: batch.num_decode, :heads], pool, batch.decode_blocks, context_lens, self.scale)
             h = cpu_kernels.add_rms_norm(x, layer.o(self._attention_output(index, decode, qk, v, batch, kv_cache)), layer.post_norm, eps)
-            mlp = layer.down(cpu_kernels.silu_and_mul(layer.gate_up(h)))
+            mlp = layer.down(layer.gate_up.swiglu(h))
             if index + 1 < len(self.layers):
                 h = cpu_kernels.add_rms_norm(x, mlp, self.layers[index + 1].input_norm, eps)
             else:

@@ -107,35 +107,51 @@ SS_AMX void column_block(const c10::BFloat16* x, int64_t k_steps, int64_t x_stri
   if constexpr (Blocks > 3) _tile_stored(3, acc + 768, 64);
 }
 
-template <int Blocks>
+// Output column blocks [n_begin, n_end) of 16. Gated (SwiGLU): the packed weight alternates gate and
+// up blocks (amx_pack_gated), and block nb of the output is silu(gate block nb) * up block nb,
+// from both fp32 sums, rounded once (no [rows, 2 * N] intermediate).
+template <int Blocks, bool Gated>
 SS_AMX void columns(const c10::BFloat16* x, int64_t rows, int64_t K, int64_t x_stride, const c10::BFloat16* w, const c10::BFloat16* bias,
                     int64_t n_begin, int64_t n_end, c10::BFloat16* out, int64_t out_stride) {
   const TileConfig cfg = config_for(rows);
   _tile_loadconfig(&cfg);
   alignas(64) float acc[kMaxRows * 16];
-  const int64_t k_steps = K / 32;
+  alignas(64) float up[Gated ? kMaxRows * 16 : 1];
+  const int64_t k_steps = K / 32, block_elems = k_steps * 512;
   for (int64_t nb = n_begin; nb < n_end; ++nb) {
-    column_block<Blocks>(x, k_steps, x_stride * 2, w + nb * k_steps * 512, acc);
-    const __m512 b = bias != nullptr ? load16(bias + nb * 16) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < rows; ++r)  // fp32 sums + bias, rounded once
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + nb * 16),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(acc + r * 16), b)));
+    if constexpr (Gated) {
+      column_block<Blocks>(x, k_steps, x_stride * 2, w + 2 * nb * block_elems, acc);
+      column_block<Blocks>(x, k_steps, x_stride * 2, w + (2 * nb + 1) * block_elems, up);
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m512 y = _mm512_mul_ps(silu16<false>(_mm512_load_ps(acc + r * 16)), _mm512_load_ps(up + r * 16));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + nb * 16), (__m256i)_mm512_cvtneps_pbh(y));
+      }
+    } else {
+      column_block<Blocks>(x, k_steps, x_stride * 2, w + nb * block_elems, acc);
+      const __m512 b = bias != nullptr ? load16(bias + nb * 16) : _mm512_setzero_ps();
+      for (int64_t r = 0; r < rows; ++r)  // fp32 sums + bias, rounded once
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + nb * 16),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(acc + r * 16), b)));
+    }
   }
   _tile_release();
 }
 
-}  // namespace
+using ColumnsFn = void (*)(const c10::BFloat16*, int64_t, int64_t, int64_t, const c10::BFloat16*, const c10::BFloat16*, int64_t,
+                           int64_t, c10::BFloat16*, int64_t);
 
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(cpu_has_amx(), "amx_linear needs a CPU with AMX-BF16 (and a kernel that grants it)");
+// Checks, then runs `columns` over `blocks` output column blocks on torch's threads.
+template <bool Gated>
+at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, const char* name) {
+  TORCH_CHECK(cpu_has_amx(), name, " needs a CPU with AMX-BF16 (and a kernel that grants it)");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16, "x must be bfloat16 [rows, K] with contiguous rows, got ",
               x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 && packed.size(2) == 16 &&
-                  packed.size(3) == 32,
-              "packed must be amx_pack's [N / 16, K / 32, 16, 32] bfloat16, got ", packed.sizes());
-  const int64_t rows = x.size(0), K = x.size(1), N = packed.size(0) * 16;
+                  packed.size(3) == 32 && (!Gated || packed.size(0) % 2 == 0),
+              "packed must be ", Gated ? "amx_pack_gated" : "amx_pack", "'s [N / 16, K / 32, 16, 32] bfloat16, got ", packed.sizes());
+  const int64_t rows = x.size(0), K = x.size(1), blocks = Gated ? packed.size(0) / 2 : packed.size(0), N = blocks * 16;
   TORCH_CHECK(packed.size(1) * 32 == K, "x has ", K, " inputs, the packed weight ", packed.size(1) * 32);
-  TORCH_CHECK(rows <= kMaxRows, "amx_linear takes at most ", kMaxRows, " rows, got ", rows);
+  TORCH_CHECK(rows <= kMaxRows, name, " takes at most ", kMaxRows, " rows, got ", rows);
   if (bias.has_value())
     TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == N && bias->scalar_type() == at::kBFloat16,
                 "bias must be contiguous bfloat16 [N = ", N, "]");
@@ -146,17 +162,24 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   const auto* wp = packed.const_data_ptr<c10::BFloat16>();
   auto* op = out.data_ptr<c10::BFloat16>();
   const int64_t stride = x.stride(0);
-  using Fn = void (*)(const c10::BFloat16*, int64_t, int64_t, int64_t, const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t,
-                      c10::BFloat16*, int64_t);
-  static constexpr Fn by_blocks[4] = {columns<1>, columns<2>, columns<3>, columns<4>};
-  const Fn fn = by_blocks[(rows + 15) / 16 - 1];
-  at::parallel_for(0, N / 16, 4, [&](int64_t begin, int64_t end) { fn(xp, rows, K, stride, wp, bp, begin, end, op, N); });
+  static constexpr ColumnsFn by_blocks[4] = {columns<1, Gated>, columns<2, Gated>, columns<3, Gated>, columns<4, Gated>};
+  const ColumnsFn fn = by_blocks[(rows + 15) / 16 - 1];
+  at::parallel_for(0, blocks, Gated ? 2 : 4, [&](int64_t begin, int64_t end) { fn(xp, rows, K, stride, wp, bp, begin, end, op, N); });
   return out;
 }
+
+}  // namespace
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  return run<false>(x, packed, bias, "amx_linear");
+}
+
+at::Tensor amx_swiglu(const at::Tensor& x, const at::Tensor& packed) { return run<true>(x, packed, c10::nullopt, "amx_swiglu"); }
 
 #else
 bool cpu_has_amx() { return false; }
 at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) { TORCH_CHECK(false, "amx_linear needs an x86-64 CPU with AMX-BF16"); }
+at::Tensor amx_swiglu(const at::Tensor&, const at::Tensor&) { TORCH_CHECK(false, "amx_swiglu needs an x86-64 CPU with AMX-BF16"); }
 #endif
 
 }  // namespace stageserve

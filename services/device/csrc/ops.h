@@ -13,6 +13,8 @@ bool cpu_has_amx();  // AMX-BF16 present and granted to this process  (amx_linea
 
 // x [M <= 64, K] @ W^T (+ bias [N]) -> [M, N] bfloat16 on AMX, W packed [N / 16, K / 32, 16, 32]  (amx_linear.cpp)
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+// silu(x @ Wg^T) * (x @ Wu^T) -> [M, I] on AMX, [Wg; Wu] packed by amx_pack_gated  (amx_linear.cpp)
+at::Tensor amx_swiglu(const at::Tensor& x, const at::Tensor& packed);
 
 // [B, H, D] queries over paged contexts -> [B, H * D]  (paged_attention.cpp)
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tables,

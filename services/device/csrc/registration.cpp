@@ -41,6 +41,7 @@ TORCH_LIBRARY(stageserve, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("has_amx() -> bool", &stageserve::cpu_has_amx);
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("amx_swiglu(Tensor x, Tensor packed) -> Tensor");
   m.def("rope_and_cache(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor positions, Tensor(a!) kv, Tensor slot_mapping, int num_heads) -> Tensor");
 }
 
@@ -51,5 +52,6 @@ TORCH_LIBRARY_IMPL(stageserve, CPU, m) {
   m.impl("silu_and_mul", &stageserve::silu_and_mul);
   m.impl("argmax_rows", &stageserve::argmax_rows);
   m.impl("amx_linear", &stageserve::amx_linear);
+  m.impl("amx_swiglu", &stageserve::amx_swiglu);
   m.impl("rope_and_cache", &stageserve::rope_and_cache);
 }

@@ -230,6 +230,23 @@ def test_amx_linear_matches_matmul(rows, n, k):
 
 
 @needs_amx
+@pytest.mark.parametrize("rows", [1, 16, 17, 64])
+@pytest.mark.parametrize(("i", "k"), [(16, 32), (1536, 576)])
+def test_amx_swiglu_matches_silu_of_matmul(rows, i, k):
+    """silu(x @ gate.T) * (x @ up.T) from the gated packing, within bf16 rounding of float64."""
+    g = torch.Generator().manual_seed(rows + i)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    gate_up = (torch.randn(2 * i, k, generator=g) * 0.05).bfloat16()
+    assert cpu_kernels.amx_ready(gate_up, gated=True)
+    gate, up = (x.double() @ gate_up.double().t()).chunk(2, -1)
+    expected = torch.nn.functional.silu(gate) * up
+    got = cpu_kernels.amx_swiglu(x, cpu_kernels.amx_pack_gated(gate_up))
+    assert got.shape == (rows, i) and got.dtype == torch.bfloat16
+    assert ((got.double() - expected).abs() <= 8e-3 * (expected.abs() + 0.1)).all()
+    assert not cpu_kernels.amx_ready(torch.zeros(48, k, dtype=torch.bfloat16), gated=True)  # 24 + 24 rows: not whole tiles
+
+
+@needs_amx
 def test_amx_linear_takes_no_rows_and_refuses_what_it_cannot_run():
     w = cpu_kernels.amx_pack(torch.randn(32, 64).bfloat16())
     assert cpu_kernels.amx_linear(torch.empty(0, 64, dtype=torch.bfloat16), w).shape == (0, 32)
