@@ -17,7 +17,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <cstring>
 
 namespace stageserve {
 

@@ -1,4 +1,4 @@
-// AVX-512 helpers shared by the ops: 16 elements (bfloat16 or float32) <-> one fp32 vector, exp.
+// AVX-512 helpers shared by the ops: 16 elements (bfloat16 or float32) <-> one fp32 vector, exp, silu.
 // Every function carries the target attribute, so the library is built with the compiler's default
 // flags and loads on any x86-64 CPU; the ops check the CPU before calling into these.
 #pragma once
@@ -16,7 +16,7 @@
 namespace stageserve {
 
 bool cpu_has_avx512();
-bool cpu_has_avx512_bf16();  // VDPBF16PS, for the bf16 paths that have a variant using it
+bool cpu_has_avx512_bf16();  // AVX512-BF16 (VDPBF16PS, VCVTNEPS2BF16): the bf16 paths that have a variant using it
 
 SS_AVX512 SS_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 SS_AVX512 SS_INLINE __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
