@@ -3,8 +3,8 @@
 //
 // A decode step's linears are a stream over the weights with a few rows of activations: each 16
 // output columns' weights are read once (one 1 KB tile per 32 inputs), multiplied into up to four
-// 16-row accumulator tiles, and the stream is prefetched ahead. Per call this costs ~1 us of set-up
-// where torch's packed oneDNN linear costs ~15 us, which a decode step pays ~120 times.
+// 16-row accumulator tiles, and the stream is prefetched ahead. A call costs 2.7 us from Python
+// (1 x 64 x 64) where torch's packed oneDNN linear takes 16-22 us, which a decode step pays ~120 times.
 // The tile layout and instructions: Intel's AMX programming reference (TDPBF16PS, TILELOADD), as
 // oneDNN's brgemm uses them.
 
