@@ -61,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-step-tokens", type=int, default=2048, metavar="TOKENS", help="tokens one step may carry (default %(default)s)")
     parser.add_argument("--threads", type=int, default=None, metavar="N", help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--no-cpu-kernels", action="store_true", help="cpu backend: run the layers in plain torch ops instead of the fused C++ kernels (for comparison)")
+    parser.add_argument("--no-amx-linears", action="store_true",
+                        help="cpu backend: keep decode-sized bf16 linears on oneDNN instead of AMX, which holds a second copy of the weights")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -231,7 +233,7 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
     else:
         backend = backend or create_backend(args.backend, args.threads)
         log.info("loading %s as %s on %s", model_path, dtype_name, backend.device)
-        model = LlamaModel.from_path(model_path, dtype, backend.device, cpu_kernels_allowed=not args.no_cpu_kernels)
+        model = LlamaModel.from_path(model_path, dtype, backend.device, cpu_kernels_allowed=not args.no_cpu_kernels, amx_allowed=not args.no_amx_linears)
         config = model.config
         log.info("layers run %s%s", "with the fused CPU kernels" if model.cpu_kernels else "in plain torch ops",
                  ", decode-sized linears on AMX" if model.amx_linears else "")

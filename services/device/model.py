@@ -309,14 +309,16 @@ class LayerWeights:
 class LlamaModel:
     """The decoder's weights on one device and its forward pass (no autograd, no nn.Module hooks)."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device | str, cpu_kernels_allowed: bool = True) -> None:
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device | str, cpu_kernels_allowed: bool = True, amx_allowed: bool = True
+    ) -> None:
         """Take HF-named ``weights`` (as ``load_weights`` returns them, any float dtype) onto ``device``.
 
         The activation dtype is the weights' dtype. ``cpu_kernels_allowed``: on a CPU, run the layers
         with the fused C++ ops of ``cpu_kernels`` where they support this CPU, dtype and head shape
         (``self.cpu_kernels`` says whether they do), and with them the bfloat16 linears of decode-sized
-        inputs on AMX where the CPU has it (``self.amx_linears``); ``False`` keeps the pure-torch path
-        (for comparison).
+        inputs on AMX where the CPU has it (``self.amx_linears``; ``amx_allowed=False`` keeps them on
+        oneDNN, without the AMX copy of the weights); ``False`` keeps the pure-torch path (for comparison).
         """
         self.config, self.device = config, torch.device(device)
 
@@ -333,7 +335,7 @@ class LlamaModel:
             and self.device.type == "cpu"
             and cpu_kernels.available(self.dtype, config.head_dim, config.num_heads // config.num_kv_heads)
         )
-        amx = self.cpu_kernels  # decode-sized bf16 linears on AMX where the CPU has it (see Linear)
+        amx = self.cpu_kernels and amx_allowed  # decode-sized bf16 linears on AMX where the CPU has it (see Linear)
         # A tied head is packed separately from the embedding table on CPU (one more vocab x hidden copy).
         self.lm_head = Linear(self.embed if config.tie_word_embeddings else w("lm_head.weight"), amx=amx)
         self.norm = w("model.norm.weight")
@@ -358,10 +360,12 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
 
     @classmethod
-    def from_path(cls, path: Path, dtype: torch.dtype, device: torch.device | str, cpu_kernels_allowed: bool = True) -> LlamaModel:
+    def from_path(
+        cls, path: Path, dtype: torch.dtype, device: torch.device | str, cpu_kernels_allowed: bool = True, amx_allowed: bool = True
+    ) -> LlamaModel:
         """Load a GGUF file or HF directory (see ``load_weights``; raises ``ModelLoadError``)."""
         config, weights = load_weights(path, dtype)
-        return cls(config, weights, device, cpu_kernels_allowed)
+        return cls(config, weights, device, cpu_kernels_allowed, amx_allowed)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:

@@ -94,6 +94,7 @@ struct FmaDot {
   }
 };
 
+#if defined(SS_HAVE_AVX512_BF16)
 // bfloat16 on CPUs with AVX512-BF16: D / 32 VDPBF16PS per key row over the raw bf16 values (no
 // widening; a product of two bf16 values is exact in fp32, the sums are fp32). Not inlined into the
 // AVX-512 caller (GCC does not inline across a wider target), hence 16 rows per call.
@@ -112,6 +113,7 @@ struct Bf16Dot {
     return sum_lanes16(d);
   }
 };
+#endif
 
 // One (row, kv head): the G query heads q[g * q_head_stride, + D) over the row's `context` tokens,
 // whose keys/values are rows of k_pool/v_pool ([num_blocks, block_size, D]) at the block table's
@@ -175,8 +177,10 @@ Kernel<T> kernel_for_group(int64_t group) {
 
 template <typename T, int D>
 Kernel<T> kernel_for(int64_t group) {
+#if defined(SS_HAVE_AVX512_BF16)
   if constexpr (std::is_same_v<T, c10::BFloat16>)
     if (cpu_has_avx512_bf16()) return kernel_for_group<T, D, Bf16Dot<D>>(group);
+#endif
   return kernel_for_group<T, D, FmaDot<T, D>>(group);
 }
 

@@ -10,7 +10,15 @@
 #include <cstdint>
 
 #define SS_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
+// Compilers too old for the AVX512-BF16 (GCC < 10) or AMX (GCC < 11) intrinsics build the library
+// without the variants that use them, rather than failing the whole build.
+#if __has_include(<avx512bf16intrin.h>)
+#define SS_HAVE_AVX512_BF16 1
 #define SS_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx512bf16")))
+#endif
+#if defined(SS_HAVE_AVX512_BF16) && __has_include(<amxtileintrin.h>) && __has_include(<amxbf16intrin.h>)
+#define SS_HAVE_AMX 1
+#endif
 #define SS_INLINE inline __attribute__((always_inline))
 
 namespace stageserve {

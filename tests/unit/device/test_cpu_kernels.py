@@ -291,7 +291,8 @@ def test_model_fused_and_torch_paths_agree():
 
 def test_bfloat16_model_stays_close_to_float32():
     """The embedded model in bf16 on its fastest path here (fused ops, decode-sized linears on AMX
-    where the CPU has it) against plain fp32: logits within 1 (0.56 measured) and the same argmax."""
+    where the CPU has it) against plain fp32: logits within 1 (0.56 measured) and the same argmax;
+    likewise with the AMX linears turned off."""
     from stageserve.device.weights import load_weights
 
     config, weights = load_weights(embedded_model_path(), torch.bfloat16)
@@ -302,6 +303,9 @@ def test_bfloat16_model_stays_close_to_float32():
     logits = mixed_step_logits(model, torch.bfloat16)
     assert (logits - reference).abs().max().item() < 1.0
     assert torch.equal(logits.argmax(-1), reference.argmax(-1))
+    on_onednn = LlamaModel(config, weights, "cpu", amx_allowed=False)  # `stageserve device --no-amx-linears`
+    assert not on_onednn.amx_linears and on_onednn.layers[0].qkv.amx_weight is None
+    assert torch.equal(mixed_step_logits(on_onednn, torch.bfloat16).argmax(-1), reference.argmax(-1))
 
 
 @needs_avx512
