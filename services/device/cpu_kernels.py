@@ -2,8 +2,10 @@
 
 On an x86-64 CPU with AVX-512 the decode step's small operations are fused, as vLLM's CPU backend
 does: paged decode attention reading the KV pool in place, RoPE plus the KV store, residual add
-plus RMSNorm, SwiGLU. On a CPU without AVX-512 (or another dtype or head shape) the model keeps its
-pure-torch path; ``available`` says which.
+plus RMSNorm, SwiGLU, greedy argmax over bf16 logits. On CPUs with AMX-BF16 the bf16 linears of a
+decode step run on AMX tiles (``amx_linear``, ``amx_swiglu``; ``amx_ready`` says where). On a CPU
+without AVX-512 (or another dtype or head shape) the model keeps its pure-torch path; ``available``
+says which.
 
 The sources (``csrc/``) register ``torch.ops.stageserve.*`` ops. They are compiled with torch's
 own extension builder (``torch.utils.cpp_extension.load``: the C++ compiler, torch's headers and
@@ -204,8 +206,7 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
 
     A call costs 2.7 us from Python (1 x 64 x 64) where torch's packed oneDNN linear takes 16-22 us,
     and the weight streams with prefetching (a model's decode-step linears ~20 % faster on a 2-core
-    Xeon). Raises
-    ``RuntimeError`` for other shapes or dtypes, or without AMX (check ``amx_ready`` first).
+    Xeon). Raises ``RuntimeError`` for other shapes or dtypes, or without AMX (check ``amx_ready`` first).
     """
     return torch.ops.stageserve.amx_linear(x, packed, bias)
 
