@@ -11,7 +11,6 @@
 
 namespace stageserve {
 
-#if defined(__x86_64__)
 namespace {
 
 template <typename T>
@@ -66,9 +65,5 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   else body(float{});
   return out;
 }
-
-#else
-at::Tensor silu_and_mul(const at::Tensor&) { TORCH_CHECK(false, "silu_and_mul needs an x86-64 CPU with AVX-512"); }
-#endif
 
 }  // namespace stageserve

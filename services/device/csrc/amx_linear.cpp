@@ -20,7 +20,7 @@
 
 namespace stageserve {
 
-#if defined(__x86_64__) && defined(SS_HAVE_AMX)
+#if defined(SS_HAVE_AMX)
 #define SS_AMX __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx512bf16,amx-tile,amx-bf16")))
 
 bool cpu_has_amx() {
@@ -175,7 +175,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
 
 at::Tensor amx_swiglu(const at::Tensor& x, const at::Tensor& packed) { return run<true>(x, packed, c10::nullopt, "amx_swiglu"); }
 
-#else  // another architecture, or a compiler without the AMX intrinsics
+#else  // a compiler without the AMX intrinsics
 bool cpu_has_amx() { return false; }
 at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) { TORCH_CHECK(false, "amx_linear needs an x86-64 CPU with AMX-BF16"); }
 at::Tensor amx_swiglu(const at::Tensor&, const at::Tensor&) { TORCH_CHECK(false, "amx_swiglu needs an x86-64 CPU with AMX-BF16"); }

@@ -12,7 +12,6 @@
 
 namespace stageserve {
 
-#if defined(__x86_64__)
 namespace {
 
 // out = x / sqrt(mean(x^2) + eps) * weight for one row of n elements, in fp32, rounded once to T.
@@ -74,12 +73,5 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight, double eps) {
   return norm(residual, &delta, weight, eps);
 }
-
-#else
-at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double) { TORCH_CHECK(false, "rms_norm needs an x86-64 CPU with AVX-512"); }
-at::Tensor add_rms_norm(at::Tensor&, const at::Tensor&, const at::Tensor&, double) {
-  TORCH_CHECK(false, "add_rms_norm needs an x86-64 CPU with AVX-512");
-}
-#endif
 
 }  // namespace stageserve

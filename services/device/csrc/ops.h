@@ -1,7 +1,8 @@
 // The fused CPU ops of stageserve's device (torch.ops.stageserve.*), registered in registration.cpp.
 // Each needs an x86-64 CPU with AVX-512 F/BW/DQ/VL and FMA; `supported` says whether this CPU,
 // dtype (bfloat16 or float32) and head shape have them; the amx_* ops need AMX-BF16 as well
-// (`cpu_has_amx`). Elsewhere they raise, and the model keeps its pure-torch path (or oneDNN's linears).
+// (`cpu_has_amx`). On a CPU without them they raise, and the model keeps its pure-torch path (or
+// oneDNN's linears); on other architectures the library is not built at all (cpu_kernels.py).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -18,7 +18,6 @@
 
 namespace stageserve {
 
-#if defined(__x86_64__)
 namespace {
 
 SS_INLINE void prefetch_block(const void* start, int64_t bytes) {
@@ -214,7 +213,6 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables, co
 }
 
 }  // namespace
-#endif
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale) {
@@ -241,11 +239,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
       TORCH_CHECK(tab[b * W + j] >= 0 && tab[b * W + j] < N, "row ", b, ": block id ", tab[b * W + j], " outside the pool");
   }
   at::Tensor out = at::empty({B, q.size(1) * q.size(2)}, q.options());
-#if defined(__x86_64__)
   if (B == 0) return out;
   if (q.scalar_type() == at::kBFloat16) run<c10::BFloat16>(q, kv, block_tables, context_lens, scale, out);
   else run<float>(q, kv, block_tables, context_lens, scale, out);
-#endif
   return out;
 }
 

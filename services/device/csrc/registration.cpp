@@ -7,7 +7,6 @@
 
 namespace stageserve {
 
-#if defined(__x86_64__)
 bool cpu_has_avx512() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
@@ -19,15 +18,10 @@ bool cpu_has_avx512_bf16() {
   static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
   return has;
 }
-#endif
 
 bool supported(c10::ScalarType dtype, int64_t head_dim, int64_t group) {
-#if defined(__x86_64__)
   return cpu_has_avx512() && (dtype == at::kBFloat16 || dtype == at::kFloat) && (head_dim == 64 || head_dim == 128) &&
          group >= 1 && group <= 8;
-#else
-  return false;
-#endif
 }
 
 }  // namespace stageserve

@@ -13,7 +13,6 @@
 
 namespace stageserve {
 
-#if defined(__x86_64__)
 namespace {
 
 // Rotate one head x[D] by the position's cos / signed sin rows into out[D]: with h = D / 2,
@@ -87,12 +86,5 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
   else body(float{});
   return qk;
 }
-
-#else
-at::Tensor rope_and_cache(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
-                          const at::Tensor&, int64_t) {
-  TORCH_CHECK(false, "rope_and_cache needs an x86-64 CPU with AVX-512");
-}
-#endif
 
 }  // namespace stageserve

@@ -12,7 +12,6 @@
 
 namespace stageserve {
 
-#if defined(__x86_64__)
 namespace {
 
 // Per lane: the largest value seen and the first index holding it (strict > keeps the earlier index);
@@ -63,9 +62,5 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   else body(float{});
   return out;
 }
-
-#else
-at::Tensor argmax_rows(const at::Tensor&) { TORCH_CHECK(false, "argmax_rows needs an x86-64 CPU with AVX-512"); }
-#endif
 
 }  // namespace stageserve

@@ -3,7 +3,11 @@
 // flags and loads on any x86-64 CPU; the ops check the CPU before calling into these.
 #pragma once
 
-#if defined(__x86_64__)
+// cpu_kernels.py builds this library only on x86-64 (elsewhere the model runs plain torch ops).
+#if !defined(__x86_64__)
+#error "the stageserve CPU kernels are x86-64 only"
+#endif
+
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
@@ -79,4 +83,3 @@ SS_AVX512 SS_INLINE __m512 silu16(__m512 g) {
 }
 
 }  // namespace stageserve
-#endif
