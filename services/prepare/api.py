@@ -4,7 +4,7 @@ Each RPC handler is a coroutine on prepare's gRPC event loop
 (:class:`~stageserve.server.AioServiceServer`): it validates, hands the request to the
 :class:`~stageserve.prepare.router.DeviceRouter` (which places it on one device's engine) and
 turns the request's events into responses, awaiting them without a thread per stream
-(:meth:`~stageserve.prepare.engine.RequestHandle.events_async`). The request id comes from the
+(:meth:`~stageserve.prepare.request_handle.RequestHandle.events_async`). The request id comes from the
 request field, else the ``x-request-id`` metadata, else is generated; it is echoed in every
 response and in the ``x-request-id`` response header. When the client cancels, disconnects or
 passes its deadline, ``grpc.aio`` cancels the handler's task; the RPC's done callback then aborts
@@ -26,8 +26,8 @@ from contextlib import aclosing
 import grpc
 
 from stageserve.logs import REQUEST_ID
-from stageserve.prepare.engine import LoopWaker, RequestHandle
 from stageserve.prepare.errors import RequestError
+from stageserve.prepare.request_handle import LoopWaker, RequestHandle
 from stageserve.prepare.router import DeviceFigures, DeviceRouter
 from stageserve.prepare.validation import GenerationRequest, tokenize_prompt, validate_generate_request, validate_request_id
 from stageserve.v1 import prepare_pb2, prepare_pb2_grpc, reclaim_pb2

@@ -98,11 +98,11 @@ class BlockManager:
         Raises:
             RuntimeError: the growth exceeds the table's reservation (``can_append`` is false).
         """
+        if not self.can_append(table, num_kv_tokens):
+            raise RuntimeError(f"append_slots: positions [0, {num_kv_tokens}) exceed the table's reservation ({table.reserved} blocks left)")
         missing = self.blocks_for_tokens(num_kv_tokens) - len(table.block_ids)
         if missing <= 0:
             return []
-        if missing > table.reserved:
-            raise RuntimeError(f"append_slots: {missing} blocks needed, {table.reserved} reserved")
         new_ids = [self._free.pop() for _ in range(missing)]
         table.block_ids.extend(new_ids)
         table.reserved -= missing

@@ -1,15 +1,17 @@
-"""Keeps prepare connected: one reclaim subscription, one lane per device endpoint.
+"""Keeps prepare connected: one reclaim subscription, one device session per device endpoint.
 
-- **reclaim**: one ``Subscribe`` stream, dialled with exponential backoff. Its ``StepEvents`` are
-  routed to the lane of the device that ran the step (``device_instance_id`` → lane; step ids are
-  per lane). When it breaks, every lane ends its session (their requests fail with
-  ``UNAVAILABLE``: their events would never arrive) and waits for the next subscription.
+- **reclaim**: one ``Subscribe`` stream (:class:`ReclaimSubscription`), dialled with
+  :class:`~stageserve.backoff.Backoff`. Its ``StepEvents`` go to the engine of the device that ran
+  the step (``device_instance_id`` → engine; step ids are per engine). When it breaks, every
+  session detaches its device (their requests fail with ``UNAVAILABLE``: their events would never
+  arrive) and waits for the next subscription.
 - **devices**: an :class:`~stageserve.device_endpoints.EndpointFollower` resolves ``--device``
-  every ``--device-refresh-s`` seconds. A new address gets a lane (``lanes.py``); an address that
-  left stops getting new requests and its lane ends once its requests are done; an address that
-  comes back gets a lane again. No restart of prepare (or reclaim) is needed.
-- **readiness** (``on_ready``): SERVING while reclaim is subscribed and at least one lane accepts
-  requests.
+  every ``--device-refresh-s`` seconds. A new address gets a
+  :class:`~stageserve.prepare.session.DeviceSession`; an address that left stops getting new
+  requests and its session ends once its requests are done; an address that comes back gets a
+  session again. No restart of prepare (or reclaim) is needed.
+- **readiness** (``on_ready``): SERVING while reclaim is subscribed and at least one session
+  accepts requests.
 """
 
 from __future__ import annotations
@@ -21,25 +23,27 @@ from typing import Callable
 
 import grpc
 
+from stageserve.backoff import Backoff
 from stageserve.device_endpoints import DeviceEndpoints, EndpointFollower, Resolver
 from stageserve.prepare.engine import Engine
-from stageserve.prepare.lanes import BACKOFF_INITIAL_S, BACKOFF_MAX_S, DeviceLane
-from stageserve.prepare.links import ReclaimLink
+from stageserve.prepare.session import PEER_NAME, DeviceSession
 from stageserve.server import GRPC_OPTIONS
-from stageserve.v1 import reclaim_pb2
+from stageserve.v1 import reclaim_pb2, reclaim_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+SUBSCRIBE_CONFIRM_S = 2.0  # how long to wait for reclaim's response headers before trusting the stream anyway
+
 
 class PipelineConnector:
-    """reclaim subscription, device lanes, event routing and readiness (see the module docstring).
+    """reclaim subscription, device sessions, event routing and readiness (see the module docstring).
 
     Args:
         endpoints: the parsed ``--device``.
         reclaim_target: ``HOST:PORT`` of reclaim.
-        new_engine: builds the engine of a new lane.
+        new_engine: builds the engine of a new device session.
         on_ready: called with the new readiness whenever it changes.
-        step_timeout_s: a sent step not published within this time ends its lane's session.
+        step_timeout_s: a sent step not published within this time detaches its device.
         refresh_s: seconds between DNS lookups of ``dns:///`` entries.
         resolver: ``socket.getaddrinfo`` or a stand-in (tests).
     """
@@ -51,105 +55,159 @@ class PipelineConnector:
         self._reclaim_target = reclaim_target
         self._new_engine, self._on_ready, self._step_timeout_s = new_engine, on_ready, step_timeout_s
         self._lock = threading.RLock()
-        self._lanes: dict[str, DeviceLane] = {}
-        self._by_instance: dict[str, DeviceLane] = {}  # replaced whole, read without the lock
+        self._sessions: dict[str, DeviceSession] = {}
+        self._engines_by_instance: dict[str, Engine] = {}  # replaced whole, read without the lock
         self._ready: bool | None = None
         self._reclaim_up = threading.Event()
         self._reclaim_lost = threading.Event()
         self._reclaim_lost_reason = ""
         self._stop = threading.Event()
-        self._follower = EndpointFollower(endpoints, refresh_s, self._update_lanes, resolver)
+        self._follower = EndpointFollower(endpoints, refresh_s, self._update_sessions, resolver)
         self._thread = threading.Thread(target=self._run_reclaim, name="prepare-reclaim-connector", daemon=True)
 
-    def lanes(self) -> list[DeviceLane]:
-        """The current lanes (a snapshot)."""
+    def sessions(self) -> list[DeviceSession]:
+        """The current device sessions (a snapshot)."""
         with self._lock:
-            return list(self._lanes.values())
+            return list(self._sessions.values())
 
     def start(self) -> None:
         self._thread.start()
         self._follower.start()
 
     def stop(self) -> None:
-        """Stop following, end every lane (requests still in one fail) and the subscription."""
+        """Stop following, end every session (requests still on a device fail) and the subscription."""
         self._stop.set()
         self._reclaim_lost.set()
         self._follower.stop()
         self._thread.join(timeout=10)
-        for lane in self.lanes():
-            lane.stop()
+        for session in self.sessions():
+            session.stop()
         self._reclaim_channel.close()
 
     # ---- devices ----------------------------------------------------------------------------------
-    def _update_lanes(self, addresses: tuple[str, ...]) -> None:
-        """The follower's current address set: add lanes, let go of those that left."""
+    def _update_sessions(self, addresses: tuple[str, ...]) -> None:
+        """The follower's current address set: add sessions, let go of those that left."""
         if self._stop.is_set():
             return
         listed = set(addresses)
         with self._lock:
-            for address, lane in list(self._lanes.items()):
-                if address in listed and not lane.finished:
-                    lane.set_listed(True)
+            for address, session in list(self._sessions.items()):
+                if address in listed and not session.finished:
+                    session.set_listed(True)
                     continue
-                lane.set_listed(False)
-                if lane.finished:
-                    lane.stop()
-                    del self._lanes[address]
+                session.set_listed(False)
+                if session.finished:
+                    session.stop()
+                    del self._sessions[address]
             for address in addresses:
-                if address not in self._lanes:
-                    lane = DeviceLane(address, self._new_engine(), self._reclaim_up, self._lane_changed, self._step_timeout_s)
-                    self._lanes[address] = lane
-                    lane.start()
-        self._lane_changed()
+                if address not in self._sessions:
+                    session = DeviceSession(address, self._new_engine(), self._reclaim_up, self._session_changed, self._step_timeout_s)
+                    self._sessions[address] = session
+                    session.start()
+        self._session_changed()
 
-    def _lane_changed(self) -> None:
+    def _session_changed(self) -> None:
         """Recompute the event routing and the readiness (any thread)."""
         with self._lock:
-            lanes = list(self._lanes.values())
-            self._by_instance = {lane.instance_id: lane for lane in lanes if lane.instance_id}
-            ready = self._reclaim_up.is_set() and any(lane.accepting for lane in lanes)
+            sessions = list(self._sessions.values())
+            self._engines_by_instance = {session.instance_id: session.engine for session in sessions if session.instance_id}
+            ready = self._reclaim_up.is_set() and any(session.accepting for session in sessions)
             if ready != self._ready:
                 self._ready = ready
                 self._on_ready(ready)
 
     # ---- reclaim ----------------------------------------------------------------------------------
     def _run_reclaim(self) -> None:
-        delay = BACKOFF_INITIAL_S
+        backoff = Backoff(log, f"reclaim {self._reclaim_target}")
         while not self._stop.is_set():
             # 1. subscribe (with backoff)
             self._reclaim_lost.clear()
-            link = ReclaimLink(self._reclaim_channel, self._step_events, self._link_lost)
+            subscription = ReclaimSubscription(self._reclaim_channel, self._route_step_events, self._subscription_lost)
             try:
-                link.open()
+                subscription.open()
             except grpc.RpcError as exc:
-                log.warning("cannot subscribe to reclaim %s (%s: %s); retrying in %.1f s",
-                            self._reclaim_target, exc.code().name, exc.details(), delay)
-                link.close()
-                self._stop.wait(delay)
-                delay = min(delay * 2, BACKOFF_MAX_S)
+                subscription.close()
+                self._stop.wait(backoff.refused(f"cannot subscribe ({exc.code().name}: {exc.details()})"))
                 continue
-            delay = BACKOFF_INITIAL_S
+            backoff.succeeded()
             log.info("subscribed to reclaim %s", self._reclaim_target)
-            # 2. let the lanes attach, and wait until the stream is lost (or prepare stops)
+            # 2. let the sessions attach, and wait until the stream is lost (or prepare stops)
             self._reclaim_up.set()
-            for lane in self.lanes():
-                lane.wake()
-            self._lane_changed()
+            for session in self.sessions():
+                session.wake()
+            self._session_changed()
             self._reclaim_lost.wait()
-            # 3. every lane's session ends: their steps would be published to nobody
+            # 3. every session detaches: their steps would be published to nobody
             self._reclaim_up.clear()
-            self._lane_changed()
+            self._session_changed()
             reason = "prepare is shutting down" if self._stop.is_set() else self._reclaim_lost_reason
-            for lane in self.lanes():
-                lane.reclaim_lost(reason)
-            link.close()
+            for session in self.sessions():
+                session.reclaim_lost(reason)
+            subscription.close()
 
-    def _link_lost(self, reason: str) -> None:
+    def _subscription_lost(self, reason: str) -> None:
         if not self._reclaim_lost.is_set():
             self._reclaim_lost_reason = reason
             self._reclaim_lost.set()
 
-    def _step_events(self, step_events: reclaim_pb2.StepEvents) -> None:
-        lane = self._by_instance.get(step_events.device_instance_id)
-        if lane is not None:
-            lane.on_step_events(step_events)
+    def _route_step_events(self, step_events: reclaim_pb2.StepEvents) -> None:
+        """One published step, to the engine of the device that ran it (reclaim's reader thread)."""
+        engine = self._engines_by_instance.get(step_events.device_instance_id)
+        if engine is not None:
+            engine.on_step_events(step_events)
+
+
+class ReclaimSubscription:
+    """prepare's ``Reclaim.Subscribe`` stream (``StepEvents`` in, read by a thread).
+
+    Args:
+        channel: a channel to reclaim.
+        on_step_events: called with each ``StepEvents`` on the reader thread.
+        on_lost: called once with a reason when the stream ends or breaks (not after :meth:`close`).
+    """
+
+    def __init__(self, channel: grpc.Channel, on_step_events: Callable[[reclaim_pb2.StepEvents], None], on_lost: Callable[[str], None]) -> None:
+        self._stub = reclaim_pb2_grpc.ReclaimStub(channel)
+        self._on_step_events, self._on_lost = on_step_events, on_lost
+        self._call = None
+        self._closed = threading.Event()
+        self._failed: grpc.RpcError | None = None
+        self._settled = threading.Event()  # headers arrived, or the call failed
+
+    def open(self) -> None:
+        """Subscribe, and wait (up to 2 s) for reclaim's response headers, which a reclaim that
+        registers its subscriber before sending them turns into a guarantee that no step published
+        from now on is missed.
+
+        Raises:
+            grpc.RpcError: reclaim refused or did not answer.
+        """
+        self._call = self._stub.Subscribe(reclaim_pb2.SubscribeRequest(peer=PEER_NAME))
+        threading.Thread(target=self._read, name="prepare-reclaim-events", daemon=True).start()
+        threading.Thread(target=self._await_headers, name="prepare-reclaim-headers", daemon=True).start()
+        self._settled.wait(SUBSCRIBE_CONFIRM_S)
+        if self._failed is not None:
+            raise self._failed
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._call is not None:
+            self._call.cancel()
+
+    def _await_headers(self) -> None:
+        try:
+            self._call.initial_metadata()
+        finally:
+            self._settled.set()
+
+    def _read(self) -> None:
+        try:
+            for step_events in self._call:
+                self._on_step_events(step_events)
+            reason = "reclaim closed the Subscribe stream"
+        except grpc.RpcError as exc:
+            self._failed = exc
+            reason = f"reclaim's Subscribe stream broke ({exc.code().name}: {exc.details()})"
+        self._settled.set()
+        if not self._closed.is_set():
+            self._on_lost(reason)

@@ -50,8 +50,9 @@ def run(args: argparse.Namespace) -> int:
     from stageserve.model_files import resolve_model_path
     from stageserve.prepare.api import GenerationServicer
     from stageserve.prepare.connector import PipelineConnector
-    from stageserve.prepare.engine import Engine, LoopWaker
+    from stageserve.prepare.engine import Engine
     from stageserve.prepare.metrics import PrepareMetrics
+    from stageserve.prepare.request_handle import LoopWaker
     from stageserve.prepare.router import DeviceRouter
     from stageserve.server import AioServiceServer, configure_logging
     from stageserve.tokenizer import load_tokenizer
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         step_timeout_s=args.step_timeout,
         refresh_s=args.device_refresh_s,
     )
-    router = DeviceRouter(connector.lanes, metrics)
+    router = DeviceRouter(connector.sessions, metrics)
     metrics.watch_engine(router.current_load)
     server.add_servicer(prepare_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(router, tokenizer, LoopWaker(server.loop)))
     server.start([SERVICE_NAME])

@@ -19,17 +19,15 @@ the tracer records.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from stageserve.prepare.placement import DeviceLoad
 from stageserve.tracing import Tracer, clock_ns
 from stageserve.v1 import common_pb2
-
-if TYPE_CHECKING:
-    from stageserve.prepare.engine import EngineLoad
 
 # Seconds; request latencies span ms (a short decode) to minutes (long generations).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -75,20 +73,20 @@ class PrepareMetrics:
                                    "prepare's host work per step on the critical path: schedule + build plan + send",
                                    buckets=STEP_HOST_BUCKETS_S, registry=registry)
 
-    def watch_engine(self, load: Callable[[], EngineLoad | None]) -> None:
+    def watch_engine(self, load: Callable[[], DeviceLoad | None]) -> None:
         """Report running / waiting requests and KV blocks from ``load()`` at every scrape
         (``None`` while no device is attached: the gauges read 0)."""
-        self.registry.register(_EngineLoadCollector(load))
+        self.registry.register(_DeviceLoadCollector(load))
 
     def request_refused(self, code_name: str) -> None:
         """A request refused before it was accepted (validation, queue full, not connected)."""
         self.requests.labels(ERROR_LABEL, code_name).inc()
 
 
-class _EngineLoadCollector(Collector):
+class _DeviceLoadCollector(Collector):
     """Gauges read from the engine at scrape time, so the step loop never updates them."""
 
-    def __init__(self, load: Callable[[], EngineLoad | None]) -> None:
+    def __init__(self, load: Callable[[], DeviceLoad | None]) -> None:
         self._load = load
 
     def collect(self) -> Iterator[GaugeMetricFamily]:

@@ -35,16 +35,14 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Iterable, Sequence as SequenceType
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
-from stageserve.prepare.block_manager import BlockManager, BlockTable
+from stageserve.prepare.block_manager import BlockManager
 from stageserve.prepare.errors import resource_exhausted
+from stageserve.prepare.scheduled_step import PLACEHOLDER_TOKEN, ScheduledStep, SequenceState
 from stageserve.prepare.validation import GenerationRequest
 from stageserve.v1 import device_pb2, reclaim_pb2
-
-PLACEHOLDER_TOKEN = -1  # decode input the device fills with the token it sampled last for the sequence
-
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -86,60 +84,6 @@ class AbortOutcome(enum.Enum):
     FORWARDED = "forwarded"              # no more rows; reclaim publishes its terminal event
 
 
-@dataclass(eq=False)
-class Sequence:
-    """An admitted request's state in the scheduler (identity compares).
-
-    Attributes:
-        num_kv_tokens: positions ``[0, num_kv_tokens)`` are written by steps already scheduled.
-        num_sampled: sampling rows scheduled so far (at most ``request.max_tokens``).
-        steps_in_flight: scheduled steps with a row of this sequence, not yet published or refused.
-        stopped: gets no more rows.
-        finished: its terminal event was published by reclaim, or prepare ended it locally.
-        abort_forwarded: its request id was put in a plan's ``aborted`` list.
-    """
-
-    request: GenerationRequest
-    seq_index: int
-    generation: int
-    blocks: BlockTable
-    num_kv_tokens: int = 0
-    num_sampled: int = 0
-    steps_in_flight: int = 0
-    stopped: bool = False
-    finished: bool = False
-    abort_forwarded: bool = False
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_kv_tokens < self.request.num_prompt_tokens
-
-
-@dataclass(eq=False)
-class ScheduledStep:
-    """One step as the scheduler built it: the ``StepPlan`` fields as flat lists (row ``r`` has
-    ``num_tokens[r]`` tokens in ``token_ids`` and ``num_new_blocks[r]`` ids in ``new_block_ids``),
-    plus ``rows``, the host-side sequence of each row."""
-
-    step_id: int
-    finished: list[int]
-    aborted: list[str]
-    started: list[Sequence] = field(default_factory=list)
-    rows: list[Sequence] = field(default_factory=list)
-    seq_index: list[int] = field(default_factory=list)
-    generation: list[int] = field(default_factory=list)
-    start_pos: list[int] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    sample: list[bool] = field(default_factory=list)
-    num_new_blocks: list[int] = field(default_factory=list)
-    new_block_ids: list[int] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.rows or self.finished or self.aborted)
-
-
 class Scheduler:
     """Waiting queue, running sequences, KV blocks and seq indices of one device session.
 
@@ -156,7 +100,7 @@ class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        generations: SequenceType[int] = (),
+        generations: Sequence[int] = (),
         stale_seq_indices: Iterable[int] = (),
         first_step_id: int = 1,
     ) -> None:
@@ -168,9 +112,9 @@ class Scheduler:
         self._pending_aborts: list[str] = []
         self._waiting: deque[GenerationRequest] = deque()
         self._waiting_kv_blocks = 0  # blocks the waiting requests will reserve at admission
-        self._running: list[Sequence] = []  # admission order
-        self._by_index: dict[int, Sequence] = {}
-        self._by_request: dict[GenerationRequest, Sequence] = {}
+        self._running: list[SequenceState] = []  # admission order
+        self._by_index: dict[int, SequenceState] = {}
+        self._by_request: dict[GenerationRequest, SequenceState] = {}
         self._in_flight: dict[int, ScheduledStep] = {}
         self._next_step_id = first_step_id
 
@@ -206,10 +150,6 @@ class Scheduler:
     def seq_indices_in_use(self) -> list[int]:
         """Indices the device may still hold state for (held, or freed but not yet listed)."""
         return sorted([*self._by_index, *self._pending_finished])
-
-    def requests(self) -> list[GenerationRequest]:
-        """Every request the scheduler holds, waiting or running."""
-        return [*self._waiting, *(seq.request for seq in self._running)]
 
     @staticmethod
     def max_kv_tokens(request: GenerationRequest) -> int:
@@ -305,14 +245,14 @@ class Scheduler:
             self._waiting_kv_blocks -= self.block_manager.blocks_for_tokens(self.max_kv_tokens(request))
             index = self._free_indices.popleft()
             self._generations[index] += 1
-            seq = Sequence(request, index, self._generations[index], self.block_manager.allocate(self.max_kv_tokens(request)))
+            seq = SequenceState(request, index, self._generations[index], self.block_manager.allocate(self.max_kv_tokens(request)))
             self._running.append(seq)
             self._by_index[index] = seq
             self._by_request[request] = seq
             step.started.append(seq)
             budget -= self._add_row(step, seq, min(request.num_prompt_tokens, self.config.max_prefill_chunk, budget))
 
-    def _add_row(self, step: ScheduledStep, seq: Sequence, num_tokens: int) -> int:
+    def _add_row(self, step: ScheduledStep, seq: SequenceState, num_tokens: int) -> int:
         """Append one row of ``num_tokens`` tokens for ``seq``; return ``num_tokens``."""
         start, end = seq.num_kv_tokens, seq.num_kv_tokens + num_tokens
         prompt_tokens = seq.request.num_prompt_tokens
@@ -408,12 +348,12 @@ class Scheduler:
         self._free_done(self._release_rows(step))
         return failed
 
-    def _release_rows(self, step: ScheduledStep) -> list[Sequence]:
+    def _release_rows(self, step: ScheduledStep) -> list[SequenceState]:
         for seq in step.rows:
             seq.steps_in_flight -= 1
         return step.rows
 
-    def _free_done(self, candidates: Iterable[Sequence]) -> None:
+    def _free_done(self, candidates: Iterable[SequenceState]) -> None:
         for seq in candidates:
             if seq.finished and seq.steps_in_flight == 0 and self._by_index.get(seq.seq_index) is seq:
                 self.block_manager.free(seq.blocks)

@@ -48,7 +48,6 @@ from stageserve.reclaim.detokenizer import IncrementalDetokenizer, decoder_for
 from stageserve.tokenizer import load_tokenizer
 from stageserve.v1 import device_pb2, prepare_pb2
 
-_SESSION = 1
 _POLL_S = 0.1
 T = TypeVar("T")
 
@@ -89,7 +88,7 @@ class InProcessPipeline:
         ]
         for thread in self._threads:
             thread.start()
-        self.engine.open_session(_SESSION, self.core.facts, self._plans.put)
+        self.engine.attach(self.core.facts, self._plans.put)
 
     def serve_while(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` (which sends requests) while this thread runs the device's steps; return its result."""
@@ -124,7 +123,7 @@ class InProcessPipeline:
         self.serve_while(self._close)
 
     def _close(self) -> None:
-        self.engine.close_session(_SESSION, "the in-process pipeline is closing")
+        self.engine.detach("the in-process pipeline is closing")
         self.engine.stop()
         self._stopping.set()
         self._plans.put(None)
@@ -145,7 +144,7 @@ class InProcessPipeline:
                 receipt = device_pb2.StepReceipt(step_id=plan.step_id, ticket=ticket.ticket_id, slot=ticket.slot, submitted_unix_ns=ticket.submitted_unix_ns)
             except PlanError as exc:
                 receipt = device_pb2.StepReceipt(step_id=plan.step_id, error=str(exc))
-            self.engine.on_receipt(_SESSION, receipt)
+            self.engine.on_receipt(receipt)
 
     # ---- reclaim's device-link loop, as direct calls ------------------------------------------
     def _reclaim_loop(self) -> None:
@@ -156,7 +155,7 @@ class InProcessPipeline:
             outcomes = handler.expire(now) if event is None else handler.handle(event, now)
             for outcome in outcomes:
                 if outcome.events is not None:
-                    self.engine.on_step_events(_SESSION, outcome.events)
+                    self.engine.on_step_events(outcome.events)
                 if outcome.release_ticket:
                     core.executor.release(outcome.release_ticket)
 

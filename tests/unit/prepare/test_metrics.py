@@ -7,8 +7,8 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry
 
-from stageserve.prepare.engine import EngineLoad
 from stageserve.prepare.metrics import PrepareMetrics, RequestObserver
+from stageserve.prepare.placement import DeviceLoad
 from stageserve.tracing import Tracer, clock_ns
 from stageserve.v1 import common_pb2, device_pb2, reclaim_pb2
 
@@ -68,7 +68,7 @@ def test_load_gauges_read_zero_without_a_device(metrics):
     load = [None]
     metrics.watch_engine(lambda: load[0])
     assert value(metrics, "stageserve_kv_cache_blocks_used") == 0
-    load[0] = EngineLoad(device_pb2.AttachReply(), running=3, waiting=2, kv_blocks_free=90, kv_blocks_total=100)
+    load[0] = DeviceLoad(device_pb2.AttachReply(), running=3, waiting=2, kv_blocks_free=90, kv_blocks_total=100)
     assert value(metrics, "stageserve_kv_cache_blocks_used") == 10
     assert value(metrics, "stageserve_kv_cache_blocks_free") == 90
     assert value(metrics, "stageserve_requests_running") == 3

@@ -2,25 +2,32 @@
 
 from __future__ import annotations
 
-from stageserve.prepare.placement import LaneLoad, placement_order
+from stageserve.prepare.placement import DeviceLoad, placement_order
+from stageserve.v1 import device_pb2
+
+
+def load(kv_blocks_available: int, waiting_kv_blocks: int, waiting: int, running: int) -> DeviceLoad:
+    """A device's load with just the figures placement weighs."""
+    return DeviceLoad(device_pb2.AttachReply(), running=running, waiting=waiting, kv_blocks_free=kv_blocks_available,
+                      kv_blocks_total=kv_blocks_available, kv_blocks_available=kv_blocks_available, waiting_kv_blocks=waiting_kv_blocks)
 
 
 def test_the_device_with_more_kv_headroom_comes_first():
-    loads = [LaneLoad(kv_blocks_available=10, waiting_kv_blocks=0, waiting=0, running=1),
-             LaneLoad(kv_blocks_available=40, waiting_kv_blocks=0, waiting=0, running=9)]
+    loads = [load(kv_blocks_available=10, waiting_kv_blocks=0, waiting=0, running=1),
+             load(kv_blocks_available=40, waiting_kv_blocks=0, waiting=0, running=9)]
     assert placement_order(loads) == [1, 0]
 
 
 def test_waiting_requests_count_against_the_headroom_they_will_reserve():
     # Device 0 has more free blocks, but its queue will take 35 of them at admission.
-    loads = [LaneLoad(kv_blocks_available=50, waiting_kv_blocks=35, waiting=5, running=2),
-             LaneLoad(kv_blocks_available=30, waiting_kv_blocks=0, waiting=0, running=4)]
+    loads = [load(kv_blocks_available=50, waiting_kv_blocks=35, waiting=5, running=2),
+             load(kv_blocks_available=30, waiting_kv_blocks=0, waiting=0, running=4)]
     assert placement_order(loads) == [1, 0]
 
 
 def test_ties_go_to_fewer_waiting_then_fewer_running_then_listing_order():
-    loads = [LaneLoad(20, 0, waiting=1, running=0), LaneLoad(20, 0, waiting=0, running=3),
-             LaneLoad(20, 0, waiting=0, running=1), LaneLoad(20, 0, waiting=0, running=1)]
+    loads = [load(20, 0, waiting=1, running=0), load(20, 0, waiting=0, running=3),
+             load(20, 0, waiting=0, running=1), load(20, 0, waiting=0, running=1)]
     assert placement_order(loads) == [2, 3, 1, 0]
 
 
@@ -31,7 +38,7 @@ def test_a_burst_splits_evenly_between_equal_devices():
     available, waiting_blocks, waiting = [45, 45], [0, 0], [0, 0]
     chosen = []
     for _ in range(8):
-        best = placement_order([LaneLoad(available[i], waiting_blocks[i], waiting[i], 0) for i in range(2)])[0]
+        best = placement_order([load(available[i], waiting_blocks[i], waiting[i], 0) for i in range(2)])[0]
         chosen.append(best)
         waiting_blocks[best] += 3
         waiting[best] += 1

@@ -10,7 +10,7 @@ import threading
 import grpc
 import pytest
 
-from stageserve.prepare.engine import LoopWaker, RequestHandle
+from stageserve.prepare.request_handle import LoopWaker, RequestHandle
 from stageserve.prepare.errors import RequestError
 from stageserve.v1 import common_pb2, reclaim_pb2
 

@@ -6,7 +6,8 @@ import grpc
 import pytest
 
 from stageserve.prepare.errors import RequestError
-from stageserve.prepare.scheduler import AbortOutcome, ScheduledStep, Scheduler, SchedulerConfig
+from stageserve.prepare.scheduled_step import ScheduledStep
+from stageserve.prepare.scheduler import AbortOutcome, Scheduler, SchedulerConfig
 from stageserve.prepare.validation import GenerationRequest
 from stageserve.v1 import common_pb2, reclaim_pb2
 

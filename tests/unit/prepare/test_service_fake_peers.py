@@ -15,9 +15,10 @@ from prometheus_client import CollectorRegistry
 from stageserve.device_endpoints import parse_device_endpoints
 from stageserve.prepare.api import GenerationServicer
 from stageserve.prepare.connector import PipelineConnector
-from stageserve.prepare.engine import Engine, LoopWaker
+from stageserve.prepare.engine import Engine
 from stageserve.prepare.main import SERVICE_NAME
 from stageserve.prepare.metrics import PrepareMetrics
+from stageserve.prepare.request_handle import LoopWaker
 from stageserve.prepare.router import DeviceRouter
 from stageserve.server import AioServiceServer
 from stageserve.v1 import common_pb2, prepare_pb2, prepare_pb2_grpc
@@ -50,7 +51,7 @@ class Prepare:
             on_ready=lambda up: self.server.set_ready(up and not self.router.draining), step_timeout_s=10, refresh_s=0.05,
             resolver=resolver,
         )
-        self.router = DeviceRouter(self.connector.lanes, metrics)
+        self.router = DeviceRouter(self.connector.sessions, metrics)
         self.server.add_servicer(prepare_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(self.router, tokenizer, LoopWaker(self.server.loop)))
         self.server.start([SERVICE_NAME])
         self.connector.start()

@@ -1,0 +1,102 @@
+"""What the scheduler hands the step loop: a :class:`ScheduledStep` (its rows are
+:class:`SequenceState` objects, the scheduler's per-sequence state) and its wire form,
+:func:`build_step_plan`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from stageserve.prepare.block_manager import BlockTable
+from stageserve.prepare.validation import GenerationRequest
+from stageserve.v1 import common_pb2, device_pb2
+
+PLACEHOLDER_TOKEN = -1  # decode input the device fills with the token it sampled last for the sequence
+
+
+@dataclass(eq=False)
+class SequenceState:
+    """An admitted request's state in the scheduler (identity compares).
+
+    Attributes:
+        num_kv_tokens: positions ``[0, num_kv_tokens)`` are written by steps already scheduled.
+        num_sampled: sampling rows scheduled so far (at most ``request.max_tokens``).
+        steps_in_flight: scheduled steps with a row of this sequence, not yet published or refused.
+        stopped: gets no more rows.
+        finished: its terminal event was published by reclaim, or prepare ended it locally.
+        abort_forwarded: its request id was put in a plan's ``aborted`` list.
+    """
+
+    request: GenerationRequest
+    seq_index: int
+    generation: int
+    blocks: BlockTable
+    num_kv_tokens: int = 0
+    num_sampled: int = 0
+    steps_in_flight: int = 0
+    stopped: bool = False
+    finished: bool = False
+    abort_forwarded: bool = False
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_kv_tokens < self.request.num_prompt_tokens
+
+
+@dataclass(eq=False)
+class ScheduledStep:
+    """One step as the scheduler built it: the ``StepPlan`` fields as flat lists (row ``r`` has
+    ``num_tokens[r]`` tokens in ``token_ids`` and ``num_new_blocks[r]`` ids in ``new_block_ids``),
+    plus ``rows``, the host-side sequence of each row."""
+
+    step_id: int
+    finished: list[int]
+    aborted: list[str]
+    started: list[SequenceState] = field(default_factory=list)
+    rows: list[SequenceState] = field(default_factory=list)
+    seq_index: list[int] = field(default_factory=list)
+    generation: list[int] = field(default_factory=list)
+    start_pos: list[int] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    sample: list[bool] = field(default_factory=list)
+    num_new_blocks: list[int] = field(default_factory=list)
+    new_block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.rows or self.finished or self.aborted)
+
+
+def build_step_plan(step: ScheduledStep) -> device_pb2.StepPlan:
+    """The wire form of a scheduled step: flat repeated fields; one ``SequenceStart`` per new sequence only."""
+    return device_pb2.StepPlan(
+        step_id=step.step_id,
+        started=[
+            common_pb2.SequenceStart(
+                seq_index=seq.seq_index,
+                generation=seq.generation,
+                request_id=seq.request.request_id,
+                sampling=seq.request.sampling,
+                stop=seq.request.stop,
+                prompt_token_ids=seq.request.prompt_token_ids,
+            )
+            for seq in step.started
+        ],
+        finished=step.finished,
+        seq_index=step.seq_index,
+        generation=step.generation,
+        start_pos=step.start_pos,
+        num_tokens=step.num_tokens,
+        token_ids=step.token_ids,
+        sample=step.sample,
+        num_new_blocks=step.num_new_blocks,
+        new_block_ids=step.new_block_ids,
+        aborted=step.aborted,
+    )
+
+
+def step_size_args(step: ScheduledStep) -> dict[str, int]:
+    """Trace args of a step's size: rows, prompt tokens and decode tokens (decode rows carry the placeholder)."""
+    decode = step.token_ids.count(PLACEHOLDER_TOKEN)
+    return {"step_id": step.step_id, "batch_size": len(step.rows), "prefill_tokens": len(step.token_ids) - decode, "decode_tokens": decode}

@@ -1,0 +1,322 @@
+"""One device endpoint as prepare serves it: a :class:`DeviceSession`.
+
+A session owns everything prepare keeps for one device: its
+:class:`~stageserve.prepare.engine.Engine` (scheduler, KV block bookkeeping, credits, step loop),
+its ``Execute`` stream (:class:`ExecuteStream`: plans out, receipts in), its readiness watch
+(:class:`DeviceReadiness`) and the thread that keeps them up, reconnecting with
+:class:`~stageserve.backoff.Backoff`:
+
+1. wait until reclaim is subscribed (the connector says so);
+2. dial until the device is ready (health SERVING) and answers ``Attach``; open the ``Execute``
+   stream and attach the engine to it;
+3. watch until the ``Execute`` stream breaks, reclaim is lost, a sent step is not published within
+   ``--step-timeout``, or the session no longer accepts (the device turned NOT_SERVING: it drains;
+   or its address left the DNS answer) and no request is left on it;
+4. detach: requests still on the device fail with ``UNAVAILABLE`` (none when it was let go idle);
+   then dial again (1.), unless the address left the DNS answer: then the thread ends and the
+   connector drops the session.
+
+A session *accepts* new requests only while attached, ready and listed. A request placed on it
+stays on it until it ends: a draining device keeps its ``Execute`` stream until its last request
+finished, and its drain waits for prepare to let it go.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from stageserve.backoff import Backoff
+from stageserve.prepare.engine import Engine
+from stageserve.server import GRPC_OPTIONS
+from stageserve.v1 import device_pb2, device_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+PEER_NAME = "prepare"  # how prepare names itself to its peers
+ATTACH_TIMEOUT_S = 10.0
+HEALTH_CHECK_TIMEOUT_S = 5.0
+DEVICE_SERVICE_NAME = device_pb2.DESCRIPTOR.services_by_name["Device"].full_name  # its readiness entry
+WATCH_PERIOD_S = 0.5  # how often an accepting session looks for an overdue step
+DRAIN_POLL_S = 0.1    # how often a session that no longer accepts looks whether its last request ended
+
+
+class _NotAttached(Exception):
+    """An attempt to attach failed; ``level``: how loud its log line is."""
+
+    def __init__(self, reason: str, level: int = logging.WARNING) -> None:
+        super().__init__(reason)
+        self.level = level
+
+
+class DeviceSession:
+    """One device endpoint's engine, streams and reconnection (see the module docstring).
+
+    Args:
+        address: the device's ``HOST:PORT``.
+        engine: the device's engine (started by the session, stopped by :meth:`stop`).
+        reclaim_up: set while prepare is subscribed to reclaim.
+        on_change: called (no arguments) when the session attaches, detaches, or its readiness flips.
+        step_timeout_s: a sent step not published within this time ends the attachment.
+    """
+
+    def __init__(self, address: str, engine: Engine, reclaim_up: threading.Event, on_change: Callable[[], None],
+                 step_timeout_s: float) -> None:
+        self.address = address
+        self.engine = engine
+        self.instance_id = ""  # of the attached device; "" while detached
+        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._reclaim_up, self._on_change, self._step_timeout_s = reclaim_up, on_change, step_timeout_s
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._listed = True
+        self._attached = False
+        self._device_ready = False
+        self._lost_reason = ""
+        self._thread = threading.Thread(target=self._run, name=f"prepare-session-{address}", daemon=True)
+
+    # ---- state, read by the connector and the router ---------------------------------------------
+    @property
+    def attached(self) -> bool:
+        return self._attached
+
+    @property
+    def accepting(self) -> bool:
+        """Whether new requests may be placed here: attached, the device ready, the address listed."""
+        return self._attached and self._device_ready and self._listed
+
+    @property
+    def finished(self) -> bool:
+        """The session's thread ended (its address left the DNS answer and its device is let go)."""
+        return self._thread.ident is not None and not self._thread.is_alive()
+
+    # ---- control (connector) ------------------------------------------------------------------------
+    def start(self) -> None:
+        self.engine.start()
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Detach (requests still on the device fail with ``UNAVAILABLE``), stop the engine, close the channel."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.ident is not None:
+            self._thread.join(timeout=10)
+        self.engine.stop()
+        self._channel.close()
+
+    def set_listed(self, listed: bool) -> None:
+        """The address is (still) in the DNS answer, or left it: then no new requests, and the
+        thread ends once the device is let go."""
+        if listed != self._listed:
+            self._listed = listed
+            self._wake.set()
+
+    def wake(self) -> None:
+        """Look at the state now (reclaim came up)."""
+        self._wake.set()
+
+    def reclaim_lost(self, reason: str) -> None:
+        """reclaim's stream is gone: detach (the device's events would never arrive)."""
+        if self._attached:
+            self._stream_lost(reason)
+
+    # ---- the session's thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = Backoff(log, f"device {self.address}")
+        while not self._stop.is_set() and self._listed:
+            # 1. reclaim first: steps sent before the subscription would be published to nobody
+            if not self._reclaim_up.is_set():
+                self._sleep(WATCH_PERIOD_S)
+                continue
+            # 2. dial until the device is ready and attached
+            try:
+                streams = self._attach()
+            except _NotAttached as refusal:
+                self._sleep(backoff.refused(str(refusal), refusal.level))
+                continue
+            backoff.succeeded()
+            # 3. watch; 4. detach
+            reason = self._watch()
+            if reason is not None:
+                self.engine.detach(reason)
+            self._detach(streams)
+
+    def _attach(self) -> tuple[ExecuteStream, DeviceReadiness]:
+        """Attach the engine to the device over a new ``Execute`` stream.
+
+        Raises:
+            _NotAttached: the device is not ready, did not answer, or reported unusable limits.
+        """
+        stream = ExecuteStream(self._channel, self.engine.on_receipt, self._stream_lost)
+        readiness = DeviceReadiness(self._channel, self._readiness_changed)
+        try:
+            if not readiness.check():
+                raise _NotAttached("not ready (health NOT_SERVING: loading, or draining)", logging.INFO)
+            reply = stream.attach()
+            self._lost_reason = ""
+            self._device_ready = True
+            readiness.watch()
+            stream.open()
+            self.instance_id = reply.instance_id
+            self._on_change()  # routes the instance's StepEvents here before any plan is sent
+            self.engine.attach(reply, stream.send)
+            self._attached = True
+        except (grpc.RpcError, ValueError, _NotAttached) as exc:
+            self._detach((stream, readiness))
+            if isinstance(exc, _NotAttached):
+                raise
+            detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
+            raise _NotAttached(f"cannot attach ({detail})") from exc
+        log.info("attached to device %s: %s (instance %s, %s, %d KV blocks)",
+                 self.address, reply.model_name, reply.instance_id, reply.backend, reply.kv_num_blocks)
+        self._on_change()
+        return stream, readiness
+
+    def _watch(self) -> str | None:
+        """Wait for the end of the attachment; the reason to fail its requests, or ``None`` when the
+        device was let go with no request left (the engine is already detached)."""
+        while True:
+            self._sleep(WATCH_PERIOD_S if self.accepting else DRAIN_POLL_S)
+            if self._stop.is_set():
+                return "prepare is shutting down"
+            if self._lost_reason:
+                return self._lost_reason
+            overdue = self.engine.oldest_unpublished_step()
+            if overdue is not None and overdue[1] > self._step_timeout_s:
+                return f"reclaim published no events for step {overdue[0]} of device {self.address} within {self._step_timeout_s:g} s"
+            if not self.accepting:
+                why = "left the DNS answer" if not self._listed else "is draining"
+                if self.engine.detach_if_idle(f"device {self.address} {why}; no request was left on it"):
+                    return None
+
+    def _detach(self, streams: tuple[ExecuteStream, DeviceReadiness]) -> None:
+        for stream in streams:
+            stream.close()
+        was_known = self._attached or self.instance_id
+        self._attached = False
+        self._device_ready = False
+        self.instance_id = ""
+        if was_known:
+            self._on_change()
+
+    def _sleep(self, seconds: float) -> None:
+        self._wake.wait(seconds)
+        self._wake.clear()
+
+    # ---- stream callbacks (their reader threads) ----------------------------------------------------
+    def _stream_lost(self, reason: str) -> None:
+        if not self._lost_reason:
+            self._lost_reason = reason
+            self._wake.set()
+
+    def _readiness_changed(self, ready: bool) -> None:
+        if ready != self._device_ready:
+            self._device_ready = ready
+            log.info("device %s readiness: %s", self.address, "SERVING" if ready else "NOT_SERVING (draining)")
+            self._wake.set()
+            self._on_change()
+
+
+class ExecuteStream:
+    """prepare's ``Device.Attach`` call and ``Device.Execute`` stream to one device (plans out,
+    receipts in, read by a thread).
+
+    Args:
+        channel: a channel to the device.
+        on_receipt: called with each ``StepReceipt`` on the reader thread.
+        on_lost: called once with a reason when the stream ends or breaks (not after :meth:`close`).
+    """
+
+    def __init__(self, channel: grpc.Channel, on_receipt: Callable[[device_pb2.StepReceipt], None], on_lost: Callable[[str], None]) -> None:
+        self._stub = device_pb2_grpc.DeviceStub(channel)
+        self._on_receipt, self._on_lost = on_receipt, on_lost
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._call = None
+        self._closed = threading.Event()
+
+    def attach(self) -> device_pb2.AttachReply:
+        """Handshake: the device's model facts and limits.
+
+        Raises:
+            grpc.RpcError: the device did not answer (not up yet, or failing).
+        """
+        return self._stub.Attach(device_pb2.AttachRequest(peer=PEER_NAME), timeout=ATTACH_TIMEOUT_S)
+
+    def open(self) -> None:
+        """Open the ``Execute`` stream and start reading receipts."""
+        self._call = self._stub.Execute(self._plans())
+        threading.Thread(target=self._read, name="prepare-device-receipts", daemon=True).start()
+
+    def send(self, plan: device_pb2.StepPlan) -> None:
+        """Queue ``plan`` on the stream (never blocks; gRPC sends in queue order)."""
+        self._outbox.put(plan)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._outbox.put(None)
+        if self._call is not None:
+            self._call.cancel()
+
+    def _plans(self):
+        while (plan := self._outbox.get()) is not None:
+            yield plan
+
+    def _read(self) -> None:
+        try:
+            for receipt in self._call:
+                self._on_receipt(receipt)
+            reason = "the device closed the Execute stream"
+        except grpc.RpcError as exc:
+            reason = f"the device's Execute stream broke ({exc.code().name}: {exc.details()})"
+        if not self._closed.is_set():
+            self._on_lost(reason)
+
+
+class DeviceReadiness:
+    """The device's readiness (health status of ``stageserve.v1.Device``), checked before
+    attaching, then watched, so that a draining device stops getting new requests.
+
+    Args:
+        channel: a channel to the device.
+        on_change: called with ``True``/``False`` on each status the watch receives (on its reader
+            thread), and with ``False`` when the watch ends (not after :meth:`close`).
+    """
+
+    def __init__(self, channel: grpc.Channel, on_change: Callable[[bool], None]) -> None:
+        self._stub = health_pb2_grpc.HealthStub(channel)
+        self._on_change = on_change
+        self._call = None
+        self._closed = threading.Event()
+
+    def check(self) -> bool:
+        """Whether the device is ready now (SERVING: warmed up and not draining).
+
+        Raises:
+            grpc.RpcError: the device did not answer.
+        """
+        request = health_pb2.HealthCheckRequest(service=DEVICE_SERVICE_NAME)
+        return self._stub.Check(request, timeout=HEALTH_CHECK_TIMEOUT_S).status == health_pb2.HealthCheckResponse.SERVING
+
+    def watch(self) -> None:
+        """Start watching: every status change goes to ``on_change``."""
+        self._call = self._stub.Watch(health_pb2.HealthCheckRequest(service=DEVICE_SERVICE_NAME))
+        threading.Thread(target=self._read, name="prepare-device-readiness", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._call is not None:
+            self._call.cancel()
+
+    def _read(self) -> None:
+        try:
+            for reply in self._call:
+                self._on_change(reply.status == health_pb2.HealthCheckResponse.SERVING)
+        except grpc.RpcError:
+            pass  # the device went away; its Execute stream reports that
+        if not self._closed.is_set():
+            self._on_change(False)
