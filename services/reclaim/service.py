@@ -1,14 +1,14 @@
 """The reclaim service: the devices' completion streams in, ``Reclaim.Subscribe`` streams out.
 
-:class:`DeviceLink` owns the connection to one device: ``Device.Attach`` (EOS ids, sequence table,
+:class:`CompletionLink` owns the connection to one device: ``Device.Attach`` (EOS ids, sequence table,
 instance id), then the ``Device.Complete`` bidi stream, whose events it feeds to its own
 :class:`~stageserve.reclaim.completion.CompletionHandler` (the gRPC-free core: ticket book and
 sequence table of that device), publishing each step's ``StepEvents`` (tagged with the device's
 instance id) and sending ``SlotRelease`` for each step it has read. A device that is not up is
-retried with exponential backoff; a broken stream fails that device's live requests with
+retried with :class:`~stageserve.backoff.Backoff`; a broken stream fails that device's live requests with
 ``UNAVAILABLE`` terminal events (published, so prepare learns) and is re-dialled.
 
-:class:`DeviceLinks` keeps one link per address of ``--device`` (a list, or a ``dns:///`` name
+:class:`CompletionLinks` keeps one link per address of ``--device`` (a list, or a ``dns:///`` name
 re-resolved every ``--device-refresh-s``; see :mod:`stageserve.device_endpoints`), all publishing
 into the one :class:`~stageserve.reclaim.publisher.Publisher`. An address that leaves the DNS
 answer keeps its stream until the device ends it (a draining device's last outputs still arrive)
@@ -33,6 +33,7 @@ from typing import Callable
 import grpc
 from prometheus_client import CollectorRegistry
 
+from stageserve.backoff import Backoff
 from stageserve.device_endpoints import DeviceEndpoints, EndpointFollower, Resolver
 from stageserve.metrics_http import start_metrics_server
 from stageserve.reclaim.completion import CompletionHandler
@@ -49,8 +50,6 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "stageserve.v1.Reclaim"
 ATTACH_TIMEOUT_S = 5.0
-INITIAL_BACKOFF_S = 0.2
-MAX_BACKOFF_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -60,8 +59,8 @@ class _StreamEnd:
     reason: str
 
 
-class DeviceLink:
-    """Connection to one device: attach, run its completion stream, reconnect with backoff while listed.
+class CompletionLink:
+    """reclaim's connection to one device: attach, run its completion stream, reconnect with backoff while listed.
 
     Args:
         target: the device's ``HOST:PORT``.
@@ -97,7 +96,7 @@ class DeviceLink:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live = 0  # live sequences, for drain
         self._idle = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="device-link", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="completion-link", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -130,22 +129,21 @@ class DeviceLink:
         self._channel.close()
 
     def _run(self) -> None:
-        backoff_s = INITIAL_BACKOFF_S
+        backoff = Backoff(log, f"device {self._target} not reachable")
         while not self._stopping.is_set() and self._listed:
             try:
                 attach = self._stub.Attach(device_pb2.AttachRequest(peer="reclaim"), timeout=ATTACH_TIMEOUT_S)
             except grpc.RpcError as exc:
-                log.warning("device %s not reachable (%s); retrying in %.1f s", self._target, exc.code().name, backoff_s)
-                self._stopping.wait(backoff_s)
-                backoff_s = min(2 * backoff_s, MAX_BACKOFF_S)
+                self._stopping.wait(backoff.refused(exc.code().name))
                 continue
             log.info("attached to device %s (instance %s, model %s)", self._target, attach.instance_id, attach.model_name)
             received, reason = self._serve(CompletionHandler(attach, self._detokenizer, self._completion_timeout_s))
             if received:
-                backoff_s = INITIAL_BACKOFF_S
+                backoff.succeeded()
             if not self._stopping.is_set() and self._listed:
-                log.warning("device %s stream lost (%s); reconnecting in %.1f s", self._target, reason, backoff_s)
-                self._stopping.wait(backoff_s)
+                delay_s = backoff.next_delay()
+                log.warning("device %s stream lost (%s); reconnecting in %.1f s", self._target, reason, delay_s)
+                self._stopping.wait(delay_s)
         if not self._stopping.is_set():
             log.info("device %s left the device list; its link ended", self._target)
 
@@ -212,8 +210,8 @@ class DeviceLink:
                 self._idle.notify_all()
 
 
-class DeviceLinks:
-    """One :class:`DeviceLink` per device address, following ``--device`` (see the module docstring).
+class CompletionLinks:
+    """One :class:`CompletionLink` per device address, following ``--device`` (see the module docstring).
 
     Args:
         endpoints: the parsed ``--device``.
@@ -224,11 +222,11 @@ class DeviceLinks:
         resolver: ``socket.getaddrinfo`` or a stand-in (tests).
     """
 
-    def __init__(self, endpoints: DeviceEndpoints, refresh_s: float, new_link: Callable[[str, Callable[[bool], None]], DeviceLink],
+    def __init__(self, endpoints: DeviceEndpoints, refresh_s: float, new_link: Callable[[str, Callable[[bool], None]], CompletionLink],
                  on_ready: Callable[[bool], None], resolver: Resolver = socket.getaddrinfo) -> None:
         self._new_link, self._on_ready = new_link, on_ready
         self._lock = threading.Lock()
-        self._links: dict[str, DeviceLink] = {}
+        self._links: dict[str, CompletionLink] = {}
         self._attached: set[str] = set()  # addresses whose link is attached
         self._stopping = False
         self._follower = EndpointFollower(endpoints, refresh_s, self._update, resolver)
@@ -254,7 +252,7 @@ class DeviceLinks:
         for link in self._snapshot():
             link.stop()
 
-    def _snapshot(self) -> list[DeviceLink]:
+    def _snapshot(self) -> list[CompletionLink]:
         with self._lock:
             return list(self._links.values())
 
@@ -350,9 +348,9 @@ def serve(
     draining = threading.Event()
     detokenizer = IncrementalDetokenizer(decoder_for(load_tokenizer(model_path)))
     log.info("tokenizer loaded from %s", model_path.name)
-    links = DeviceLinks(
+    links = CompletionLinks(
         device, device_refresh_s,
-        new_link=lambda address, set_attached: DeviceLink(address, detokenizer, publisher, completion_timeout_s, set_attached,
+        new_link=lambda address, set_attached: CompletionLink(address, detokenizer, publisher, completion_timeout_s, set_attached,
                                                           tracer=tracer, metrics=metrics),
         on_ready=lambda up: server.set_ready(up and not draining.is_set()),
     )

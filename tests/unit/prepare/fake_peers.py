@@ -1,10 +1,10 @@
 """In-process stand-ins for the device and reclaim services, to test prepare's gRPC surface alone.
 
-The fake device answers ``Attach`` and ``Execute`` (a receipt per plan, or a refusal when asked)
-and hands every accepted plan to the fake reclaim, which publishes one ``StepEvents`` per plan after
-``step_delay_s``: one token per sampling row (id 1000 + n, text ``"t{n} "``), a LENGTH finish at
-max_tokens, an ABORT finish for aborted ids, and an INTERNAL error for request ids starting with
-``fail``. Enough protocol to drive prepare; no model.
+The fake device answers ``Attach`` (or refuses it when asked) and ``Execute`` (a receipt per plan,
+or a refusal when asked) and hands every accepted plan to the fake reclaim, which publishes one
+``StepEvents`` per plan after ``step_delay_s``: one token per sampling row (id 1000 + n, text
+``"t{n} "``), a LENGTH finish at max_tokens, an ABORT finish for aborted ids, and an INTERNAL error
+for request ids starting with ``fail``. Enough protocol to drive prepare; no model.
 """
 
 from __future__ import annotations
@@ -97,10 +97,15 @@ class FakeDevice(device_pb2_grpc.DeviceServicer):
         self.reclaim = reclaim
         self.attach = device_pb2.AttachReply(**{**ATTACH, **attach_overrides}, instance_id=uuid.uuid4().hex)
         self.refuse_steps_with_request: str = ""  # refuse any plan with a row of this request id
+        self.refuse_attach: str = ""  # when set: Attach fails with UNAVAILABLE and this message
+        self.attach_calls = 0
         self.plans: list[device_pb2.StepPlan] = []
         self._names: dict[tuple[int, int], str] = {}
 
     def Attach(self, request, context):
+        self.attach_calls += 1
+        if self.refuse_attach:
+            context.abort(grpc.StatusCode.UNAVAILABLE, self.refuse_attach)
         return self.attach
 
     def Execute(self, request_iterator, context):

@@ -1,11 +1,11 @@
-"""reclaim's set of device links following ``--device`` through DNS (a fake resolver), with stand-in links."""
+"""reclaim's set of completion links following ``--device`` through DNS (a fake resolver), with stand-in links."""
 
 from __future__ import annotations
 
 import socket
 
 from stageserve.device_endpoints import parse_device_endpoints
-from stageserve.reclaim.service import DeviceLinks
+from stageserve.reclaim.service import CompletionLinks
 
 
 class FakeDns:
@@ -21,7 +21,7 @@ class FakeDns:
 
 
 class StandInLink:
-    """Records what DeviceLinks asks of a link; the test decides when its thread 'ends'."""
+    """Records what CompletionLinks asks of a link; the test decides when its thread 'ends'."""
 
     def __init__(self, address: str, set_attached) -> None:
         self.address, self.set_attached = address, set_attached
@@ -50,7 +50,7 @@ def test_links_follow_the_dns_answer_and_readiness_needs_one_attached_device():
         made.append(StandInLink(address, set_attached))
         return made[-1]
 
-    links = DeviceLinks(parse_device_endpoints("dns:///svc:50052"), 3600, new_link, ready.append, dns)
+    links = CompletionLinks(parse_device_endpoints("dns:///svc:50052"), 3600, new_link, ready.append, dns)
     links.start()
     try:
         first = made[0]
