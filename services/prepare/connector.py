@@ -1,6 +1,6 @@
 """Keeps prepare connected: one reclaim subscription, one device session per device endpoint.
 
-- **reclaim**: one ``Subscribe`` stream (:class:`ReclaimSubscription`), dialled with
+- **reclaim**: one ``Subscribe`` stream (:class:`~stageserve.prepare.streams.ReclaimSubscription`), dialled with
   :class:`~stageserve.backoff.Backoff`. Its ``StepEvents`` go to the engine of the device that ran
   the step (``device_instance_id`` → engine; step ids are per engine). When it breaks, every
   session detaches its device (their requests fail with ``UNAVAILABLE``: their events would never
@@ -26,13 +26,12 @@ import grpc
 from stageserve.backoff import Backoff
 from stageserve.device_endpoints import DeviceEndpoints, EndpointFollower, Resolver
 from stageserve.prepare.engine import Engine
-from stageserve.prepare.session import PEER_NAME, DeviceSession
+from stageserve.prepare.session import DeviceSession
+from stageserve.prepare.streams import ReclaimSubscription
 from stageserve.server import GRPC_OPTIONS
-from stageserve.v1 import reclaim_pb2, reclaim_pb2_grpc
+from stageserve.v1 import reclaim_pb2
 
 log = logging.getLogger(__name__)
-
-SUBSCRIBE_CONFIRM_S = 2.0  # how long to wait for reclaim's response headers before trusting the stream anyway
 
 
 class PipelineConnector:
@@ -156,58 +155,3 @@ class PipelineConnector:
         if engine is not None:
             engine.on_step_events(step_events)
 
-
-class ReclaimSubscription:
-    """prepare's ``Reclaim.Subscribe`` stream (``StepEvents`` in, read by a thread).
-
-    Args:
-        channel: a channel to reclaim.
-        on_step_events: called with each ``StepEvents`` on the reader thread.
-        on_lost: called once with a reason when the stream ends or breaks (not after :meth:`close`).
-    """
-
-    def __init__(self, channel: grpc.Channel, on_step_events: Callable[[reclaim_pb2.StepEvents], None], on_lost: Callable[[str], None]) -> None:
-        self._stub = reclaim_pb2_grpc.ReclaimStub(channel)
-        self._on_step_events, self._on_lost = on_step_events, on_lost
-        self._call = None
-        self._closed = threading.Event()
-        self._failed: grpc.RpcError | None = None
-        self._settled = threading.Event()  # headers arrived, or the call failed
-
-    def open(self) -> None:
-        """Subscribe, and wait (up to 2 s) for reclaim's response headers, which a reclaim that
-        registers its subscriber before sending them turns into a guarantee that no step published
-        from now on is missed.
-
-        Raises:
-            grpc.RpcError: reclaim refused or did not answer.
-        """
-        self._call = self._stub.Subscribe(reclaim_pb2.SubscribeRequest(peer=PEER_NAME))
-        threading.Thread(target=self._read, name="prepare-reclaim-events", daemon=True).start()
-        threading.Thread(target=self._await_headers, name="prepare-reclaim-headers", daemon=True).start()
-        self._settled.wait(SUBSCRIBE_CONFIRM_S)
-        if self._failed is not None:
-            raise self._failed
-
-    def close(self) -> None:
-        self._closed.set()
-        if self._call is not None:
-            self._call.cancel()
-
-    def _await_headers(self) -> None:
-        try:
-            self._call.initial_metadata()
-        finally:
-            self._settled.set()
-
-    def _read(self) -> None:
-        try:
-            for step_events in self._call:
-                self._on_step_events(step_events)
-            reason = "reclaim closed the Subscribe stream"
-        except grpc.RpcError as exc:
-            self._failed = exc
-            reason = f"reclaim's Subscribe stream broke ({exc.code().name}: {exc.details()})"
-        self._settled.set()
-        if not self._closed.is_set():
-            self._on_lost(reason)

@@ -2,8 +2,9 @@
 
 A session owns everything prepare keeps for one device: its
 :class:`~stageserve.prepare.engine.Engine` (scheduler, KV block bookkeeping, credits, step loop),
-its ``Execute`` stream (:class:`ExecuteStream`: plans out, receipts in), its readiness watch
-(:class:`DeviceReadiness`) and the thread that keeps them up, reconnecting with
+its ``Execute`` stream (:class:`~stageserve.prepare.streams.ExecuteStream`: plans out, receipts
+in), its readiness watch (:class:`~stageserve.prepare.streams.DeviceReadiness`) and the thread
+that keeps them up, reconnecting with
 :class:`~stageserve.backoff.Backoff`:
 
 1. wait until reclaim is subscribed (the connector says so);
@@ -24,24 +25,18 @@ finished, and its drain waits for prepare to let it go.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from typing import Callable
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stageserve.backoff import Backoff
 from stageserve.prepare.engine import Engine
+from stageserve.prepare.streams import DeviceReadiness, ExecuteStream
 from stageserve.server import GRPC_OPTIONS
-from stageserve.v1 import device_pb2, device_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-PEER_NAME = "prepare"  # how prepare names itself to its peers
-ATTACH_TIMEOUT_S = 10.0
-HEALTH_CHECK_TIMEOUT_S = 5.0
-DEVICE_SERVICE_NAME = device_pb2.DESCRIPTOR.services_by_name["Device"].full_name  # its readiness entry
 WATCH_PERIOD_S = 0.5  # how often an accepting session looks for an overdue step
 DRAIN_POLL_S = 0.1    # how often a session that no longer accepts looks whether its last request ended
 
@@ -221,102 +216,3 @@ class DeviceSession:
             self._wake.set()
             self._on_change()
 
-
-class ExecuteStream:
-    """prepare's ``Device.Attach`` call and ``Device.Execute`` stream to one device (plans out,
-    receipts in, read by a thread).
-
-    Args:
-        channel: a channel to the device.
-        on_receipt: called with each ``StepReceipt`` on the reader thread.
-        on_lost: called once with a reason when the stream ends or breaks (not after :meth:`close`).
-    """
-
-    def __init__(self, channel: grpc.Channel, on_receipt: Callable[[device_pb2.StepReceipt], None], on_lost: Callable[[str], None]) -> None:
-        self._stub = device_pb2_grpc.DeviceStub(channel)
-        self._on_receipt, self._on_lost = on_receipt, on_lost
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._call = None
-        self._closed = threading.Event()
-
-    def attach(self) -> device_pb2.AttachReply:
-        """Handshake: the device's model facts and limits.
-
-        Raises:
-            grpc.RpcError: the device did not answer (not up yet, or failing).
-        """
-        return self._stub.Attach(device_pb2.AttachRequest(peer=PEER_NAME), timeout=ATTACH_TIMEOUT_S)
-
-    def open(self) -> None:
-        """Open the ``Execute`` stream and start reading receipts."""
-        self._call = self._stub.Execute(self._plans())
-        threading.Thread(target=self._read, name="prepare-device-receipts", daemon=True).start()
-
-    def send(self, plan: device_pb2.StepPlan) -> None:
-        """Queue ``plan`` on the stream (never blocks; gRPC sends in queue order)."""
-        self._outbox.put(plan)
-
-    def close(self) -> None:
-        self._closed.set()
-        self._outbox.put(None)
-        if self._call is not None:
-            self._call.cancel()
-
-    def _plans(self):
-        while (plan := self._outbox.get()) is not None:
-            yield plan
-
-    def _read(self) -> None:
-        try:
-            for receipt in self._call:
-                self._on_receipt(receipt)
-            reason = "the device closed the Execute stream"
-        except grpc.RpcError as exc:
-            reason = f"the device's Execute stream broke ({exc.code().name}: {exc.details()})"
-        if not self._closed.is_set():
-            self._on_lost(reason)
-
-
-class DeviceReadiness:
-    """The device's readiness (health status of ``stageserve.v1.Device``), checked before
-    attaching, then watched, so that a draining device stops getting new requests.
-
-    Args:
-        channel: a channel to the device.
-        on_change: called with ``True``/``False`` on each status the watch receives (on its reader
-            thread), and with ``False`` when the watch ends (not after :meth:`close`).
-    """
-
-    def __init__(self, channel: grpc.Channel, on_change: Callable[[bool], None]) -> None:
-        self._stub = health_pb2_grpc.HealthStub(channel)
-        self._on_change = on_change
-        self._call = None
-        self._closed = threading.Event()
-
-    def check(self) -> bool:
-        """Whether the device is ready now (SERVING: warmed up and not draining).
-
-        Raises:
-            grpc.RpcError: the device did not answer.
-        """
-        request = health_pb2.HealthCheckRequest(service=DEVICE_SERVICE_NAME)
-        return self._stub.Check(request, timeout=HEALTH_CHECK_TIMEOUT_S).status == health_pb2.HealthCheckResponse.SERVING
-
-    def watch(self) -> None:
-        """Start watching: every status change goes to ``on_change``."""
-        self._call = self._stub.Watch(health_pb2.HealthCheckRequest(service=DEVICE_SERVICE_NAME))
-        threading.Thread(target=self._read, name="prepare-device-readiness", daemon=True).start()
-
-    def close(self) -> None:
-        self._closed.set()
-        if self._call is not None:
-            self._call.cancel()
-
-    def _read(self) -> None:
-        try:
-            for reply in self._call:
-                self._on_change(reply.status == health_pb2.HealthCheckResponse.SERVING)
-        except grpc.RpcError:
-            pass  # the device went away; its Execute stream reports that
-        if not self._closed.is_set():
-            self._on_change(False)
