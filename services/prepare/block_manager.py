@@ -99,7 +99,7 @@ class BlockManager:
             RuntimeError: the growth exceeds the table's reservation (``can_append`` is false).
         """
         if not self.can_append(table, num_kv_tokens):
-            raise RuntimeError(f"append_slots: positions [0, {num_kv_tokens}) exceed the table's reservation ({table.reserved} blocks left)")
+            raise RuntimeError(f"append_slots: {num_kv_tokens} positions exceed the reservation ({table.reserved} blocks left)")
         missing = self.blocks_for_tokens(num_kv_tokens) - len(table.block_ids)
         if missing <= 0:
             return []

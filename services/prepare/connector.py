@@ -1,10 +1,10 @@
 """Keeps prepare connected: one reclaim subscription, one device session per device endpoint.
 
-- **reclaim**: one ``Subscribe`` stream (:class:`~stageserve.prepare.streams.ReclaimSubscription`), dialled with
-  :class:`~stageserve.backoff.Backoff`. Its ``StepEvents`` go to the engine of the device that ran
-  the step (``device_instance_id`` → engine; step ids are per engine). When it breaks, every
-  session detaches its device (their requests fail with ``UNAVAILABLE``: their events would never
-  arrive) and waits for the next subscription.
+- **reclaim**: one ``Subscribe`` stream (:class:`~stageserve.prepare.streams.ReclaimSubscription`),
+  dialled with :class:`~stageserve.backoff.Backoff`. Its ``StepEvents`` go to the engine of the
+  device that ran the step (``device_instance_id`` → engine; step ids are per engine). When it
+  breaks, every session detaches its device (their requests fail with ``UNAVAILABLE``: their
+  events would never arrive) and waits for the next subscription.
 - **devices**: an :class:`~stageserve.device_endpoints.EndpointFollower` resolves ``--device``
   every ``--device-refresh-s`` seconds. A new address gets a
   :class:`~stageserve.prepare.session.DeviceSession`; an address that left stops getting new

@@ -159,8 +159,8 @@ class DeviceSession:
             stream.open()
             self.instance_id = reply.instance_id
             self._on_change()  # routes the instance's StepEvents here before any plan is sent
+            self._attached = True  # before any plan: a reclaim lost from now on ends this attachment
             self.engine.attach(reply, stream.send)
-            self._attached = True
         except (grpc.RpcError, ValueError, _NotAttached) as exc:
             self._detach((stream, readiness))
             if isinstance(exc, _NotAttached):

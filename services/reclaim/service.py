@@ -1,12 +1,12 @@
 """The reclaim service: the devices' completion streams in, ``Reclaim.Subscribe`` streams out.
 
-:class:`CompletionLink` owns the connection to one device: ``Device.Attach`` (EOS ids, sequence table,
-instance id), then the ``Device.Complete`` bidi stream, whose events it feeds to its own
+:class:`CompletionLink` owns the connection to one device: ``Device.Attach`` (EOS ids, sequence
+table, instance id), then the ``Device.Complete`` bidi stream, whose events it feeds to its own
 :class:`~stageserve.reclaim.completion.CompletionHandler` (the gRPC-free core: ticket book and
 sequence table of that device), publishing each step's ``StepEvents`` (tagged with the device's
 instance id) and sending ``SlotRelease`` for each step it has read. A device that is not up is
-retried with :class:`~stageserve.backoff.Backoff`; a broken stream fails that device's live requests with
-``UNAVAILABLE`` terminal events (published, so prepare learns) and is re-dialled.
+retried with :class:`~stageserve.backoff.Backoff`; a broken stream fails that device's live
+requests with ``UNAVAILABLE`` terminal events (published, so prepare learns) and is re-dialled.
 
 :class:`CompletionLinks` keeps one link per address of ``--device`` (a list, or a ``dns:///`` name
 re-resolved every ``--device-refresh-s``; see :mod:`stageserve.device_endpoints`), all publishing
@@ -351,7 +351,7 @@ def serve(
     links = CompletionLinks(
         device, device_refresh_s,
         new_link=lambda address, set_attached: CompletionLink(address, detokenizer, publisher, completion_timeout_s, set_attached,
-                                                          tracer=tracer, metrics=metrics),
+                                                              tracer=tracer, metrics=metrics),
         on_ready=lambda up: server.set_ready(up and not draining.is_set()),
     )
     metrics.watch_live(lambda: links.live)
