@@ -44,6 +44,7 @@ from stageserve.prepare.scheduled_step import PLACEHOLDER_TOKEN, ScheduledStep, 
 from stageserve.prepare.validation import GenerationRequest
 from stageserve.v1 import device_pb2, reclaim_pb2
 
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits the scheduler plans within.
