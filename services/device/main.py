@@ -150,9 +150,9 @@ def _serve(args: argparse.Namespace, server, servicer, tracer, metrics, core) ->
             return 2
     servicer.serve(core)
     server.set_ready(True)
-    facts = core.facts
+    reply = core.attach_reply
     log.info("device ready: %s on %s (%s, %s dispatch, depth %d), %d KV blocks of %d tokens, instance %s",
-             facts.model_name, facts.backend, facts.dtype, facts.dispatch, facts.pipeline_depth, facts.kv_num_blocks, facts.kv_block_size, facts.instance_id)
+             reply.model_name, reply.backend, reply.dtype, reply.dispatch, reply.pipeline_depth, reply.kv_num_blocks, reply.kv_block_size, reply.instance_id)
 
     def drain() -> None:
         # One deadline for all three waits: prepare lets go of this device once its requests ended
@@ -215,7 +215,8 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
     from stageserve.device.executor import StepExecutor
     from stageserve.device.kv_cache import PagedKVCache, kv_memory_budget, num_blocks_for_memory
     from stageserve.device.model import LlamaModel
-    from stageserve.device.sampler import MAX_LOGPROBS, validate_sampling_params
+    from stageserve.device.sampler import validate_sampling_params
+    from stageserve.sampling_rules import MAX_LOGPROBS
     from stageserve.device.sequence_table import SequenceTable
     from stageserve.device.service import CompletionOutbox, DeviceCore
     from stageserve.device.sim import SimBackend, SimStepRunner
@@ -282,7 +283,7 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
 
     _warm_up(executor, table, limits, check_sampling)
     outbox.clear()
-    facts = device_pb2.AttachReply(
+    attach_reply = device_pb2.AttachReply(
         model_name=EMBEDDED_MODEL_NAME if not args.model else model_path.stem if model_path.is_file() else model_path.name,
         vocab_size=config.vocab_size,
         eos_token_ids=config.eos_token_ids,
@@ -297,7 +298,7 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
         dispatch=args.dispatch,
         instance_id=uuid.uuid4().hex,
     )
-    return DeviceCore(facts, limits, table, executor, outbox, check_sampling)
+    return DeviceCore(attach_reply, limits, table, executor, outbox, check_sampling)
 
 
 def _both(first, then):
@@ -329,9 +330,7 @@ def _warm_up(executor, table, limits, check_sampling) -> None:
         step_id=1, started=[start], seq_index=[0], generation=[1], start_pos=[0], num_tokens=[len(tokens)],
         token_ids=tokens, sample=[True], num_new_blocks=[blocks], new_block_ids=list(range(blocks)),
     )
-    step = decode_plan(plan, limits, check_sampling)
-    table.admit(step)
-    ticket = executor.submit(step)
+    ticket = executor.submit(table.admit(decode_plan(plan, limits, check_sampling)))
     try:
         ticket.wait()
     except Exception as exc:
