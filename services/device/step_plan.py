@@ -154,20 +154,10 @@ def decode_plan(
         raise PlanError(f"step {plan.step_id}: started lists a seq_index twice")
     sampled_rows = [r for r, s in enumerate(sample) if s]
     return Step(
-        plan=plan,
-        step_id=plan.step_id,
-        seq_index=seq_index,
-        generation=generation,
-        start_pos=start_pos,
-        num_tokens=num_tokens,
-        token_ids=token_ids,
-        sample=sample,
-        num_new_blocks=num_new_blocks,
-        new_block_ids=new_block_ids,
-        started=started,
-        finished=finished,
-        sampled_seq_index=[seq_index[r] for r in sampled_rows],
-        sampled_generation=[generation[r] for r in sampled_rows],
+        plan=plan, step_id=plan.step_id, seq_index=seq_index, generation=generation, start_pos=start_pos,
+        num_tokens=num_tokens, token_ids=token_ids, sample=sample, num_new_blocks=num_new_blocks,
+        new_block_ids=new_block_ids, started=started, finished=finished,
+        sampled_seq_index=[seq_index[r] for r in sampled_rows], sampled_generation=[generation[r] for r in sampled_rows],
         has_placeholder=-1 in token_ids,
     )
 
