@@ -20,8 +20,8 @@ Span names (the contract between the services and the analyzer; ``args`` in brac
 ``device.upload``         copies the plan's inputs to the accelerator (step_id)
 ``device.submit``         launches forward + sampling without waiting (step_id, ticket,
                           batch_size); ends when the ticket exists, BEFORE the ticket is handed
-                          to the completion lane (the analyzer rejects a wait starting earlier)
-``device.wait``           completion lane, from taking up the ticket until the step's completion
+                          to the completion thread (the analyzer rejects a wait starting earlier)
+``device.wait``           completion thread, from taking up the ticket until the step's completion
                           is observed (step_id, ticket); paired with ``device.submit`` by ticket
 ``device.copy_out``       sampled ids into the slot's host buffer (step_id, ticket)
 ``device.blocking_step``  ``--dispatch sync`` only: ONE span from submit to completion instead

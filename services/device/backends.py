@@ -219,7 +219,7 @@ class StreamBackend(Backend):
         RuntimeError: the device (or ``torch_npu`` for ``npu``) is not available; the message says which.
     """
 
-    # How often a timed wait polls the event; only the completion lane and reclaim-side timeouts use it.
+    # How often a timed wait polls the event; only the completion thread and reclaim-side timeouts use it.
     _POLL_S = 0.0002
 
     def __init__(self, name: str, index: int = 0) -> None:

@@ -2,12 +2,13 @@
 
 How one step moves through this module:
 
-1. ``StepExecutor.submit(step)`` takes a free output slot (waiting only for a ``release``, never
-   for a completion), stages the step's inputs on the device (transient uploads), launches the
-   step's device work on the backend and returns a `CompletionTicket` at once.
-2. The completion lane (one thread) waits the tickets in submission order; each ticket's
-   resolution reads the sampled ids (+ logprobs) out of that step's slot-local host buffers and
-   frees the transient uploads. The lane hands the `StepResult` (or the error) to ``on_output``.
+1. ``StepExecutor.submit(admitted)`` takes a free output slot (waiting only for a ``release``,
+   never for a completion), stages the step's inputs on the device (transient uploads), launches
+   the step's device work on the backend and returns a `StepTicket` at once (the device's handle;
+   reclaim learns of it from the wire message ``CompletionTicket``).
+2. The completion thread waits the tickets in submission order; each ticket's resolution reads
+   the sampled ids (+ logprobs) out of that step's slot-local host buffers and frees the transient
+   uploads. The thread hands the `StepResult` (or the error) to ``on_output``.
 3. ``release(ticket_id)`` (reclaim has read the output) frees the slot for a later step.
 
 ``--dispatch sync`` takes the same path and additionally waits each ticket inside ``submit``.
@@ -28,7 +29,7 @@ from typing import Protocol
 import torch
 
 from stageserve.device.backends import Backend, Completion, FailedCompletion
-from stageserve.device.step_plan import Step
+from stageserve.device.step_plan import AdmittedStep
 from stageserve.tracing import Tracer
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 DISPATCH_MODES = ("async", "sync")
 # The span around submit per dispatch mode; sync marks its one blocking span as the tracing contract asks.
 _SUBMIT_SPANS = {"async": ("device.submit", {}), "sync": ("device.blocking_step", {"timing_source": "blocking_span"})}
-# The completion lane logs a step that has not completed after this long (it keeps waiting).
+# The completion thread logs a step that has not completed after this long (it keeps waiting).
 _STALL_LOG_S = 30.0
 
 
@@ -45,7 +46,7 @@ class SlotTimeout(TimeoutError):
 
 
 class TicketTimeout(TimeoutError):
-    """``CompletionTicket.wait`` timed out; the step may still complete, so waiting again is allowed."""
+    """``StepTicket.wait`` timed out; the step may still complete, so waiting again is allowed."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class StepResult:
 class StepRunner(Protocol):
     """The step's device work, split where the backend needs it (see `backends`)."""
 
-    def stage(self, step: Step) -> object:
+    def stage(self, admitted: AdmittedStep) -> object:
         """Build the step's input tensors on the device (the transient uploads) and return them."""
         ...
 
@@ -103,7 +104,7 @@ class StepRunner(Protocol):
         ...
 
 
-class CompletionTicket:
+class StepTicket:
     """Handle to one submitted step: the only way to learn its outputs or its failure.
 
     Wait contract (`wait`): idempotent and thread-safe. The first call that observes the step's
@@ -114,7 +115,8 @@ class CompletionTicket:
 
     Attributes:
         ticket_id: unique per executor, increasing in submission order (starts at 1).
-        step: the host-side step the ticket was submitted for.
+        step_id: the step's ``step_id``.
+        admitted: the step the ticket was submitted for.
         slot: index of the output slot the step writes.
         submitted_unix_ns: wall-clock submit time.
         uploads_freed: 0 until resolution, then 1.
@@ -122,9 +124,10 @@ class CompletionTicket:
     ``tracer`` records the ``device.copy_out`` span of the resolution (outputs out of the slot).
     """
 
-    def __init__(self, ticket_id: int, step: Step, slot: int, buffers: SlotBuffers, tracer: Tracer) -> None:
+    def __init__(self, ticket_id: int, admitted: AdmittedStep, slot: int, buffers: SlotBuffers, tracer: Tracer) -> None:
         self.ticket_id = ticket_id
-        self.step = step
+        self.step_id = admitted.step.step_id
+        self.admitted = admitted
         self.slot = slot
         self.submitted_unix_ns = time.time_ns()
         self.uploads_freed = 0
@@ -157,7 +160,7 @@ class CompletionTicket:
         if not self._resolved.is_set():
             deadline = None if timeout is None else time.monotonic() + timeout
             if not self._resolve_lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
-                raise TicketTimeout(f"ticket {self.ticket_id} (step {self.step.step_id}) not completed within {timeout} s")
+                raise TicketTimeout(f"ticket {self.ticket_id} (step {self.step_id}) not completed within {timeout} s")
             try:
                 if not self._resolved.is_set():
                     remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -173,8 +176,8 @@ class CompletionTicket:
         assert self._completion is not None, "ticket waited before it was launched"
         try:
             if not self._completion.wait(timeout):
-                raise TicketTimeout(f"ticket {self.ticket_id} (step {self.step.step_id}) not completed within {timeout} s")
-            with self._tracer.span("device.copy_out", step_id=self.step.step_id, ticket=self.ticket_id):
+                raise TicketTimeout(f"ticket {self.ticket_id} (step {self.step_id}) not completed within {timeout} s")
+            with self._tracer.span("device.copy_out", step_id=self.step_id, ticket=self.ticket_id):
                 self._result = self._read_outputs()
         except TicketTimeout:
             raise
@@ -186,10 +189,10 @@ class CompletionTicket:
         self._resolved.set()
 
     def _read_outputs(self) -> StepResult:
-        rows = len(self.step.sampled_seq_index)
+        rows = len(self.admitted.step.sampled_seq_index)
         token_ids = self._buffers.token_ids[:rows].tolist()
         logprobs = None
-        top_n = self.step.sampled_top_logprobs
+        top_n = self.admitted.sampled_top_logprobs
         if any(top_n):
             lp = self._buffers.logprobs[:rows].tolist()
             top_ids = self._buffers.top_token_ids[:rows].tolist()
@@ -202,7 +205,7 @@ class CompletionTicket:
 
 
 class StepExecutor:
-    """Submits steps to a backend without waiting and completes them in order on a lane thread.
+    """Submits steps to a backend without waiting and completes them in order on its completion thread.
 
     Args:
         backend: where the device work runs.
@@ -212,7 +215,7 @@ class StepExecutor:
         max_top_logprobs: top-n alternatives a row may ask for, at most.
         dispatch: ``async`` or ``sync`` (wait each step inside ``submit``).
         on_ticket: called in ``submit`` with each new ticket, before its output can be delivered.
-        on_output: called on the lane with ``(ticket, result, error)`` (exactly one of the two set),
+        on_output: called on the completion thread with ``(ticket, result, error)`` (exactly one of the two set),
             in submission order.
         tracer: records ``device.submit`` / ``device.wait`` spans (``device.blocking_step`` in sync
             mode) with ``step_id`` and ``ticket``, and ``device.upload`` / ``device.copy_out`` inside
@@ -231,8 +234,8 @@ class StepExecutor:
         max_rows: int,
         max_top_logprobs: int,
         dispatch: str = "async",
-        on_ticket: Callable[[CompletionTicket], None] = lambda ticket: None,
-        on_output: Callable[[CompletionTicket, StepResult | None, BaseException | None], None] = lambda *a: None,
+        on_ticket: Callable[[StepTicket], None] = lambda ticket: None,
+        on_output: Callable[[StepTicket, StepResult | None, BaseException | None], None] = lambda *a: None,
         tracer: Tracer | None = None,
     ) -> None:
         if pipeline_depth < 1:
@@ -250,17 +253,17 @@ class StepExecutor:
         self._next_ticket_id = 1
         self._submitted = 0
         self._delivered = 0
-        self._lane: queue.SimpleQueue[CompletionTicket | None] = queue.SimpleQueue()
-        self._lane_thread = threading.Thread(target=self._lane_loop, name="device-completion-lane", daemon=True)
-        self._lane_thread.start()
+        self._to_complete: queue.SimpleQueue[StepTicket | None] = queue.SimpleQueue()
+        self._completion_thread = threading.Thread(target=self._complete_in_order, name="device-completion", daemon=True)
+        self._completion_thread.start()
 
     def wait_for_free_slot(self, timeout: float | None) -> bool:
         """Block until an output slot is free or ``timeout`` seconds passed; True if one is free."""
         with self._lock:
             return self._lock.wait_for(lambda: bool(self._free_slots), timeout)
 
-    def submit(self, step: Step, slot_timeout: float | None = None) -> CompletionTicket:
-        """Launch ``step`` and return its ticket without waiting for the step to complete.
+    def submit(self, admitted: AdmittedStep, slot_timeout: float | None = None) -> StepTicket:
+        """Launch ``admitted`` and return its ticket without waiting for the step to complete.
 
         Waits for a free output slot at most ``slot_timeout`` seconds (``None``: no limit). A failure
         while staging or launching does not raise here: it is stored in the ticket.
@@ -272,28 +275,28 @@ class StepExecutor:
             if not self._lock.wait_for(lambda: bool(self._free_slots), slot_timeout):
                 raise SlotTimeout(f"no output slot released within {slot_timeout} s (pipeline depth {self.pipeline_depth})")
             slot = self._free_slots.pop(0)
-            ticket = CompletionTicket(self._next_ticket_id, step, slot, self._slot_buffers[slot], self._tracer)
+            ticket = StepTicket(self._next_ticket_id, admitted, slot, self._slot_buffers[slot], self._tracer)
             self._next_ticket_id += 1
             self._unreleased[ticket.ticket_id] = _SlotHold(slot)
             self._submitted += 1
         span_name, span_args = _SUBMIT_SPANS[self.dispatch]
-        with self._tracer.span(span_name, step_id=step.step_id, ticket=ticket.ticket_id, batch_size=len(step.seq_index), **span_args):
+        with self._tracer.span(span_name, step_id=ticket.step_id, ticket=ticket.ticket_id, batch_size=len(admitted.step.seq_index), **span_args):
             self._launch(ticket)
             self._on_ticket(ticket)
             if self.dispatch == "sync":
                 try:
                     ticket.wait()
-                except Exception:  # noqa: BLE001 - stored in the ticket, delivered by the lane
+                except Exception:  # noqa: BLE001 - stored in the ticket, delivered by the completion thread
                     pass
-        self._lane.put(ticket)
+        self._to_complete.put(ticket)
         return ticket
 
-    def _launch(self, ticket: CompletionTicket) -> None:
-        step, buffers = ticket.step, self._slot_buffers[ticket.slot]
+    def _launch(self, ticket: StepTicket) -> None:
+        buffers = self._slot_buffers[ticket.slot]
         uploads = None
         try:
-            with self._tracer.span("device.upload", step_id=step.step_id):
-                uploads = self.backend.stage(partial(self.runner.stage, step))
+            with self._tracer.span("device.upload", step_id=ticket.step_id):
+                uploads = self.backend.stage(partial(self.runner.stage, ticket.admitted))
             # partial, not a closure: a failed step's traceback keeps its frames' functions alive,
             # and a closure would keep the uploads with them.
             completion = self.backend.launch(partial(self.runner.run, uploads, buffers))
@@ -318,14 +321,9 @@ class StepExecutor:
             return True
 
     def in_flight(self) -> int:
-        """Tickets submitted whose outputs the lane has not delivered yet."""
+        """Tickets submitted whose outputs the completion thread has not delivered yet."""
         with self._lock:
             return self._submitted - self._delivered
-
-    def unreleased_tickets(self) -> list[int]:
-        """Ids of tickets whose slots have not been released."""
-        with self._lock:
-            return list(self._unreleased)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Block until every submitted ticket's output has been delivered; True unless timed out."""
@@ -333,9 +331,9 @@ class StepExecutor:
             return self._lock.wait_for(lambda: self._delivered == self._submitted, timeout)
 
     def close(self) -> None:
-        """Deliver what is in flight, stop the lane and the backend."""
-        self._lane.put(None)
-        self._lane_thread.join()
+        """Deliver what is in flight, stop the completion thread and the backend."""
+        self._to_complete.put(None)
+        self._completion_thread.join()
         self.backend.close()
 
     def _free(self, ticket_id: int) -> None:
@@ -343,12 +341,12 @@ class StepExecutor:
         self._free_slots.append(hold.slot)
         self._lock.notify_all()
 
-    def _lane_loop(self) -> None:
-        while (ticket := self._lane.get()) is not None:
+    def _complete_in_order(self) -> None:
+        while (ticket := self._to_complete.get()) is not None:
             if self.dispatch == "sync":
                 result, error = self._wait_logging_stalls(ticket)
             else:
-                with self._tracer.span("device.wait", step_id=ticket.step.step_id, ticket=ticket.ticket_id):
+                with self._tracer.span("device.wait", step_id=ticket.step_id, ticket=ticket.ticket_id):
                     result, error = self._wait_logging_stalls(ticket)
             try:
                 self._on_output(ticket, result, error)
@@ -364,14 +362,14 @@ class StepExecutor:
                 self._lock.notify_all()
 
     @staticmethod
-    def _wait_logging_stalls(ticket: CompletionTicket) -> tuple[StepResult | None, BaseException | None]:
+    def _wait_logging_stalls(ticket: StepTicket) -> tuple[StepResult | None, BaseException | None]:
         while True:
             try:
                 return ticket.wait(_STALL_LOG_S), None
             except TicketTimeout:
-                log.warning("step %d (ticket %d) still not complete after %.0f s", ticket.step.step_id, ticket.ticket_id, _STALL_LOG_S)
+                log.warning("step %d (ticket %d) still not complete after %.0f s", ticket.step_id, ticket.ticket_id, _STALL_LOG_S)
             except BaseException as exc:  # noqa: BLE001 - the step's failure, delivered as such
-                log.error("step %d (ticket %d) failed", ticket.step.step_id, ticket.ticket_id, exc_info=exc)
+                log.error("step %d (ticket %d) failed", ticket.step_id, ticket.ticket_id, exc_info=exc)
                 return None, exc
 
 

@@ -39,16 +39,11 @@ class PagedKVCache:
         self.num_kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
         heads = 2 * config.num_kv_heads
         self.kv = torch.zeros((config.num_layers, heads, num_blocks, block_size, config.head_dim), dtype=dtype, device=device)
-        # Per-layer views, made once for the hot path: slots [2K, num_slots, head_dim] and
+        # Per-layer views, made once for the hot path: slots [2K, num_blocks * block_size, head_dim] and
         # block rows [2K * num_blocks, block_size, head_dim].
         self._slots = [layer.view(heads, -1, config.head_dim) for layer in self.kv]
         self._block_rows = [layer.view(-1, block_size, config.head_dim) for layer in self.kv]
         self._head_offsets = torch.arange(heads, device=device)[:, None] * num_blocks  # [2K, 1]
-
-    @property
-    def num_slots(self) -> int:
-        """Token slots per layer (``num_blocks * block_size``)."""
-        return self.num_blocks * self.block_size
 
     def layer(self, index: int) -> torch.Tensor:
         """``index``'s pool ``[2 * num_kv_heads, num_blocks, block_size, head_dim]`` (a contiguous view)."""

@@ -150,9 +150,9 @@ def _serve(args: argparse.Namespace, server, servicer, tracer, metrics, core) ->
             return 2
     servicer.serve(core)
     server.set_ready(True)
-    facts = core.facts
+    reply = core.attach_reply
     log.info("device ready: %s on %s (%s, %s dispatch, depth %d), %d KV blocks of %d tokens, instance %s",
-             facts.model_name, facts.backend, facts.dtype, facts.dispatch, facts.pipeline_depth, facts.kv_num_blocks, facts.kv_block_size, facts.instance_id)
+             reply.model_name, reply.backend, reply.dtype, reply.dispatch, reply.pipeline_depth, reply.kv_num_blocks, reply.kv_block_size, reply.instance_id)
 
     def drain() -> None:
         # One deadline for all three waits: prepare lets go of this device once its requests ended
@@ -211,39 +211,21 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
     """
     import torch
 
-    from stageserve.device.backends import create_backend
     from stageserve.device.executor import StepExecutor
-    from stageserve.device.kv_cache import PagedKVCache, kv_memory_budget, num_blocks_for_memory
-    from stageserve.device.model import LlamaModel
-    from stageserve.device.sampler import MAX_LOGPROBS, validate_sampling_params
+    from stageserve.device.kv_cache import PagedKVCache, num_blocks_for_memory
+    from stageserve.device.sampler import validate_sampling_params
     from stageserve.device.sequence_table import SequenceTable
     from stageserve.device.service import CompletionOutbox, DeviceCore
-    from stageserve.device.sim import SimBackend, SimStepRunner
+    from stageserve.device.sim import SimStepRunner
     from stageserve.device.step_plan import PlanLimits
     from stageserve.device.step_runner import ModelStepRunner
-    from stageserve.device.weights import load_config
-    from stageserve.v1 import device_pb2
+    from stageserve.sampling_rules import MAX_LOGPROBS
 
     # The sim sizes its KV pool (host bookkeeping only) as the cpu backend would, from the model's config.
     dtype_name = resolve_dtype(args.dtype, "cpu" if args.backend == "sim" else args.backend)
     dtype = getattr(torch, dtype_name)
-    if args.backend == "sim":
-        backend, model, config = SimBackend(), None, load_config(model_path)
-        log.info("simulated device: %s's config, no weights; %g ms per step + %g us per token", model_path.name, args.sim_step_ms, args.sim_token_us)
-    else:
-        backend = backend or create_backend(args.backend, args.threads)
-        log.info("loading %s as %s on %s", model_path, dtype_name, backend.device)
-        model = LlamaModel.from_path(model_path, dtype, backend.device, cpu_kernels_allowed=not args.no_cpu_kernels, amx_allowed=not args.no_amx_linears)
-        config = model.config
-        log.info("layers run %s%s", "with the fused CPU kernels" if model.cpu_kernels else "in plain torch ops",
-                 ", decode-sized linears on AMX" if model.amx_linears else "")
-
-    if args.kv_cache_memory is not None:
-        kv_bytes = args.kv_cache_memory
-    elif args.kv_cache_fraction is not None or args.backend not in ("cpu", "sim"):
-        kv_bytes = kv_memory_budget(backend.device, args.kv_cache_fraction or ACCELERATOR_DEFAULT_KV_FRACTION)
-    else:
-        kv_bytes = CPU_DEFAULT_KV_BYTES
+    backend, model, config = _load_model(args, model_path, dtype, backend)
+    kv_bytes = _kv_bytes(args, backend.device)
     num_blocks = num_blocks_for_memory(config, args.block_size, dtype, kv_bytes)
     if num_blocks < 1:
         raise RuntimeError(f"--kv-cache-memory/--kv-cache-fraction: {kv_bytes} bytes hold no KV block of {args.block_size} tokens; give more memory")
@@ -282,22 +264,59 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
 
     _warm_up(executor, table, limits, check_sampling)
     outbox.clear()
-    facts = device_pb2.AttachReply(
+    attach_reply = _attach_reply(args, model_path, config, limits, backend.name, dtype_name)
+    return DeviceCore(attach_reply, limits, table, executor, outbox, check_sampling)
+
+
+def _load_model(args: argparse.Namespace, model_path: Path, dtype, backend):
+    """(backend, model, model config) for ``--backend``: the sim has no model, only the config."""
+    from stageserve.device.backends import create_backend
+    from stageserve.device.model import LlamaModel
+    from stageserve.device.sim import SimBackend
+    from stageserve.device.weights import load_config
+
+    if args.backend == "sim":
+        log.info("simulated device: %s's config, no weights; %g ms per step + %g us per token", model_path.name, args.sim_step_ms, args.sim_token_us)
+        return SimBackend(), None, load_config(model_path)
+    backend = backend or create_backend(args.backend, args.threads)
+    log.info("loading %s as %s on %s", model_path, str(dtype).removeprefix("torch."), backend.device)
+    model = LlamaModel.from_path(model_path, dtype, backend.device, cpu_kernels_allowed=not args.no_cpu_kernels, amx_allowed=not args.no_amx_linears)
+    log.info("layers run %s%s", "with the fused CPU kernels" if model.cpu_kernels else "in plain torch ops",
+             ", decode-sized linears on AMX" if model.amx_linears else "")
+    return backend, model, model.config
+
+
+def _kv_bytes(args: argparse.Namespace, device) -> int:
+    """Bytes for the KV pool: ``--kv-cache-memory``, else ``--kv-cache-fraction`` of the free
+    accelerator memory (a default fraction on cuda/npu), else a fixed default on the cpu and the sim."""
+    from stageserve.device.kv_cache import kv_memory_budget
+
+    if args.kv_cache_memory is not None:
+        return args.kv_cache_memory
+    if args.kv_cache_fraction is not None or args.backend not in ("cpu", "sim"):
+        return kv_memory_budget(device, args.kv_cache_fraction or ACCELERATOR_DEFAULT_KV_FRACTION)
+    return CPU_DEFAULT_KV_BYTES
+
+
+def _attach_reply(args: argparse.Namespace, model_path: Path, config, limits, backend_name: str, dtype_name: str):
+    """The ``AttachReply`` of a device built from ``args`` (a new ``instance_id``)."""
+    from stageserve.v1 import device_pb2
+
+    return device_pb2.AttachReply(
         model_name=EMBEDDED_MODEL_NAME if not args.model else model_path.stem if model_path.is_file() else model_path.name,
         vocab_size=config.vocab_size,
         eos_token_ids=config.eos_token_ids,
         max_model_len=limits.max_model_len,
-        kv_block_size=args.block_size,
-        kv_num_blocks=num_blocks,
+        kv_block_size=limits.block_size,
+        kv_num_blocks=limits.num_blocks,
         max_num_seqs=args.max_num_seqs,
         max_step_tokens=args.max_step_tokens,
         pipeline_depth=args.pipeline_depth,
-        backend=backend.name,
+        backend=backend_name,
         dtype=dtype_name,
         dispatch=args.dispatch,
         instance_id=uuid.uuid4().hex,
     )
-    return DeviceCore(facts, limits, table, executor, outbox, check_sampling)
 
 
 def _both(first, then):
@@ -329,9 +348,7 @@ def _warm_up(executor, table, limits, check_sampling) -> None:
         step_id=1, started=[start], seq_index=[0], generation=[1], start_pos=[0], num_tokens=[len(tokens)],
         token_ids=tokens, sample=[True], num_new_blocks=[blocks], new_block_ids=list(range(blocks)),
     )
-    step = decode_plan(plan, limits, check_sampling)
-    table.admit(step)
-    ticket = executor.submit(step)
+    ticket = executor.submit(table.admit(decode_plan(plan, limits, check_sampling)))
     try:
         ticket.wait()
     except Exception as exc:

@@ -20,7 +20,7 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from stageserve.device.executor import CompletionTicket, StepResult
+from stageserve.device.executor import StepResult, StepTicket
 
 # Seconds per step: sub-millisecond (a simulated or tiny step) to seconds (a long prefill).
 STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -61,17 +61,17 @@ class DeviceMetrics:
         """Read the in-flight gauge from ``in_flight()`` (the executor's count) at every scrape."""
         self._in_flight.set_function(in_flight)
 
-    def on_ticket(self, ticket: CompletionTicket) -> None:
+    def on_ticket(self, ticket: StepTicket) -> None:
         """A step was submitted (called in submission order, by the one submitter)."""
         if not self._measuring:
             return
         if self._last_submit_ns:
             self._period.observe((ticket.submitted_unix_ns - self._last_submit_ns) / 1e9)
         self._last_submit_ns = ticket.submitted_unix_ns
-        self._batch.observe(len(ticket.step.sampled_seq_index))
+        self._batch.observe(len(ticket.admitted.step.sampled_seq_index))
 
-    def on_output(self, ticket: CompletionTicket, result: StepResult | None, error: BaseException | None) -> None:
-        """A step's completion was observed (the completion lane)."""
+    def on_output(self, ticket: StepTicket, result: StepResult | None, error: BaseException | None) -> None:
+        """A step's completion was observed (the executor's completion thread)."""
         if not self._measuring:
             return
         self._device_time.observe((time.time_ns() - ticket.submitted_unix_ns) / 1e9)

@@ -25,20 +25,14 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from stageserve.device import cpu_kernels
+from stageserve.sampling_rules import GREEDY_TEMPERATURE_EPS, first_violation, number_text
 from stageserve.v1 import common_pb2
-
-MAX_LOGPROBS = 20
-"""Most top-n logprobs one row may ask for (``SamplingParams.logprobs``)."""
-
-GREEDY_TEMPERATURE_EPS = 1e-5
-"""Temperatures below this are greedy: dividing by them would overflow float32 (vLLM's _SAMPLING_EPS)."""
 
 
 @dataclass
@@ -47,8 +41,8 @@ class SamplingTensors:
 
     The tensors are read-only inputs of ``sample``. The host flags (plain Python values, decided when
     the step is built) let ``sample`` skip stages no row needs without reading the tensors back.
-    ``from_lists`` builds an instance from per-row Python lists; a sequence table may as well gather
-    the tensors from its own packed storage and compute the flags itself.
+    The sequence table gathers the tensors from its packed per-sequence storage and computes the
+    flags (`SequenceTable.sampling_tensors`).
     """
 
     temperature: torch.Tensor  # [S] float32; < GREEDY_TEMPERATURE_EPS = greedy
@@ -64,60 +58,6 @@ class SamplingTensors:
     any_min_p: bool  # some non-greedy row has min_p > 0
     any_penalty: bool  # some row has repetition_penalty != 1 (needs ``presence``)
     max_logprobs: int  # largest top-n any row asked for; 0 = no logprobs computed
-
-    @classmethod
-    def from_lists(
-        cls,
-        *,
-        temperature: Sequence[float],
-        top_p: Sequence[float],
-        top_k: Sequence[int],
-        min_p: Sequence[float],
-        repetition_penalty: Sequence[float],
-        seed: Sequence[int],
-        step_index: Sequence[int],
-        logprobs: Sequence[int],
-        device: torch.device | str,
-    ) -> SamplingTensors:
-        """Build the tensors and host flags from per-row lists (all of length S).
-
-        ``seed`` holds uint64 values as in ``SamplingParams.seed``; they are stored as int64 with the
-        same bits. Rows with ``top_k == 1`` are made greedy (temperature 0): the result is the same
-        token and the step may then skip sampling altogether. Uploads two small host tensors (one
-        float, one int64), so the copy cost does not grow with the number of fields.
-        """
-        greedy = [
-            temp < GREEDY_TEMPERATURE_EPS or k == 1 for temp, k in zip(temperature, top_k, strict=True)
-        ]
-        floats = torch.tensor(
-            [
-                [0.0 if g else temp for g, temp in zip(greedy, temperature)],
-                list(top_p),
-                list(min_p),
-                list(repetition_penalty),
-            ],
-            dtype=torch.float32,
-        ).to(device, non_blocking=True)
-        ints = torch.tensor(
-            [list(top_k), [s - (1 << 64) if s >= 1 << 63 else s for s in seed], list(step_index)],
-            dtype=torch.int64,
-        ).to(device, non_blocking=True)
-        sampled_rows = [i for i, g in enumerate(greedy) if not g]
-        return cls(
-            temperature=floats[0],
-            top_p=floats[1],
-            min_p=floats[2],
-            repetition_penalty=floats[3],
-            top_k=ints[0],
-            seed=ints[1],
-            step_index=ints[2],
-            all_greedy=not sampled_rows,
-            any_top_k=any(top_k[i] > 0 for i in sampled_rows),
-            any_top_p=any(top_p[i] < 1.0 for i in sampled_rows),
-            any_min_p=any(min_p[i] > 0.0 for i in sampled_rows),
-            any_penalty=any(p != 1.0 for p in repetition_penalty),
-            max_logprobs=max(logprobs, default=0),
-        )
 
 
 @dataclass
@@ -137,26 +77,15 @@ class SampleResult:
 
 
 def validate_sampling_params(params: common_pb2.SamplingParams, vocab_size: int | None = None) -> None:
-    """Check one request's sampling parameters before it is admitted.
+    """Check one request's sampling parameters against `stageserve.sampling_rules` before it is admitted.
 
     ``vocab_size`` (tokens), when given, also bounds ``top_k``. Raises ``ValueError`` whose message
-    names the field and its allowed range, e.g. ``sampling.top_p must be in (0, 1], got 1.5``.
+    names the field and its allowed range, e.g. ``sampling.top_p must be in (0, 1] (1 = off), got 1.5``.
     """
-    temperature = params.temperature
-    if not (math.isfinite(temperature) and temperature >= 0.0):
-        raise ValueError(f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {temperature:g}")
-    if not 0.0 < params.top_p <= 1.0:
-        raise ValueError(f"sampling.top_p must be in (0, 1] (1 = off), got {params.top_p:g}")
-    if params.top_k < 0 or (vocab_size is not None and params.top_k > vocab_size):
-        limit = f"[0, {vocab_size}]" if vocab_size is not None else ">= 0"
-        raise ValueError(f"sampling.top_k must be in {limit} (0 = off), got {params.top_k}")
-    if not 0.0 <= params.min_p <= 1.0:
-        raise ValueError(f"sampling.min_p must be in [0, 1] (0 = off), got {params.min_p:g}")
-    penalty = params.repetition_penalty
-    if not (math.isfinite(penalty) and penalty > 0.0):
-        raise ValueError(f"sampling.repetition_penalty must be a finite number > 0 (1 = off), got {penalty:g}")
-    if not 0 <= params.logprobs <= MAX_LOGPROBS:
-        raise ValueError(f"sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {params.logprobs}")
+    broken = first_violation(params, vocab_size)
+    if broken is not None:
+        rule, value = broken
+        raise ValueError(f"sampling.{rule.field} must be {rule.requirement}, got {number_text(value)}")
 
 
 @torch.inference_mode()

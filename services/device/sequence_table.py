@@ -2,7 +2,8 @@
 
 Two halves with different owners:
 
-- Host metadata, read and written only by the submitting thread at submit time (`admit`):
+- Host metadata, read and written only by the submitting thread at submit time (`admit`, which
+  returns the step as an `AdmittedStep`):
   generation, "started and not finished", "a sampling row has been submitted" (so a placeholder
   can be resolved), block tables, how many tokens each sequence has sampled, and per-sequence
   sampling stage flags. `admit` checks a step against it and commits the step atomically.
@@ -25,8 +26,9 @@ from operator import or_
 import torch
 
 from stageserve.device.backends import to_device
-from stageserve.device.sampler import GREEDY_TEMPERATURE_EPS, SamplingTensors
-from stageserve.device.step_plan import PlanError, StartedSequence, Step
+from stageserve.device.sampler import SamplingTensors
+from stageserve.device.step_plan import AdmittedStep, PlanError, StartedSequence, Step
+from stageserve.sampling_rules import is_greedy, seed_as_int64
 
 # Per-sequence sampling stage bits; OR-ed over a step's sampling rows into its host flags.
 _SAMPLED = 1  # not greedy
@@ -91,11 +93,11 @@ class SequenceTable:
 
     # ---- host: submit time ---------------------------------------------------------------------
 
-    def admit(self, step: Step) -> None:
+    def admit(self, step: Step) -> AdmittedStep:
         """Check ``step`` against the table, then commit it; nothing changes when it is refused.
 
-        Fills ``step.block_tables``, ``step.sampled_top_logprobs``, ``step.sampled_step_index``
-        and ``step.sampling_flags``. The block tables handed out are live lists: consume them
+        Returns the step with what the table adds (block tables, per-row logprobs and output
+        index, sampling stage flags). The block tables handed out are live lists: consume them
         (build the forward batch) before admitting the next step.
 
         Raises:
@@ -104,7 +106,7 @@ class SequenceTable:
                 block table is too short for the row's tokens. The message names row and field.
         """
         self._check(step)
-        self._commit(step)
+        return self._commit(step)
 
     def _check(self, step: Step) -> None:
         started = {s.seq_index: s for s in step.started}
@@ -135,7 +137,7 @@ class SequenceTable:
                 )
             offset += n
 
-    def _commit(self, step: Step) -> None:
+    def _commit(self, step: Step) -> AdmittedStep:
         for start in step.started:
             self._start(start)
         tables, new_blocks = self._block_tables, step.new_block_ids
@@ -144,17 +146,21 @@ class SequenceTable:
             if count:
                 tables[seq].extend(new_blocks[offset : offset + count])
                 offset += count
-        step.block_tables = [tables[seq] for seq in step.seq_index]
         sampled = step.sampled_seq_index
-        step.sampled_top_logprobs = [self._top_logprobs[seq] for seq in sampled]
-        step.sampled_step_index = [self._num_sampled[seq] for seq in sampled]
-        step.sampling_flags = reduce(or_, [self._flags[seq] for seq in sampled], 0)
+        admitted = AdmittedStep(
+            step=step,
+            block_tables=[tables[seq] for seq in step.seq_index],
+            sampled_top_logprobs=[self._top_logprobs[seq] for seq in sampled],
+            sampled_step_index=[self._num_sampled[seq] for seq in sampled],
+            sampling_flags=reduce(or_, [self._flags[seq] for seq in sampled], 0),
+        )
         for seq in sampled:
             self._has_token[seq] = True
             self._num_sampled[seq] += 1
         for seq in step.finished:
             self._active[seq] = False
             tables[seq] = []  # a new list: rows of this step keep the old one
+        return admitted
 
     def _start(self, start: StartedSequence) -> None:
         seq, params = start.seq_index, start.sampling
@@ -164,7 +170,7 @@ class SequenceTable:
         self._block_tables[seq] = []
         self._num_sampled[seq] = 0
         self._top_logprobs[seq] = params.logprobs
-        greedy = params.temperature < GREEDY_TEMPERATURE_EPS or params.top_k == 1
+        greedy = is_greedy(params.temperature, params.top_k)
         flags = _PENALTY if params.repetition_penalty != 1.0 else 0
         if not greedy:
             flags |= _SAMPLED
@@ -180,11 +186,11 @@ class SequenceTable:
         floats, ints, rows, tokens = [[], [], [], []], [[], []], [], []
         for start in started:
             p = start.sampling
-            greedy = p.temperature < GREEDY_TEMPERATURE_EPS or p.top_k == 1
+            greedy = is_greedy(p.temperature, p.top_k)
             for column, value in zip(floats, (0.0 if greedy else p.temperature, p.top_p, p.min_p, p.repetition_penalty)):
                 column.append(value)
             ints[0].append(p.top_k)
-            ints[1].append(p.seed - (1 << 64) if p.seed >= 1 << 63 else p.seed)
+            ints[1].append(seed_as_int64(p.seed))
             if p.repetition_penalty != 1.0 and start.prompt_token_ids:
                 rows += [start.seq_index] * len(start.prompt_token_ids)
                 tokens += start.prompt_token_ids
@@ -205,7 +211,7 @@ class SequenceTable:
         if staged.presence_rows is not None:
             self.presence[staged.presence_rows, staged.presence_tokens] = True
 
-    def sampling_tensors(self, step: Step, rows: torch.Tensor, step_index: torch.Tensor) -> SamplingTensors:
+    def sampling_tensors(self, step: AdmittedStep, rows: torch.Tensor, step_index: torch.Tensor) -> SamplingTensors:
         """The step's `SamplingTensors` for sampling rows ``rows`` ``[S]`` int64 (seq_index), by gather.
 
         ``step_index`` ``[S]`` int64 is each row's output index (from ``step.sampled_step_index``).

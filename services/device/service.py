@@ -3,11 +3,9 @@
 How the streams are driven (see ``docs/pipeline-protocol.md``):
 
 - **Execute** (one at a time; a second gets ``FAILED_PRECONDITION``). Opening it resets the
-  sequence table. Per plan: 1. decode and check it (`step_plan`), 2. wait for a free output slot
-  (the only wait: for reclaim's ``SlotRelease``, never for a completion), 3. check it against the
-  sequence table and commit, 4. submit; the executor pushes the `CompletionTicket` to the outbox
-  before the step's output can be; 5. answer the ``StepReceipt``. A refused plan gets a receipt
-  with ``error`` set and ticket 0; the stream and the service carry on.
+  sequence table; each plan goes through a `PlanSubmitter` (decode, wait for a free output slot,
+  admit, submit) and is answered with its ``StepReceipt``. A refused plan gets a receipt with
+  ``error`` set and ticket 0; the stream and the service carry on.
 - **Complete** (one reclaim at a time). Streams the outbox (tickets and outputs, in submission
   order) and reads ``SlotRelease`` messages. Events wait in the outbox while no reclaim is
   attached; the slots bound that backlog. When the stream ends, the slots of tickets it was sent
@@ -25,23 +23,22 @@ from dataclasses import dataclass
 
 import grpc
 
-from stageserve.device.executor import CompletionTicket, StepExecutor, StepResult
+from stageserve.device.executor import StepExecutor, StepResult, StepTicket
+from stageserve.device.plan_submitter import STREAM_POLL_S, PlanSubmitter
 from stageserve.device.sequence_table import SequenceTable
-from stageserve.device.step_plan import PlanError, PlanLimits, decode_plan
+from stageserve.device.step_plan import PlanLimits
 from stageserve.v1 import common_pb2, device_pb2, device_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "stageserve.v1.Device"
-# How often blocked stream loops look at whether their RPC is still alive (seconds).
-_POLL_S = 0.1
 
 
 class CompletionOutbox:
     """Reclaim-bound events in submission order; thread-safe.
 
-    Filled by the executor (``push_ticket`` at submit, ``push_output`` on the completion lane),
-    drained by the attached Complete stream.
+    Filled by the executor (``push_ticket`` at submit, ``push_output`` on its completion thread),
+    drained by the attached Complete stream (`events`).
     """
 
     def __init__(self) -> None:
@@ -49,24 +46,24 @@ class CompletionOutbox:
         self._ready = threading.Condition()
         self._orphaned: set[int] = set()  # tickets whose reclaim stream ended: drop their outputs
 
-    def push_ticket(self, ticket: CompletionTicket) -> None:
-        """Queue ``ticket`` for reclaim (forwards the plan's ``started`` and ``aborted``)."""
-        step, plan = ticket.step, ticket.step.forwarded
+    def push_ticket(self, ticket: StepTicket) -> None:
+        """Queue the wire ``CompletionTicket`` of ``ticket`` for reclaim (forwards the plan's ``started`` and ``aborted``)."""
+        step = ticket.admitted.step
         message = device_pb2.CompletionTicket(
             ticket=ticket.ticket_id,
             step_id=step.step_id,
             slot=ticket.slot,
-            started=plan.started if plan is not None else (),
+            started=step.plan.started,
             seq_index=step.sampled_seq_index,
             generation=step.sampled_generation,
-            aborted=plan.aborted if plan is not None else (),
+            aborted=step.plan.aborted,
             submitted_unix_ns=ticket.submitted_unix_ns,
         )
         self._push(device_pb2.CompletionEvent(ticket=message))
 
-    def push_output(self, ticket: CompletionTicket, result: StepResult | None, error: BaseException | None) -> None:
+    def push_output(self, ticket: StepTicket, result: StepResult | None, error: BaseException | None) -> None:
         """Queue the step's output (or its failure) for reclaim."""
-        output = device_pb2.StepOutput(ticket=ticket.ticket_id, step_id=ticket.step.step_id)
+        output = device_pb2.StepOutput(ticket=ticket.ticket_id, step_id=ticket.step_id)
         if error is not None:
             output.error = f"step failed on the device: {type(error).__name__}: {error}"
             output.completed_unix_ns = time.time_ns()
@@ -93,6 +90,13 @@ class CompletionOutbox:
                     self._orphaned.discard(event.output.ticket)
                     continue
                 return event
+
+    def events(self, keep_going: Callable[[], bool]) -> Iterator[device_pb2.CompletionEvent]:
+        """The events in order as they come, while ``keep_going()`` (asked at least every 0.1 s)."""
+        while keep_going():
+            event = self.pop(STREAM_POLL_S)
+            if event is not None:
+                yield event
 
     def put_back(self, event: device_pb2.CompletionEvent) -> None:
         """Return a popped, undelivered ``event`` to the front (it stays next in order)."""
@@ -130,7 +134,7 @@ class DeviceCore:
     """What the servicer drives once the model is loaded and warmed up.
 
     Attributes:
-        facts: the ``AttachReply`` (model facts, KV pool, limits; ``instance_id`` new per start).
+        attach_reply: what ``Attach`` answers: model facts, KV pool, limits; ``instance_id`` new per start.
         limits: the same limits, as plans are checked against them.
         table: the sequence table.
         executor: the step executor.
@@ -138,7 +142,7 @@ class DeviceCore:
         check_sampling: raises ``ValueError`` naming the field for bad ``SamplingParams``.
     """
 
-    facts: device_pb2.AttachReply
+    attach_reply: device_pb2.AttachReply
     limits: PlanLimits
     table: SequenceTable
     executor: StepExecutor
@@ -153,9 +157,7 @@ class DeviceServicer(device_pb2_grpc.DeviceServicer):
         self._core: DeviceCore | None = None
         self._lock = threading.Condition()
         self._open_streams: set[str] = set()  # "Execute" and/or "Complete"
-        # Serialises table commits + submits with a new stream's reset: a cancelled stream's handler
-        # may still be running when the next prepare opens its stream.
-        self._submit_lock = threading.Lock()
+        self._submit_lock = threading.Lock()  # see PlanSubmitter
 
     def serve(self, core: DeviceCore) -> None:
         """Start answering with ``core`` (after warm-up)."""
@@ -164,7 +166,7 @@ class DeviceServicer(device_pb2_grpc.DeviceServicer):
     def Attach(self, request: device_pb2.AttachRequest, context: grpc.ServicerContext) -> device_pb2.AttachReply:
         core = self._require_core(context)
         log.info("attach from %s", request.peer or context.peer())
-        return core.facts
+        return core.attach_reply
 
     def Execute(self, request_iterator: Iterator[device_pb2.StepPlan], context: grpc.ServicerContext) -> Iterator[device_pb2.StepReceipt]:
         core = self._require_core(context)
@@ -178,16 +180,12 @@ class DeviceServicer(device_pb2_grpc.DeviceServicer):
         # A stream cancelled while its handler waits at a yield is never resumed: the callback closes it.
         context.add_callback(close)
         try:
-            with self._submit_lock:
-                core.table.reset()
+            submitter = PlanSubmitter(core, self._submit_lock, context.is_active)
             log.info("Execute stream opened by %s; sequence table reset", context.peer())
-            last_step_id = 0
             for plan in request_iterator:
-                receipt = self._execute_one(core, plan, last_step_id, context)
+                receipt = submitter.submit(plan)
                 if receipt is None:
                     return
-                if not receipt.error:
-                    last_step_id = plan.step_id
                 yield receipt
         finally:
             close()
@@ -206,37 +204,11 @@ class DeviceServicer(device_pb2_grpc.DeviceServicer):
         reader.start()
         log.info("Complete stream opened by %s", context.peer())
         try:
-            while context.is_active() and reader.is_alive():
-                event = core.outbox.pop(_POLL_S)
-                if event is not None and attachment.take(event):
+            for event in core.outbox.events(lambda: context.is_active() and reader.is_alive()):
+                if attachment.take(event):
                     yield event
         finally:
             close()
-
-    def _execute_one(
-        self, core: DeviceCore, plan: device_pb2.StepPlan, last_step_id: int, context: grpc.ServicerContext
-    ) -> device_pb2.StepReceipt | None:
-        """Submit one plan; the receipt, or ``None`` when the stream died while waiting for a slot."""
-        try:
-            if plan.step_id <= last_step_id:
-                raise PlanError(f"step_id {plan.step_id} must be greater than the previous step_id {last_step_id}")
-            step = decode_plan(plan, core.limits, core.check_sampling)
-            step.forwarded = plan
-            while not core.executor.wait_for_free_slot(_POLL_S):
-                if not context.is_active():
-                    return None
-            with self._submit_lock:
-                if not context.is_active():
-                    return None
-                core.table.admit(step)
-                ticket = core.executor.submit(step)  # a slot is free and this is the only submitter
-        except PlanError as exc:
-            log.warning("refused plan: %s", exc)
-            return device_pb2.StepReceipt(step_id=plan.step_id, error=str(exc))
-        except Exception as exc:  # noqa: BLE001 - a bug refuses this plan, never the stream or the service
-            log.exception("refused plan %d: internal error", plan.step_id)
-            return device_pb2.StepReceipt(step_id=plan.step_id, error=f"internal error in the device: {type(exc).__name__}: {exc}")
-        return device_pb2.StepReceipt(step_id=plan.step_id, ticket=ticket.ticket_id, slot=ticket.slot, submitted_unix_ns=ticket.submitted_unix_ns)
 
     def _require_core(self, context: grpc.ServicerContext) -> DeviceCore:
         core = self._core

@@ -5,7 +5,7 @@ takes a step's time off the host CPU: while a step "runs" nothing computes, so w
 spends per step (prepare's scheduling, gRPC, the executor, reclaim's detokenization) shows as the
 gap between the step period and the simulated step time. Everything above the backend is the real
 code: plans are decoded and checked, the sequence table admits them, the `StepExecutor` hands out
-completion tickets and output slots, the completion lane waits, reclaim acks each slot.
+step tickets and output slots, the completion thread waits, reclaim acks each slot.
 
 - `SimBackend`: ``launch`` calls the step's ``run`` at once (it only writes the slot's host buffer)
   and returns a completion that is done when the simulated device finishes the step. Steps queue
@@ -29,7 +29,7 @@ import torch
 
 from stageserve.device.backends import Backend, Completion
 from stageserve.device.executor import SlotBuffers
-from stageserve.device.step_plan import Step
+from stageserve.device.step_plan import AdmittedStep
 
 # Sampled ids start here, past the special and single-byte tokens, so the text decodes to words.
 _FIRST_TOKEN = 1000
@@ -114,11 +114,12 @@ class SimStepRunner:
         self.step_s, self.token_s = step_s, token_s
         self._vocab_size, self._eos = vocab_size, frozenset(eos_token_ids)
 
-    def stage(self, step: Step) -> SimStagedStep:
+    def stage(self, admitted: AdmittedStep) -> SimStagedStep:
         """Choose the step's sampled ids (by position) and its device time."""
+        step = admitted.step
         positions = [p + n for p, n, s in zip(step.start_pos, step.num_tokens, step.sample) if s]
         ids = [sim_token_id(p, self._vocab_size, self._eos) for p in positions]
-        top = max(step.sampled_top_logprobs, default=0)
+        top = max(admitted.sampled_top_logprobs, default=0)
         return SimStagedStep(torch.tensor(ids, dtype=torch.int64), top, self.step_s + self.token_s * len(step.token_ids))
 
     def run(self, staged: SimStagedStep, out: SlotBuffers) -> float:

@@ -3,14 +3,14 @@
 The plan's flat arrays (struct of arrays) are kept as Python lists; checks run on whole lists
 (``min``/``max``/``sum``/``set``) so the per-step host cost does not grow with per-row Python
 work. Checks that need the sequence table (generations, placeholders, block-table capacity) are in
-`sequence_table.SequenceTable.admit`.
+`sequence_table.SequenceTable.admit`, which turns the `Step` into an `AdmittedStep`.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from stageserve.v1 import common_pb2, device_pb2
 
@@ -50,27 +50,25 @@ class StartedSequence:
     prompt_token_ids: list[int]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Step:
-    """One step as the device executes it (host memory). Per-row lists are parallel.
+    """One decoded plan (host memory), checked for shape but not yet against the sequence table.
+    Per-row lists are parallel.
 
     Attributes:
+        plan: the wire plan it was decoded from (its ``started`` and ``aborted`` go to reclaim
+            with the ticket).
         step_id: the plan's ``step_id``.
         seq_index, generation, start_pos, num_tokens, sample: per row.
         token_ids: all rows' new tokens, flat; ``-1`` = placeholder.
         num_new_blocks, new_block_ids: blocks appended to the rows' block tables.
         started: sequences that start in this step (applied before its rows).
         finished: ``seq_index`` whose state is dropped after this step.
-        block_tables: per row, the sequence's whole block table (filled by ``SequenceTable.admit``).
         sampled_seq_index, sampled_generation: per sampling row (``sample`` true), in row order.
-        sampled_top_logprobs: per sampling row, top-n logprobs asked.
-        sampled_step_index: per sampling row, index of the token it samples in its sequence's output.
-        sampling_flags: sampling stages the step's rows need (bits of `sequence_table`).
-            block_tables and the three fields above are filled by ``SequenceTable.admit``.
         has_placeholder: some token is ``-1``.
-        forwarded: what the service forwards to reclaim with the ticket; opaque here.
     """
 
+    plan: device_pb2.StepPlan
     step_id: int
     seq_index: list[int]
     generation: list[int]
@@ -85,11 +83,27 @@ class Step:
     sampled_seq_index: list[int]
     sampled_generation: list[int]
     has_placeholder: bool
-    block_tables: list[list[int]] = field(default_factory=list)
-    sampled_top_logprobs: list[int] = field(default_factory=list)
-    sampled_step_index: list[int] = field(default_factory=list)
-    sampling_flags: int = 0
-    forwarded: object = None
+
+
+@dataclass(frozen=True, slots=True)
+class AdmittedStep:
+    """A `Step` the sequence table accepted and committed (`SequenceTable.admit`): what the executor
+    submits and the step runner runs.
+
+    Attributes:
+        step: the decoded plan.
+        block_tables: per row, the sequence's whole block table. Live lists of the table: build the
+            forward batch from them before the next step is admitted.
+        sampled_top_logprobs: per sampling row, top-n logprobs asked.
+        sampled_step_index: per sampling row, index of the token it samples in its sequence's output.
+        sampling_flags: sampling stages the step's rows need (bits of `sequence_table`).
+    """
+
+    step: Step
+    block_tables: list[list[int]]
+    sampled_top_logprobs: list[int]
+    sampled_step_index: list[int]
+    sampling_flags: int
 
 
 def decode_plan(
@@ -140,19 +154,10 @@ def decode_plan(
         raise PlanError(f"step {plan.step_id}: started lists a seq_index twice")
     sampled_rows = [r for r, s in enumerate(sample) if s]
     return Step(
-        step_id=plan.step_id,
-        seq_index=seq_index,
-        generation=generation,
-        start_pos=start_pos,
-        num_tokens=num_tokens,
-        token_ids=token_ids,
-        sample=sample,
-        num_new_blocks=num_new_blocks,
-        new_block_ids=new_block_ids,
-        started=started,
-        finished=finished,
-        sampled_seq_index=[seq_index[r] for r in sampled_rows],
-        sampled_generation=[generation[r] for r in sampled_rows],
+        plan=plan, step_id=plan.step_id, seq_index=seq_index, generation=generation, start_pos=start_pos,
+        num_tokens=num_tokens, token_ids=token_ids, sample=sample, num_new_blocks=num_new_blocks,
+        new_block_ids=new_block_ids, started=started, finished=finished,
+        sampled_seq_index=[seq_index[r] for r in sampled_rows], sampled_generation=[generation[r] for r in sampled_rows],
         has_placeholder=-1 in token_ids,
     )
 

@@ -26,7 +26,7 @@ from stageserve.device.kv_cache import PagedKVCache
 from stageserve.device.model import ForwardBatch, LlamaModel, build_forward_batch
 from stageserve.device.sampler import sample
 from stageserve.device.sequence_table import SequenceTable, StagedStarts
-from stageserve.device.step_plan import Step
+from stageserve.device.step_plan import AdmittedStep
 
 
 @dataclass
@@ -34,7 +34,7 @@ class StagedStep:
     """A step's transient uploads; alive until the step's completion has been observed.
 
     Attributes:
-        step: the host-side step.
+        admitted: the admitted step.
         batch: forward inputs on the device; ``None`` when the step has no rows.
         sampled: ``[2, S]`` int64: seq_index and output index of each sampling row; ``None`` if S = 0.
         placeholder_seq: ``[num_decode]`` int64 seq_index of the single-token rows, in the batch's
@@ -42,7 +42,7 @@ class StagedStep:
         starts: the new sequences' table writes; ``None`` when none start.
     """
 
-    step: Step
+    admitted: AdmittedStep
     batch: ForwardBatch | None
     sampled: torch.Tensor | None
     placeholder_seq: torch.Tensor | None
@@ -56,28 +56,29 @@ class ModelStepRunner:
         self.model, self.kv_cache, self.table = model, kv_cache, table
         self.device = model.device
 
-    def stage(self, step: Step) -> StagedStep:
-        """Build ``step``'s device inputs. Call right after ``SequenceTable.admit(step)``."""
+    def stage(self, admitted: AdmittedStep) -> StagedStep:
+        """Build the step's device inputs, right after ``SequenceTable.admit`` (its block tables are live)."""
+        step = admitted.step
         batch = placeholder_seq = sampled = starts = None
         if step.seq_index:
             tokens, ends = step.token_ids, list(accumulate(step.num_tokens))
             rows = [
                 (tokens[end - n : end], start_pos, table, sample)
-                for n, end, start_pos, table, sample in zip(step.num_tokens, ends, step.start_pos, step.block_tables, step.sample)
+                for n, end, start_pos, table, sample in zip(step.num_tokens, ends, step.start_pos, admitted.block_tables, step.sample)
             ]
             batch = build_forward_batch(rows, self.table.block_size, self.device)
             if step.has_placeholder:
                 # ForwardBatch puts single-token rows first, in row order.
                 placeholder_seq = to_device([s for s, n in zip(step.seq_index, step.num_tokens) if n == 1], torch.int64, self.device)
         if step.sampled_seq_index:
-            sampled = to_device([step.sampled_seq_index, step.sampled_step_index], torch.int64, self.device)
+            sampled = to_device([step.sampled_seq_index, admitted.sampled_step_index], torch.int64, self.device)
         if step.started:
             starts = self.table.stage_starts(step.started)
-        return StagedStep(step, batch, sampled, placeholder_seq, starts)
+        return StagedStep(admitted, batch, sampled, placeholder_seq, starts)
 
     def run(self, staged: StagedStep, out: SlotBuffers) -> None:
         """Enqueue the step's device work (see the module docstring); no host synchronisation."""
-        table, step = self.table, staged.step
+        table = self.table
         if staged.starts is not None:
             table.apply_starts(staged.starts)
         if staged.batch is None:
@@ -90,7 +91,7 @@ class ModelStepRunner:
         if staged.sampled is None:
             return
         rows, step_index = staged.sampled[0], staged.sampled[1]
-        tensors = table.sampling_tensors(step, rows, step_index)
+        tensors = table.sampling_tensors(staged.admitted, rows, step_index)
         result = sample(logits, tensors, table.presence[rows] if tensors.any_penalty else None, fused_argmax=self.model.cpu_kernels)
         table.record_sampled(rows, result.token_ids, tensors.any_penalty)
         count = rows.shape[0]

@@ -39,8 +39,11 @@ REQUEST_ID_HEADER = "x-request-id"
 DEADLINE_SLACK_S = 0.25
 
 
-def stream_chunk(request_id: str, event: reclaim_pb2.SequenceEvent) -> prepare_pb2.GenerateStreamResponse:
-    """One ``GenerateStreamResponse`` from one published event (finish fields and usage on the last)."""
+def stream_chunk(request_id: str, event: reclaim_pb2.SequenceEvent) -> prepare_pb2.GenerateStreamResponse | None:
+    """The ``GenerateStreamResponse`` of one published event (finish fields and usage on the last);
+    ``None`` for an event with no text, token ids or finish: the client is sent nothing for it."""
+    if not (event.text or event.token_ids or event.finish_reason):
+        return None
     chunk = prepare_pb2.GenerateStreamResponse(
         request_id=request_id, text=event.text, token_ids=event.token_ids, logprobs=event.logprobs, finish_reason=event.finish_reason,
     )
@@ -82,8 +85,8 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         request_id = handle.request.request_id
         async with aclosing(self._events(handle, context)) as events:  # its finally runs now, not at GC
             async for event in events:
-                if event.text or event.token_ids or event.finish_reason:
-                    await context.write(stream_chunk(request_id, event))
+                if (chunk := stream_chunk(request_id, event)) is not None:
+                    await context.write(chunk)
 
     async def Generate(self, request: prepare_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> prepare_pb2.GenerateResponse:
         """The whole completion at once: the stream's chunks joined; same errors as GenerateStream."""

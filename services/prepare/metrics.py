@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from stageserve.metric_buckets import STEP_HOST_BUCKETS_S
 from stageserve.prepare.placement import DeviceLoad
 from stageserve.tracing import Tracer, clock_ns
 from stageserve.v1 import common_pb2
@@ -33,8 +34,6 @@ from stageserve.v1 import common_pb2
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # Seconds between tokens of one stream: about one step period.
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
-# Seconds of host work per step: tens of microseconds to a few milliseconds.
-STEP_HOST_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 FINISH_REASON_LABELS = {
     common_pb2.FINISH_REASON_STOP: "stop",

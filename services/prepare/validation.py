@@ -20,16 +20,15 @@ tokens again; ``prompt_token_ids`` are taken as given after a range check.
 from __future__ import annotations
 
 import functools
-import math
 import secrets
 from dataclasses import dataclass
 from typing import Sequence
 
 from stageserve.prepare.errors import invalid_argument
+from stageserve.sampling_rules import first_violation
 from stageserve.v1 import common_pb2, prepare_pb2
 
 DEFAULT_MAX_TOKENS = 256
-MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -148,15 +147,7 @@ def validate_generate_request(
     ids = tokenize_prompt(tokenizer, request.prompt, request.messages, request.prompt_token_ids)
     _check_token_ids("prompt_token_ids", ids, limits.vocab_size)
     max_tokens = _max_tokens(request, len(ids), limits.max_model_len)
-    sampling = common_pb2.SamplingParams(
-        temperature=_temperature(request),
-        top_p=_in_range("top_p", request.top_p if request.HasField("top_p") else 1.0, low=0.0, low_open=True),
-        top_k=_top_k(request.top_k, limits.vocab_size),
-        min_p=_in_range("min_p", request.min_p, low=0.0, low_open=False),
-        repetition_penalty=_repetition_penalty(request),
-        seed=request.seed if request.HasField("seed") else secrets.randbits(63),
-        logprobs=_at_most("logprobs", request.logprobs, MAX_LOGPROBS),
-    )
+    sampling = _sampling(request, limits.vocab_size)
     if request.min_tokens > max_tokens:
         raise invalid_argument(f"min_tokens: {request.min_tokens} is more than max_tokens ({max_tokens}); use at most {max_tokens}")
     _check_stop_strings(request.stop)
@@ -172,12 +163,6 @@ def validate_generate_request(
         prompt_tokens=len(ids),
     )
     return GenerationRequest(request_id=request_id, prompt_token_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stop)
-
-
-def _top_k(top_k: int, vocab_size: int) -> int:
-    if top_k > vocab_size:
-        raise invalid_argument(f"top_k: {top_k} is more than the vocabulary ({vocab_size} tokens); use 0 (off) to {vocab_size}")
-    return top_k
 
 
 @functools.lru_cache(maxsize=4)
@@ -205,6 +190,24 @@ def _check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
             raise invalid_argument(f"{field}[{i}]: token id {token_id} is outside the vocabulary [0, {vocab_size})")
 
 
+def _sampling(request: prepare_pb2.GenerateRequest, vocab_size: int) -> common_pb2.SamplingParams:
+    """The request's sampling parameters with the defaults filled, checked against `stageserve.sampling_rules`."""
+    sampling = common_pb2.SamplingParams(
+        temperature=request.temperature if request.HasField("temperature") else 1.0,
+        top_p=request.top_p if request.HasField("top_p") else 1.0,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        repetition_penalty=request.repetition_penalty if request.HasField("repetition_penalty") else 1.0,
+        seed=request.seed if request.HasField("seed") else secrets.randbits(63),
+        logprobs=request.logprobs,
+    )
+    broken = first_violation(sampling, vocab_size)
+    if broken is not None:
+        rule, value = broken
+        raise invalid_argument(f"{rule.field}: {value} is {rule.problem}")
+    return sampling
+
+
 def _max_tokens(request: prepare_pb2.GenerateRequest, prompt_tokens: int, max_model_len: int) -> int:
     remaining = max_model_len - prompt_tokens
     if remaining < 1:
@@ -222,33 +225,6 @@ def _max_tokens(request: prepare_pb2.GenerateRequest, prompt_tokens: int, max_mo
             f" exceeds the model's context of {max_model_len} tokens; use max_tokens <= {remaining}"
         )
     return request.max_tokens
-
-
-def _temperature(request: prepare_pb2.GenerateRequest) -> float:
-    if not request.HasField("temperature"):
-        return 1.0
-    value = request.temperature
-    if not math.isfinite(value) or value < 0:
-        raise invalid_argument(f"temperature: {value} is not allowed; use a finite number >= 0 (0 = greedy)")
-    return value
-
-
-def _repetition_penalty(request: prepare_pb2.GenerateRequest) -> float:
-    if not request.HasField("repetition_penalty"):
-        return 1.0
-    value = request.repetition_penalty
-    if not math.isfinite(value) or value <= 0:
-        raise invalid_argument(f"repetition_penalty: {value} is not allowed; use a finite number > 0 (1 = off)")
-    return value
-
-
-def _in_range(field: str, value: float, low: float, low_open: bool) -> float:
-    """Check ``value`` in ``(low, 1]`` (``low_open``) or ``[low, 1]``; NaN fails both."""
-    inside = (low < value <= 1.0) if low_open else (low <= value <= 1.0)
-    if not inside:
-        interval = f"({low:g}, 1]" if low_open else f"[{low:g}, 1]"
-        raise invalid_argument(f"{field}: {value} is outside {interval}")
-    return value
 
 
 def _at_most(field: str, value: int, limit: int, what: str = "") -> int:

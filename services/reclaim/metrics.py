@@ -13,7 +13,7 @@ ticket-arrival times that give both the ``reclaim.wait`` span and the completion
 - ``stageserve_requests_live``: sequences registered and not yet finished.
 
 ``reclaim.wait`` spans of consecutive steps overlap (several tickets are held at once), so each
-goes on a virtual lane per output slot; one slot holds one step at a time.
+goes on a virtual trace track per output slot; one slot holds one step at a time.
 """
 
 from __future__ import annotations
@@ -23,15 +23,14 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from stageserve.metric_buckets import STEP_HOST_BUCKETS_S
 from stageserve.tracing import Tracer, clock_ns
 from stageserve.v1 import device_pb2, reclaim_pb2
 
 # Seconds a ticket is held: about one to a few step periods.
 WAIT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 10.0, 30.0)
-# Seconds of host work per step: tens of microseconds to a few milliseconds.
-STEP_HOST_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
-# Virtual trace lanes of reclaim.wait: far above any Linux thread id (pid_max <= 2**22).
-WAIT_LANE_BASE = 1 << 30
+# Virtual trace tracks of reclaim.wait: far above any Linux thread id (pid_max <= 2**22).
+WAIT_TRACK_BASE = 1 << 30
 
 
 class ReclaimMetrics:
@@ -63,7 +62,7 @@ class StepObserver:
     def __init__(self, metrics: ReclaimMetrics, tracer: Tracer) -> None:
         self._metrics, self._tracer = metrics, tracer
         self._arrived: dict[int, tuple[int, int, int]] = {}  # ticket -> (clock_ns at arrival, step_id, slot)
-        self._named_lanes: set[int] = set()
+        self._named_tracks: set[int] = set()
 
     def handling(self, event: device_pb2.CompletionEvent | None, now_ns: int) -> AbstractContextManager:
         """Note the arrival of a device ``event`` (``None``: a completion deadline passed) at
@@ -85,7 +84,7 @@ class StepObserver:
             self._metrics.step_host.observe((clock_ns() - start_ns) / 1e9)
 
     def _end_wait(self, output: device_pb2.StepOutput, now_ns: int) -> None:
-        """Ends the ticket's ``reclaim.wait`` (a span on the slot's lane) and observes the wait."""
+        """Ends the ticket's ``reclaim.wait`` (a span on the slot's trace track) and observes the wait."""
         arrival = self._arrived.pop(output.ticket, None)
         if arrival is None:
             return
@@ -93,11 +92,15 @@ class StepObserver:
         self._metrics.completion_wait.observe((now_ns - start_ns) / 1e9)
         tracer = self._tracer
         if tracer.enabled:
-            lane = WAIT_LANE_BASE + slot
-            if lane not in self._named_lanes:
-                self._named_lanes.add(lane)
-                tracer.name_lane(lane, f"reclaim.wait slot {slot}")
-            tracer.complete("reclaim.wait", start_ns, now_ns, tid=lane, step_id=step_id, ticket=output.ticket, slot=slot)
+            track = WAIT_TRACK_BASE + slot
+            if track not in self._named_tracks:
+                self._named_tracks.add(track)
+                tracer.name_lane(track, f"reclaim.wait slot {slot}")
+            tracer.complete("reclaim.wait", start_ns, now_ns, tid=track, step_id=step_id, ticket=output.ticket, slot=slot)
+
+    def publishing(self, events: reclaim_pb2.StepEvents) -> AbstractContextManager:
+        """The span to publish ``events`` in: ``reclaim.publish``."""
+        return self._tracer.span("reclaim.publish", step_id=events.step_id, ticket=events.ticket)
 
     def published(self, events: reclaim_pb2.StepEvents) -> None:
         """One ``StepEvents`` went to the subscribers."""

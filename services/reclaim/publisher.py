@@ -76,10 +76,6 @@ class Publisher:
         self._lock = threading.Lock()
         self._closed = False
 
-    @property
-    def subscriber_count(self) -> int:
-        return len(self._subscribers)
-
     def subscribe(self, peer: str) -> Subscription:
         """A new subscription, receiving every step published from now on (closed at once after :meth:`close`)."""
         subscription = Subscription(peer, self._max_queued)

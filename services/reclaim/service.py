@@ -1,7 +1,8 @@
 """The reclaim service: the devices' completion streams in, ``Reclaim.Subscribe`` streams out.
 
 :class:`CompletionLink` owns the connection to one device: ``Device.Attach`` (EOS ids, sequence
-table, instance id), then the ``Device.Complete`` bidi stream, whose events it feeds to its own
+table, instance id), then the ``Device.Complete`` bidi stream, whose events it feeds (through
+:func:`~stageserve.reclaim.device_stream.consume_stream`) to its own
 :class:`~stageserve.reclaim.completion.CompletionHandler` (the gRPC-free core: ticket book and
 sequence table of that device), publishing each step's ``StepEvents`` (tagged with the device's
 instance id) and sending ``SlotRelease`` for each step it has read. A device that is not up is
@@ -26,7 +27,6 @@ import queue
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -38,25 +38,18 @@ from stageserve.device_endpoints import DeviceEndpoints, EndpointFollower, Resol
 from stageserve.metrics_http import start_metrics_server
 from stageserve.reclaim.completion import CompletionHandler
 from stageserve.reclaim.detokenizer import IncrementalDetokenizer, decoder_for
+from stageserve.reclaim.device_stream import StreamEnd, consume_stream, receive
 from stageserve.reclaim.metrics import ReclaimMetrics, StepObserver
 from stageserve.reclaim.publisher import Publisher, Subscription
-from stageserve.reclaim.ticket_book import DeviceProtocolError
 from stageserve.server import GRPC_OPTIONS, ServiceServer
 from stageserve.tokenizer import load_tokenizer
-from stageserve.tracing import Tracer, clock_ns
+from stageserve.tracing import Tracer
 from stageserve.v1 import device_pb2, device_pb2_grpc, reclaim_pb2, reclaim_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "stageserve.v1.Reclaim"
 ATTACH_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True)
-class _StreamEnd:
-    """Inbox item: the device stream is over (or reclaim is stopping), and why."""
-
-    reason: str
 
 
 class CompletionLink:
@@ -124,7 +117,7 @@ class CompletionLink:
     def stop(self, timeout_s: float = 10.0) -> None:
         """Fail what is still live (``UNAVAILABLE``, published), close the stream and end the thread."""
         self._stopping.set()
-        self._inbox.put(_StreamEnd("reclaim is shutting down"))
+        self._inbox.put(StreamEnd("reclaim is shutting down"))
         self._thread.join(timeout_s)
         self._channel.close()
 
@@ -152,9 +145,9 @@ class CompletionLink:
         releases: queue.SimpleQueue = queue.SimpleQueue()
         call = self._stub.Complete(iter(releases.get, None))
         self._inbox = inbox = queue.SimpleQueue()
-        threading.Thread(target=_receive, args=(call, inbox), name="device-receive", daemon=True).start()
+        threading.Thread(target=receive, args=(call, inbox), name="device-receive", daemon=True).start()
         if self._stopping.is_set():  # stop() may have signalled the previous inbox
-            inbox.put(_StreamEnd("reclaim is shutting down"))
+            inbox.put(StreamEnd("reclaim is shutting down"))
         self._set_attached(True)
         try:
             received, reason = self._loop(handler, inbox, releases)
@@ -171,37 +164,11 @@ class CompletionLink:
         return received, reason
 
     def _loop(self, handler: CompletionHandler, inbox: queue.SimpleQueue, releases: queue.SimpleQueue) -> tuple[bool, str]:
-        """The main loop over one device stream. Returns (any event received, why it ended)."""
-        received = False
-        tracer, observer = self._tracer, StepObserver(self._metrics, self._tracer)
-        while True:
-            # 1. Receive the next device event, or wake when the oldest step's completion deadline passes.
-            deadline_s = handler.next_deadline_s()
-            try:
-                item = inbox.get(timeout=None if deadline_s is None else max(0.0, deadline_s - time.monotonic()))
-            except queue.Empty:
-                item = None
-            if isinstance(item, _StreamEnd):
-                return received, item.reason
-            received = received or item is not None
-            # 2. Dispatch on the event's kind (ticket: register sequences; output: process rows), or time out steps.
-            start_ns = clock_ns()
-            try:
-                with observer.handling(item, start_ns):
-                    outcomes = handler.expire(time.monotonic()) if item is None else handler.handle(item, time.monotonic())
-            except DeviceProtocolError as exc:
-                log.error("device %s broke the completion protocol: %s", self._target, exc)
-                return received, str(exc)
-            # 3. Publish each ready step's StepEvents, in step order; 4. release its slot to the device.
-            for outcome in outcomes:
-                if outcome.events is not None:
-                    with tracer.span("reclaim.publish", step_id=outcome.events.step_id, ticket=outcome.events.ticket):
-                        self._publisher.publish(outcome.events)
-                    observer.published(outcome.events)
-                if outcome.release_ticket:
-                    releases.put(device_pb2.SlotRelease(ticket=outcome.release_ticket))
-            observer.handled(item, start_ns)
-            self._note_live(handler.live_count)
+        """The main loop over one device stream (`consume_stream`). Returns (any event received, why it ended)."""
+        return consume_stream(
+            handler, inbox, self._publisher.publish, lambda ticket: releases.put(device_pb2.SlotRelease(ticket=ticket)),
+            StepObserver(self._metrics, self._tracer), self._note_live, self._target,
+        )
 
     def _note_live(self, live: int) -> None:
         if live != self._live:
@@ -281,16 +248,6 @@ class CompletionLinks:
                 self._attached.discard(address)
             if bool(self._attached) != was_ready:
                 self._on_ready(bool(self._attached))
-
-
-def _receive(call, inbox: queue.SimpleQueue) -> None:
-    """Move the device stream's events into ``inbox``; end with a :class:`_StreamEnd`."""
-    try:
-        for event in call:
-            inbox.put(event)
-        inbox.put(_StreamEnd("the device closed the stream"))
-    except grpc.RpcError as exc:
-        inbox.put(_StreamEnd(f"{exc.code().name}: {exc.details()}"))
 
 
 class ReclaimServicer(reclaim_pb2_grpc.ReclaimServicer):

@@ -4,19 +4,21 @@ measure what the split into three services costs.
 
 Everything that does the work is the real code: requests are validated and tokenized
 (`validate_generate_request`), scheduled by the `Engine` and its `Scheduler` (plans are the same
-``StepPlan`` messages, built by `build_step_plan`), decoded (`decode_plan`), admitted by the
-`SequenceTable` and submitted to the `StepExecutor` of a device core built by
+``StepPlan`` messages, built by `build_step_plan`), submitted by the device's own `PlanSubmitter`
+(decode, wait for a slot, admit, submit) to the `StepExecutor` of a device core built by
 `stageserve.device.main.build_core` (same model, KV pool, backend, warm-up); the executor's tickets
-and outputs go through the device's `CompletionOutbox` to reclaim's `CompletionHandler`
-(detokenization, stops), whose ``StepEvents`` go straight to `Engine.on_step_events` and whose
-slot releases straight to `StepExecutor.release`. Left out: serialization, the loopback network,
-gRPC's threads and the three processes' separate interpreters (the baseline shares one GIL).
+and outputs go through the device's `CompletionOutbox` and reclaim's own stream loop
+(`receive`, `consume_stream`) to its `CompletionHandler` (detokenization, stops), whose
+``StepEvents`` go straight to `Engine.on_step_events` and whose slot releases straight to
+`StepExecutor.release`; chunks are made by prepare's `stream_chunk`. Left out: serialization, the
+loopback network, gRPC's threads and the three processes' separate interpreters (the baseline
+shares one GIL).
 
-Threads: the engine's step loop; ``inprocess-device`` (the device's Execute handler: decode,
-wait for a slot, admit, submit); ``inprocess-reclaim`` (the device-link loop of reclaim); the
-executor's completion lane; one thread per open request stream. On the cpu backend the steps run
-on the thread that calls `InProcessPipeline.serve_while` (the main thread), as the device service
-runs them on its main thread; so the load goes inside ``serve_while``.
+Threads: the engine's step loop; ``inprocess-device`` (the device's Execute handler);
+``inprocess-receive`` and ``inprocess-reclaim`` (reclaim's receive thread and stream loop); the
+executor's completion thread; one thread per open request stream. On the cpu backend the steps
+run on the thread that calls `InProcessPipeline.serve_while` (the main thread), as the device
+service runs them on its main thread; so the load goes inside ``serve_while``.
 """
 
 from __future__ import annotations
@@ -33,22 +35,25 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from stageserve.bench.loadgen import StreamFailed
 from stageserve.device import main as device_main
 from stageserve.device.backends import create_backend
+from stageserve.device.plan_submitter import PlanSubmitter
 from stageserve.device.service import DeviceCore
-from stageserve.device.step_plan import PlanError, decode_plan
 from stageserve.prepare.api import stream_chunk
 from stageserve.prepare.engine import Engine
 from stageserve.prepare.errors import RequestError
 from stageserve.prepare.validation import validate_generate_request
 from stageserve.reclaim.completion import CompletionHandler
 from stageserve.reclaim.detokenizer import IncrementalDetokenizer, decoder_for
+from stageserve.reclaim.device_stream import consume_stream, receive
+from stageserve.reclaim.metrics import ReclaimMetrics, StepObserver
 from stageserve.tokenizer import load_tokenizer
+from stageserve.tracing import Tracer
 from stageserve.v1 import device_pb2, prepare_pb2
 
-_POLL_S = 0.1
 T = TypeVar("T")
 
 
@@ -75,20 +80,23 @@ class InProcessPipeline:
         self.core: DeviceCore = backend.serve_while(build) if backend is not None else build()
         self.tokenizer = load_tokenizer(model_path)
         self.engine = Engine(max_prefill_chunk=max_prefill_chunk, max_waiting=max_waiting)
-        self._handler = CompletionHandler(self.core.facts, IncrementalDetokenizer(decoder_for(self.tokenizer)), completion_timeout_s)
+        self._handler = CompletionHandler(self.core.attach_reply, IncrementalDetokenizer(decoder_for(self.tokenizer)), completion_timeout_s)
         self._plans: queue.SimpleQueue[device_pb2.StepPlan | None] = queue.SimpleQueue()
         self._stopping = threading.Event()
-        self.core.table.reset()  # what opening an Execute stream does
+        self._submitter = PlanSubmitter(self.core, threading.Lock(), lambda: not self._stopping.is_set())  # opens the "Execute stream"
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._timed_runner = _TimedRunner(self.core.executor.runner, self.core.executor.backend.device)
         self.core.executor.runner = self._timed_runner
         self.engine.start()
+        outbox_events = self.core.outbox.events(lambda: not self._stopping.is_set())
         self._threads = [
             threading.Thread(target=self._device_loop, name="inprocess-device", daemon=True),
+            threading.Thread(target=receive, args=(outbox_events, self._events), name="inprocess-receive", daemon=True),
             threading.Thread(target=self._reclaim_loop, name="inprocess-reclaim", daemon=True),
         ]
         for thread in self._threads:
             thread.start()
-        self.engine.attach(self.core.facts, self._plans.put)
+        self.engine.attach(self.core.attach_reply, self._plans.put)
 
     def serve_while(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` (which sends requests) while this thread runs the device's steps; return its result."""
@@ -104,8 +112,8 @@ class InProcessPipeline:
         handle = self.engine.submit(validate_generate_request(request, request_id, self.tokenizer, self.engine.model_limits()))
         try:
             for event in handle.events():
-                if event.text or event.token_ids or event.finish_reason:
-                    yield stream_chunk(request_id, event)
+                if (chunk := stream_chunk(request_id, event)) is not None:
+                    yield chunk
         finally:
             self.engine.cancel(handle)  # as the servicer's RPC-end callback does
 
@@ -133,31 +141,16 @@ class InProcessPipeline:
 
     # ---- the device's Execute handler, as direct calls ----------------------------------------
     def _device_loop(self) -> None:
-        core = self.core
         while (plan := self._plans.get()) is not None:
-            try:
-                step = decode_plan(plan, core.limits, core.check_sampling)
-                step.forwarded = plan
-                core.executor.wait_for_free_slot(None)
-                core.table.admit(step)
-                ticket = core.executor.submit(step)
-                receipt = device_pb2.StepReceipt(step_id=plan.step_id, ticket=ticket.ticket_id, slot=ticket.slot, submitted_unix_ns=ticket.submitted_unix_ns)
-            except PlanError as exc:
-                receipt = device_pb2.StepReceipt(step_id=plan.step_id, error=str(exc))
+            receipt = self._submitter.submit(plan)
+            if receipt is None:  # closing
+                return
             self.engine.on_receipt(receipt)
 
-    # ---- reclaim's device-link loop, as direct calls ------------------------------------------
+    # ---- reclaim's stream loop, as direct calls -------------------------------------------------
     def _reclaim_loop(self) -> None:
-        core, handler = self.core, self._handler
-        while not self._stopping.is_set():
-            event = core.outbox.pop(_POLL_S)
-            now = time.monotonic()
-            outcomes = handler.expire(now) if event is None else handler.handle(event, now)
-            for outcome in outcomes:
-                if outcome.events is not None:
-                    self.engine.on_step_events(outcome.events)
-                if outcome.release_ticket:
-                    core.executor.release(outcome.release_ticket)
+        observer = StepObserver(ReclaimMetrics(CollectorRegistry()), Tracer("reclaim"))  # as reclaim's, never scraped or traced
+        consume_stream(self._handler, self._events, self.engine.on_step_events, self.core.executor.release, observer)
 
 
 class _TimedRunner:
@@ -174,8 +167,8 @@ class _TimedRunner:
         self._module = None if device.type == "cpu" else torch.get_device_module(device.type)
         self.samples: list[tuple[int, float, tuple | None]] = []  # (sampling rows, host seconds, (start, end) events), in step order
 
-    def stage(self, step):
-        return self._runner.stage(step), len(step.sampled_seq_index)
+    def stage(self, admitted):
+        return self._runner.stage(admitted), len(admitted.step.sampled_seq_index)
 
     def run(self, staged, out):
         inner, rows = staged

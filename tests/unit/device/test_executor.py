@@ -15,18 +15,19 @@ import torch
 
 from stageserve.device.backends import CpuBackend
 from stageserve.device.executor import SlotBuffers, SlotTimeout, StepExecutor, TicketTimeout
-from stageserve.device.step_plan import Step
+from stageserve.device.step_plan import AdmittedStep, Step
+from stageserve.v1 import device_pb2
 
 
-def make_step(step_id: int, rows: int = 2) -> Step:
-    """A host-side step with ``rows`` single-token sampling rows (seq_index 0..rows-1)."""
+def make_step(step_id: int, rows: int = 2) -> AdmittedStep:
+    """An admitted step with ``rows`` single-token sampling rows (seq_index 0..rows-1)."""
     seqs = list(range(rows))
-    return Step(
-        step_id=step_id, seq_index=seqs, generation=[1] * rows, start_pos=[0] * rows, num_tokens=[1] * rows,
-        token_ids=[5] * rows, sample=[True] * rows, num_new_blocks=[0] * rows, new_block_ids=[], started=[],
+    step = Step(
+        plan=device_pb2.StepPlan(step_id=step_id), step_id=step_id, seq_index=seqs, generation=[1] * rows, start_pos=[0] * rows,
+        num_tokens=[1] * rows, token_ids=[5] * rows, sample=[True] * rows, num_new_blocks=[0] * rows, new_block_ids=[], started=[],
         finished=[], sampled_seq_index=seqs, sampled_generation=[1] * rows, has_placeholder=False,
-        sampled_top_logprobs=[0] * rows,
     )
+    return AdmittedStep(step, block_tables=[[] for _ in seqs], sampled_top_logprobs=[0] * rows, sampled_step_index=[0] * rows, sampling_flags=0)
 
 
 class FakeUploads:
@@ -52,10 +53,11 @@ class GatedFakeRunner:
     def gate(self, step_id: int) -> threading.Event:
         return self.gates.setdefault(step_id, threading.Event())
 
-    def stage(self, step: Step) -> FakeUploads:
-        uploads = FakeUploads(step.step_id)
-        self.finalized.setdefault(step.step_id, 0)
-        weakref.finalize(uploads, self._count_free, step.step_id)
+    def stage(self, admitted: AdmittedStep) -> FakeUploads:
+        step_id = admitted.step.step_id
+        uploads = FakeUploads(step_id)
+        self.finalized.setdefault(step_id, 0)
+        weakref.finalize(uploads, self._count_free, step_id)
         return uploads
 
     def _count_free(self, step_id: int) -> None:
@@ -211,7 +213,8 @@ def run_plans(model, dispatch: str, backend=None, prompts: tuple[list[int], list
     steps with placeholders, through a fresh table/KV cache/executor on ``backend`` (default: a new
     `CpuBackend`; closed at the end); returns each step's sampled ids."""
     from stageserve.device.kv_cache import PagedKVCache
-    from stageserve.device.sampler import MAX_LOGPROBS, validate_sampling_params
+    from stageserve.device.sampler import validate_sampling_params
+    from stageserve.sampling_rules import MAX_LOGPROBS
     from stageserve.device.sequence_table import SequenceTable
     from stageserve.device.step_plan import PlanLimits, decode_plan
     from stageserve.device.step_runner import ModelStepRunner
@@ -243,8 +246,7 @@ def run_plans(model, dispatch: str, backend=None, prompts: tuple[list[int], list
         for plan in plans:
             step = decode_plan(plan, limits, lambda p: validate_sampling_params(p, vocab))
             assert executor.wait_for_free_slot(30)
-            table.admit(step)
-            tickets.append(executor.submit(step))
+            tickets.append(executor.submit(table.admit(step)))
             if len(tickets) >= 2:  # play reclaim: read and release the older output
                 executor.release(tickets[-2].ticket_id)
         return [ticket.wait(30).token_ids for ticket in tickets]

@@ -12,8 +12,8 @@ from stageserve.device.metrics import DeviceMetrics
 
 
 def ticket(submitted_ns: int, rows: int = 4) -> SimpleNamespace:
-    """The two fields the metrics read of a CompletionTicket."""
-    return SimpleNamespace(submitted_unix_ns=submitted_ns, step=SimpleNamespace(sampled_seq_index=list(range(rows))))
+    """The two fields the metrics read of a StepTicket."""
+    return SimpleNamespace(submitted_unix_ns=submitted_ns, admitted=SimpleNamespace(step=SimpleNamespace(sampled_seq_index=list(range(rows)))))
 
 
 def sample(metrics: DeviceMetrics, name: str, **labels: str) -> float:

@@ -9,14 +9,15 @@ import torch
 
 from stageserve.device import cpu_kernels
 from stageserve.device.sampler import (
-    MAX_LOGPROBS,
     SamplingTensors,
     _log_exponential_noise,
     apply_repetition_penalty,
     sample,
     validate_sampling_params,
 )
+from stageserve.sampling_rules import MAX_LOGPROBS
 from stageserve.v1 import common_pb2
+from tests.unit.device.sampling_tensors import tensors_from_lists
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -42,7 +43,7 @@ def make_tensors(
     def per_row(value):
         return list(value) if isinstance(value, list) else [value] * rows
 
-    return SamplingTensors.from_lists(
+    return tensors_from_lists(
         temperature=per_row(temperature),
         top_p=per_row(top_p),
         top_k=per_row(top_k),

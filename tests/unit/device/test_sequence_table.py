@@ -44,9 +44,7 @@ def table() -> SequenceTable:
 
 
 def admit(table: SequenceTable, plan: device_pb2.StepPlan):
-    step = decode_plan(plan, LIMITS, check_sampling)
-    table.admit(step)
-    return step
+    return table.admit(decode_plan(plan, LIMITS, check_sampling))
 
 
 @pytest.mark.parametrize(
@@ -111,9 +109,8 @@ def test_finished_sequences_are_dropped_and_reset_forgets_all(table):
 def test_device_state_gathers_sampling_tensors_and_tracks_presence(table):
     seeded = common_pb2.SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.0, repetition_penalty=1.2,
                                        seed=(1 << 64) - 1, logprobs=3)
-    step = decode_plan(prefill(1, 2, sampling=seeded), LIMITS, check_sampling)
-    table.admit(step)
-    table.apply_starts(table.stage_starts(step.started))
+    step = table.admit(decode_plan(prefill(1, 2, sampling=seeded), LIMITS, check_sampling))
+    table.apply_starts(table.stage_starts(step.step.started))
     rows = torch.tensor([2])
     tensors = table.sampling_tensors(step, rows, torch.tensor(step.sampled_step_index))
     assert tensors.temperature.tolist() == pytest.approx([0.7]) and tensors.top_p.tolist() == pytest.approx([0.9])

@@ -9,21 +9,24 @@ import pytest
 
 from stageserve.device.executor import StepExecutor
 from stageserve.device.sim import SimBackend, SimStepRunner, sim_token_id
-from stageserve.device.step_plan import Step
+from stageserve.device.step_plan import AdmittedStep, Step
+from stageserve.v1 import device_pb2
 
 VOCAB, EOS = 49152, (2,)
 
 
-def decode_step(step_id: int, positions: list[int]) -> Step:
-    """A step of single-token sampling rows; row ``r`` of sequence ``r`` sits at ``positions[r]``."""
+def decode_step(step_id: int, positions: list[int], top_logprobs: int = 0) -> AdmittedStep:
+    """An admitted step of single-token sampling rows; row ``r`` of sequence ``r`` sits at ``positions[r]``
+    and asks for ``top_logprobs`` alternatives."""
     rows = len(positions)
     seqs = list(range(rows))
-    return Step(
-        step_id=step_id, seq_index=seqs, generation=[1] * rows, start_pos=positions, num_tokens=[1] * rows,
-        token_ids=[5] * rows, sample=[True] * rows, num_new_blocks=[0] * rows, new_block_ids=[], started=[],
+    step = Step(
+        plan=device_pb2.StepPlan(step_id=step_id), step_id=step_id, seq_index=seqs, generation=[1] * rows, start_pos=positions,
+        num_tokens=[1] * rows, token_ids=[5] * rows, sample=[True] * rows, num_new_blocks=[0] * rows, new_block_ids=[], started=[],
         finished=[], sampled_seq_index=seqs, sampled_generation=[1] * rows, has_placeholder=False,
-        sampled_top_logprobs=[0] * rows,
     )
+    return AdmittedStep(step, block_tables=[[] for _ in seqs], sampled_top_logprobs=[top_logprobs] * rows,
+                        sampled_step_index=[0] * rows, sampling_flags=0)
 
 
 def make_executor(step_ms: float, token_us: float = 0.0, dispatch: str = "async") -> StepExecutor:
@@ -72,8 +75,7 @@ def test_token_ids_are_deterministic_in_range_and_never_eos():
 
 def test_logprobs_are_written_when_asked():
     executor = make_executor(step_ms=1.0)
-    step = decode_step(1, [7])
-    step.sampled_top_logprobs = [3]
+    step = decode_step(1, [7], top_logprobs=3)
     try:
         result = executor.submit(step).wait(5)
     finally:

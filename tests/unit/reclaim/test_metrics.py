@@ -1,4 +1,4 @@
-"""reclaim's step observer: spans per device event, the ticket-held time as a histogram and as reclaim.wait spans on slot lanes."""
+"""reclaim's step observer: spans per device event, the ticket-held time as a histogram and as reclaim.wait spans on slot tracks."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry
 
-from stageserve.reclaim.metrics import WAIT_LANE_BASE, ReclaimMetrics, StepObserver
+from stageserve.reclaim.metrics import WAIT_TRACK_BASE, ReclaimMetrics, StepObserver
 from stageserve.tracing import Tracer
 from stageserve.v1 import device_pb2, reclaim_pb2
 
 
-def test_overlapping_waits_go_on_one_lane_per_slot(tmp_path):
+def test_overlapping_waits_go_on_one_track_per_slot(tmp_path):
     metrics, tracer = ReclaimMetrics(CollectorRegistry()), Tracer("reclaim")
     tracer.start(tmp_path)
     observer = StepObserver(metrics, tracer)
@@ -35,9 +35,9 @@ def test_overlapping_waits_go_on_one_lane_per_slot(tmp_path):
     handled = [(e["name"], e["args"]["ticket"]) for e in events if e["name"] in ("reclaim.ticket", "reclaim.detokenize")]
     assert handled == [("reclaim.ticket", 1), ("reclaim.ticket", 2), ("reclaim.detokenize", 1), ("reclaim.detokenize", 2), ("reclaim.detokenize", 3)]
     waits = [(e["tid"], e["ts"], e["dur"], e["args"]["ticket"]) for e in events if e["name"] == "reclaim.wait"]
-    assert waits == [(WAIT_LANE_BASE, 1000.0, 4000.0, 1), (WAIT_LANE_BASE + 1, 2000.0, 7000.0, 2)]
-    lanes = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
-    assert lanes[WAIT_LANE_BASE + 1] == "reclaim.wait slot 1"
+    assert waits == [(WAIT_TRACK_BASE, 1000.0, 4000.0, 1), (WAIT_TRACK_BASE + 1, 2000.0, 7000.0, 2)]
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert tracks[WAIT_TRACK_BASE + 1] == "reclaim.wait slot 1"
     registry = metrics.registry
     assert registry.get_sample_value("stageserve_completion_wait_seconds_count") == 2
     assert registry.get_sample_value("stageserve_completion_wait_seconds_sum") == pytest.approx(0.011)
