@@ -14,7 +14,9 @@ folder named by a hash of the sources, the torch version, the machine type and t
 torch or an edited source builds afresh. Each build runs in its own temporary
 folder and the finished library is renamed into place, so processes starting together never wait
 on a lock (a build takes ~20 s on a 2-core CPU). Where no compiler is available the build fails, the
-failure is logged once, and the model keeps its pure-torch path.
+failure is logged once, and the model keeps its pure-torch path; ``unavailable_reason`` says why.
+The test suite does not take that fallback on an AVX-512 CPU: ``tests/unit/device/test_cpu_kernels.py``
+fails there unless the kernels load and a model step runs through them.
 """
 
 from __future__ import annotations
@@ -57,9 +59,15 @@ def library_path() -> Path:
 
 
 def build(target: Path) -> None:
-    """Compile the kernels into ``target`` (atomically) and load them into this process. Raises whatever the compiler step raises."""
-    from torch.utils.cpp_extension import load  # imported only to build: it pulls in setuptools
+    """Compile the kernels into ``target`` (atomically) and load them into this process.
 
+    Raises ``RuntimeError`` naming the compiler when torch's (``$CXX``, else ``c++``) is not on PATH,
+    else whatever the compiler step raises.
+    """
+    from torch.utils.cpp_extension import get_cxx_compiler, load  # imported only to build: they pull in setuptools
+
+    if shutil.which(get_cxx_compiler()) is None:  # torch's own error would only say "ninja: build stopped"
+        raise RuntimeError(f"no C++ compiler: {get_cxx_compiler()!r} is not on PATH (install g++, or set CXX)")
     # torch runs `ninja` from PATH; the `ninja` dependency puts it next to this interpreter, which is
     # not on PATH when a service is started by its full path without activating the environment.
     scripts = sysconfig.get_path("scripts")
@@ -81,10 +89,13 @@ _load_lock = threading.Lock()
 
 
 @functools.cache
-def _load() -> bool:
-    if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() != "AVX512":
-        logger.info("CPU kernels not built: they need an x86-64 CPU with AVX-512; the model runs plain torch ops")
-        return False
+def _load() -> str | None:
+    """Load the kernels, building them first if needed: ``None`` once loaded, else why not (logged)."""
+    machine, capability = platform.machine(), torch.backends.cpu.get_cpu_capability()
+    if machine.lower() not in ("x86_64", "amd64") or capability != "AVX512":
+        reason = f"they need an x86-64 CPU with AVX-512 (this is {machine}, torch's CPU capability {capability})"
+        logger.info("CPU kernels not built: %s; the model runs plain torch ops", reason)
+        return reason
     target = library_path()
     try:
         if target.exists():
@@ -92,19 +103,26 @@ def _load() -> bool:
         else:
             logger.info("building the CPU kernels into %s", target.parent)
             build(target)  # loads the library it builds
-        return True
+        return None
     except Exception as error:  # no compiler, no ninja, a read-only cache: the torch path still works
         lines = str(error).strip().splitlines() or [type(error).__name__]
-        reason = next((line for line in lines if "error:" in line), lines[-1])  # the compiler's first error, if any
-        logger.warning("CPU kernels unavailable, the model keeps its pure-torch path: %s", reason.strip())
-        return False
+        reason = next((line for line in lines if "error:" in line), lines[-1]).strip()  # the compiler's first error, if any
+        logger.warning("CPU kernels unavailable, the model keeps its pure-torch path: %s", reason)
+        return reason
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels are not loaded in this process (the CPU, or the build's first error), ``None``
+    once they are; tries to load them first, as ``load_cpu_kernels``."""
+    with _load_lock:  # two threads' first calls must not build into the same process twice
+        return _load()
 
 
 def load_cpu_kernels() -> bool:
     """Build if needed and load the kernels into ``torch.ops.stageserve``, once per process; ``False``
-    (logged) on a CPU without AVX-512 (nothing is built there) or where the build fails."""
-    with _load_lock:  # two threads' first calls must not build into the same process twice
-        return _load()
+    (logged; ``unavailable_reason`` says why) on a CPU without AVX-512 (nothing is built there) or
+    where the build fails."""
+    return unavailable_reason() is None
 
 
 def available(dtype: torch.dtype, head_dim: int, group: int) -> bool:

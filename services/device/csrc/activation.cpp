@@ -40,15 +40,11 @@ SS_AVX512_BF16 void silu_and_mul_row_bf16(const c10::BFloat16* __restrict__ gate
 
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(cpu_has_avx512(), "silu_and_mul needs an x86-64 CPU with AVX-512");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0 &&
-                  (gate_up.scalar_type() == at::kBFloat16 || gate_up.scalar_type() == at::kFloat),
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0 && is_kernel_dtype(gate_up.scalar_type()),
               "gate_up must be contiguous [tokens, 2 * intermediate] bfloat16 or float32, got ", gate_up.sizes());
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
   at::Tensor out = at::empty({rows, n}, gate_up.options());
-  // ~16K elements per thread at least: a 32-row decode step of a 1536-wide MLP splits in two (measured
-  // 22 -> 16 us on a 2-core Xeon), a single row stays on one thread.
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
-  auto body = [&](auto tag) {
+  dispatch_kernel_dtype(gate_up.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     void (*row)(const T*, const T*, T*, int64_t) = silu_and_mul_row<T>;
 #if defined(SS_HAVE_AVX512_BF16)
@@ -57,12 +53,10 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 #endif
     const T* in = gate_up.const_data_ptr<T>();
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, rows_per_thread(n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) row(in + r * 2 * n, in + r * 2 * n + n, op + r * n, n);
     });
-  };
-  if (gate_up.scalar_type() == at::kBFloat16) body(c10::BFloat16{});
-  else body(float{});
+  });
   return out;
 }
 

@@ -41,7 +41,7 @@ SS_AVX512 void norm_row(T* __restrict__ residual, const T* __restrict__ delta, c
 
 at::Tensor norm(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& weight, double eps) {
   TORCH_CHECK(cpu_has_avx512(), "rms_norm needs an x86-64 CPU with AVX-512");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && is_kernel_dtype(x.scalar_type()),
               "x must be contiguous [tokens, hidden] bfloat16 or float32, got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
               "weight must be contiguous [hidden] of x's dtype");
@@ -50,20 +50,15 @@ at::Tensor norm(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& 
                 "delta must be contiguous, with residual's shape and dtype");
   at::Tensor out = at::empty(x.sizes(), x.options());
   const int64_t rows = x.size(0), n = x.size(1);
-  // ~16K values per thread at least: a 32-row decode step splits in two (750 -> 540 us per step of
-  // 59 calls on a 2-core Xeon), a few rows stay on one thread.
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
-  auto body = [&](auto tag) {
+  dispatch_kernel_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     T* xp = static_cast<T*>(x.data_ptr());  // written only with a delta (add_rms_norm's residual)
     const T* dp = delta ? delta->const_data_ptr<T>() : nullptr;
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, rows_per_thread(n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         norm_row<T>(xp + r * n, dp ? dp + r * n : nullptr, weight.const_data_ptr<T>(), out.data_ptr<T>() + r * n, n, static_cast<float>(eps));
     });
-  };
-  if (x.scalar_type() == at::kBFloat16) body(c10::BFloat16{});
-  else body(float{});
+  });
   return out;
 }
 

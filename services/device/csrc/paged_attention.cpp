@@ -240,8 +240,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   }
   at::Tensor out = at::empty({B, q.size(1) * q.size(2)}, q.options());
   if (B == 0) return out;
-  if (q.scalar_type() == at::kBFloat16) run<c10::BFloat16>(q, kv, block_tables, context_lens, scale, out);
-  else run<float>(q, kv, block_tables, context_lens, scale, out);
+  dispatch_kernel_dtype(q.scalar_type(), [&](auto tag) { run<decltype(tag)>(q, kv, block_tables, context_lens, scale, out); });
   return out;
 }
 

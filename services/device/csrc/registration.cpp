@@ -20,7 +20,7 @@ bool cpu_has_avx512_bf16() {
 }
 
 bool supported(c10::ScalarType dtype, int64_t head_dim, int64_t group) {
-  return cpu_has_avx512() && (dtype == at::kBFloat16 || dtype == at::kFloat) && (head_dim == 64 || head_dim == 128) &&
+  return cpu_has_avx512() && is_kernel_dtype(dtype) && (head_dim == 64 || head_dim == 128) &&
          group >= 1 && group <= 8;
 }
 

@@ -67,23 +67,18 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
     TORCH_CHECK(slots[t] >= 0 && slots[t] < slots_per_head, "token ", t, ": slot ", slots[t], " outside the pool of ", slots_per_head);
   }
   at::Tensor qk = at::empty({T, H + K, D}, qkv.options());
-  // ~16K values per thread at least: a 32-token decode step splits in two (its scattered KV stores
-  // wait on memory; 790 -> 525 us per step on a 2-core Xeon), a few tokens stay on one thread.
-  const int64_t grain = std::max<int64_t>(1, 16384 / ((H + 2 * K) * D));
-  auto body = [&](auto tag) {
+  dispatch_kernel_dtype(qkv.scalar_type(), [&](auto tag) {
     using S = decltype(tag);
     const S* in = qkv.const_data_ptr<S>();
     const S* c = cos.const_data_ptr<S>();
     const S* s = signed_sin.const_data_ptr<S>();
     S* out = qk.data_ptr<S>();
     S* pool = kv.data_ptr<S>();
-    at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, T, rows_per_thread((H + 2 * K) * D), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
         rope_and_cache_token<S>(in + t * qkv.stride(0), c + pos[t] * D, s + pos[t] * D, out + t * (H + K) * D, pool, slots[t], H, K, D, slots_per_head);
     });
-  };
-  if (qkv.scalar_type() == at::kBFloat16) body(c10::BFloat16{});
-  else body(float{});
+  });
   return qk;
 }
 

@@ -45,21 +45,19 @@ SS_AVX512 int64_t argmax_row(const T* __restrict__ x, int64_t n) {
 
 at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(cpu_has_avx512(), "argmax_rows needs an x86-64 CPU with AVX-512");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && is_kernel_dtype(x.scalar_type()),
               "x must be [rows, n] bfloat16 or float32 with contiguous rows, got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(x.size(1) >= 1 && x.size(1) <= INT32_MAX, "rows must hold 1 to 2^31 - 1 values, got ", x.size(1));
   const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
-  auto body = [&](auto tag) {
+  dispatch_kernel_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* xp = x.const_data_ptr<T>();
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) op[r] = argmax_row<T>(xp + r * stride, n);
     });
-  };
-  if (x.scalar_type() == at::kBFloat16) body(c10::BFloat16{});
-  else body(float{});
+  });
   return out;
 }
 

@@ -1,6 +1,8 @@
-// AVX-512 helpers shared by the ops: 16 elements (bfloat16 or float32) <-> one fp32 vector, exp, silu.
-// Every function carries the target attribute, so the library is built with the compiler's default
-// flags and loads on any x86-64 CPU; the ops check the CPU before calling into these.
+// Helpers shared by the ops: the dtypes they take and the dispatch over them, how finely a row loop
+// splits over threads, and the AVX-512 vector helpers (16 elements, bfloat16 or float32, <-> one fp32
+// vector; exp, silu). Every vector function carries the target attribute, so the library is built
+// with the compiler's default flags and loads on any x86-64 CPU; the ops check the CPU before
+// calling into these.
 #pragma once
 
 // cpu_kernels.py builds this library only on x86-64 (elsewhere the model runs plain torch ops).
@@ -8,9 +10,11 @@
 #error "the stageserve CPU kernels are x86-64 only"
 #endif
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #define SS_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
@@ -26,6 +30,23 @@
 #define SS_INLINE inline __attribute__((always_inline))
 
 namespace stageserve {
+
+// The dtypes every op but the bfloat16-only amx_* ones takes.
+inline bool is_kernel_dtype(c10::ScalarType dtype) { return dtype == c10::kBFloat16 || dtype == c10::kFloat; }
+
+// Calls fn(T{}) with T the element type of `dtype`: c10::BFloat16 for bfloat16, else float (the
+// caller has checked is_kernel_dtype).
+template <typename Fn>
+void dispatch_kernel_dtype(c10::ScalarType dtype, Fn&& fn) {
+  if (dtype == c10::kBFloat16) fn(c10::BFloat16{});
+  else fn(float{});
+}
+
+// at::parallel_for's grain for a loop over rows of `row_values` values each: ~16K values per thread
+// at least, so a decode step's 32 rows split over two threads while a few rows stay on one (the
+// thread hand-off costs more than they take). Measured on a 2-core Xeon, 32 rows: rms_norm's 59 calls
+// 750 -> 540 us per step, rope_and_cache 790 -> 525 us, silu_and_mul of a 1536-wide MLP 22 -> 16 us.
+inline int64_t rows_per_thread(int64_t row_values) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_values, 1)); }
 
 bool cpu_has_avx512();
 bool cpu_has_avx512_bf16();  // AVX512-BF16 (VDPBF16PS, VCVTNEPS2BF16): the bf16 paths that have a variant using it

@@ -1,9 +1,11 @@
-"""The fused CPU ops (``cpu_kernels``): each gives what the model's plain torch ops give, and the model agrees with itself either way."""
+"""The fused CPU ops (``cpu_kernels``): on an AVX-512 CPU they load and a model step runs through
+them; each gives what the model's plain torch ops give, and the model agrees with itself either way."""
 
 from __future__ import annotations
 
-import os
-import shutil
+import ctypes
+import platform
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -11,17 +13,29 @@ import torch
 
 from stageserve.device import cpu_kernels
 from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.model import LlamaModel, apply_rope, build_forward_batch, rope_tables
+from stageserve.device.model import ForwardBatch, LlamaModel, apply_rope, build_forward_batch, rope_tables
+from stageserve.device.weights import load_weights
 from stageserve.model_files import embedded_model_path
 
+
+def os_grants_amx_tiles() -> bool:
+    """Whether Linux hands this process the AMX tile data state, asked as the kernels and oneDNN ask
+    (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``, Linux 5.16+)."""
+    sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18  # x86-64 numbers
+    return ctypes.CDLL(None, use_errno=True).syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0
+
+
+# What this CPU offers, read from the OS rather than from cpu_kernels' own checks, which are under test.
 CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-HAS_AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma"} <= CPU_FLAGS
-HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
-needs_avx512 = pytest.mark.skipif(
-    not (HAS_AVX512 and HAS_COMPILER), reason="the kernels need an x86-64 CPU with AVX-512 (F/BW/DQ/VL) and a C++ compiler to build them"
+HAS_AVX512 = platform.machine() == "x86_64" and {"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma"} <= CPU_FLAGS
+HAS_AMX = HAS_AVX512 and {"avx512_bf16", "amx_tile", "amx_bf16"} <= CPU_FLAGS and os_grants_amx_tiles()
+needs_avx512_cpu = pytest.mark.skipif(not HAS_AVX512, reason="the kernels are built only for x86-64 CPUs with AVX-512 (F/BW/DQ/VL)")
+
+KERNELS_LOADED = cpu_kernels.load_cpu_kernels()
+needs_kernels = pytest.mark.skipif(
+    not KERNELS_LOADED, reason=f"CPU kernels not loaded ({cpu_kernels.unavailable_reason()}); on an AVX-512 CPU test_kernels_load_on_an_avx512_cpu fails"
 )
-HAS_AMX = HAS_AVX512 and {"avx512_bf16", "amx_tile", "amx_bf16"} <= CPU_FLAGS
-needs_amx = pytest.mark.skipif(not (HAS_AMX and HAS_COMPILER), reason="amx_linear needs a CPU with AMX-BF16 and a C++ compiler")
+needs_amx = pytest.mark.skipif(not (KERNELS_LOADED and torch.ops.stageserve.has_amx()), reason="amx_linear needs a CPU with AMX-BF16 that Linux grants")
 
 
 def reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -40,20 +54,52 @@ def reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, lens: t
     return out
 
 
-@needs_avx512
-def test_kernels_are_built_and_enabled_on_this_cpu():
-    """On an AVX-512 CPU with a compiler the kernels build and suit the embedded model (bf16 and fp32,
-    3 query heads per kv head): a silent fallback to plain torch there would fail this test."""
-    assert cpu_kernels.load_cpu_kernels()
-    assert cpu_kernels.library_path().exists()
+@needs_avx512_cpu
+def test_kernels_load_on_an_avx512_cpu():
+    """On an AVX-512 CPU the kernels must build and load, a C++ compiler being part of the set-up
+    (README): the model's fallback to plain torch is for users, and in the test suite it would let
+    the fused-versus-torch tests compare torch with torch and pass. They suit the embedded model
+    (bf16 and fp32, 3 query heads per kv head), and the AMX linears are on exactly where the CPU has
+    AMX-BF16 and Linux grants its tiles."""
+    assert KERNELS_LOADED, f"the CPU kernels did not load on this AVX-512 CPU: {cpu_kernels.unavailable_reason()}"
+    assert cpu_kernels.unavailable_reason() is None and cpu_kernels.library_path().exists()
     for dtype in (torch.bfloat16, torch.float32):
         assert cpu_kernels.available(dtype, 64, 3)
     assert not cpu_kernels.available(torch.float16, 64, 3)
     assert not cpu_kernels.available(torch.float32, 48, 3)  # head_dim must be 64 or 128
     assert not cpu_kernels.available(torch.float32, 64, 9)  # at most 8 query heads per kv head
+    assert torch.ops.stageserve.has_amx() == HAS_AMX
 
 
-@needs_avx512
+def fused_op_calls(run: Callable[[], object]) -> dict[str, int]:
+    """How many times each ``torch.ops.stageserve`` op ran during ``run()``, counted by torch's
+    profiler (which records every op the dispatcher runs)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        run()
+    return {event.key.removeprefix("stageserve::"): event.count for event in profile.key_averages() if event.key.startswith("stageserve::")}
+
+
+@needs_avx512_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_step_runs_through_the_fused_ops(dtype):
+    """The embedded model's mixed step (19 tokens, 3 decode rows) runs every decoder layer through
+    the fused ops: one RMSNorm, then per layer RoPE with the KV store, paged decode attention, two
+    residual adds with the next RMSNorm (the last layer's second add is plain) and SwiGLU. In bfloat16
+    on a CPU with AMX (granted by Linux) its linears run on ``amx_linear`` (qkv, o and down of each
+    layer, and the lm head) and SwiGLU on ``amx_swiglu``; otherwise on oneDNN, then ``silu_and_mul``."""
+    config, weights = load_weights(embedded_model_path(), dtype)
+    model = LlamaModel(config, weights, "cpu")
+    on_amx = dtype == torch.bfloat16 and HAS_AMX
+    assert model.cpu_kernels, f"the model runs plain torch ops: {cpu_kernels.unavailable_reason()}"
+    assert model.amx_linears == on_amx
+    batch, cache = mixed_step(model, dtype)
+    layers = config.num_layers
+    expected = {"rms_norm": 1, "rope_and_cache": layers, "paged_decode_attention": layers, "add_rms_norm": 2 * layers - 1}
+    expected |= {"amx_linear": 3 * layers + 1, "amx_swiglu": layers} if on_amx else {"silu_and_mul": layers}
+    assert fused_op_calls(lambda: model.forward(batch, cache)) == expected
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("head_dim", "group", "block_size"), [(64, 3, 16), (64, 1, 4), (128, 8, 16), (64, 7, 8), (128, 2, 32)])
 def test_matches_reference_over_scattered_blocks(dtype, head_dim, group, block_size):
@@ -80,7 +126,7 @@ def test_matches_reference_over_scattered_blocks(dtype, head_dim, group, block_s
     assert (out.double() - expected).abs().max().item() < tolerance
 
 
-@needs_avx512
+@needs_kernels
 def test_reads_q_through_its_strides():
     """``q`` may be a view (the model passes a slice of the fused q/k/v projection)."""
     g = torch.Generator().manual_seed(1)
@@ -93,7 +139,7 @@ def test_reads_q_through_its_strides():
     assert (out.double() - reference(q, pool, tables, lens, 0.125)).abs().max().item() < 2e-5
 
 
-@needs_avx512
+@needs_kernels
 @pytest.mark.parametrize(
     ("tables", "lens", "message"),
     [
@@ -116,7 +162,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> 
     return bool(((actual.double() - expected.double()).abs() <= tolerance * (1 + expected.double().abs())).all())
 
 
-@needs_avx512
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 49152])  # masked tails, one full vector, a vocabulary
 def test_argmax_rows_matches_torch_max(dtype, n):
@@ -134,7 +180,7 @@ def test_argmax_rows_matches_torch_max(dtype, n):
     assert torch.equal(cpu_kernels.argmax_rows(x[::3]), expected[::3])  # rows further apart than n
 
 
-@needs_avx512
+@needs_kernels
 def test_argmax_rows_refuses_other_layouts():
     with pytest.raises(RuntimeError, match="contiguous rows"):
         cpu_kernels.argmax_rows(torch.randn(4, 8).t())
@@ -144,7 +190,7 @@ def test_argmax_rows_refuses_other_layouts():
         cpu_kernels.argmax_rows(torch.empty(4, 0))
 
 
-@needs_avx512
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 32, 300])  # 300: enough rows to split over threads
 def test_norms_and_swiglu_match_torch(dtype, rows):
@@ -166,7 +212,7 @@ def test_norms_and_swiglu_match_torch(dtype, rows):
     assert _close(cpu_kernels.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, dtype)
 
 
-@needs_avx512
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128)])
 def test_rope_and_cache_matches_rope_then_store(dtype, heads, kv_heads, head_dim):
@@ -198,7 +244,7 @@ def test_rope_and_cache_matches_rope_then_store(dtype, heads, kv_heads, head_dim
     assert torch.equal(flat[:, untouched], before.view(2 * kv_heads, -1, head_dim)[:, untouched])
 
 
-@needs_avx512
+@needs_kernels
 def test_rope_and_cache_refuses_a_slot_outside_the_pool():
     """A slot or position out of range raises before anything is written."""
     pool = torch.zeros(2, 2, 16, 64)
@@ -262,9 +308,10 @@ def test_amx_linear_takes_no_rows_and_refuses_what_it_cannot_run():
     assert not cpu_kernels.amx_ready(torch.randn(32, 64))  # float32
 
 
-def mixed_step_logits(model: LlamaModel, dtype: torch.dtype) -> torch.Tensor:
-    """Float32 logits of one mixed step: decode rows of several lengths, a fresh prefill and a later
-    prefill chunk, over scattered blocks (the same random tokens and tables for every model)."""
+def mixed_step(model: LlamaModel, dtype: torch.dtype) -> tuple[ForwardBatch, PagedKVCache]:
+    """One mixed step: decode rows of several lengths, a fresh prefill and a later prefill chunk,
+    over scattered blocks (the same random tokens and tables for every model), and its KV cache
+    holding the earlier tokens of its rows."""
     g = torch.Generator().manual_seed(0)
     rows = [(37, 1), (3, 1), (16, 1), (0, 9), (20, 7)]  # (tokens cached, new tokens)
     cache = PagedKVCache(model.config, 32, 16, dtype, "cpu")
@@ -275,14 +322,18 @@ def mixed_step_logits(model: LlamaModel, dtype: torch.dtype) -> torch.Tensor:
         if cached:
             model.forward(build_forward_batch([(tokens[:cached], 0, table, False)], 16, "cpu"), cache)
         step.append((tokens[cached:], cached, table, True))
-    return model.forward(build_forward_batch(step, 16, "cpu"), cache).float()
+    return build_forward_batch(step, 16, "cpu"), cache
+
+
+def mixed_step_logits(model: LlamaModel, dtype: torch.dtype) -> torch.Tensor:
+    """Float32 logits ``[5, vocab]`` of ``mixed_step``."""
+    return model.forward(*mixed_step(model, dtype)).float()
 
 
 def test_model_fused_and_torch_paths_agree():
     """The embedded model's mixed step gives the same fp32 logits (< 1e-4) with the fused ops as in
-    plain torch ops; where the kernels are unavailable both are the torch path."""
-    from stageserve.device.weights import load_weights
-
+    plain torch ops; where the kernels are unavailable (not on an AVX-512 CPU: see
+    test_kernels_load_on_an_avx512_cpu) both are the torch path."""
     config, weights = load_weights(embedded_model_path(), torch.float32)
     fused, plain = LlamaModel(config, weights, "cpu"), LlamaModel(config, weights, "cpu", cpu_kernels_allowed=False)
     assert fused.cpu_kernels == cpu_kernels.available(torch.float32, 64, 3) and not plain.cpu_kernels
@@ -293,8 +344,6 @@ def test_bfloat16_model_stays_close_to_float32():
     """The embedded model in bf16 on its fastest path here (fused ops, decode-sized linears on AMX
     where the CPU has it) against plain fp32: logits within 1 (0.56 measured) and the same argmax;
     likewise with the AMX linears turned off."""
-    from stageserve.device.weights import load_weights
-
     config, weights = load_weights(embedded_model_path(), torch.bfloat16)
     model = LlamaModel(config, weights, "cpu")
     assert (model.layers[0].qkv.amx_weight is not None) == (model.cpu_kernels and cpu_kernels.amx_ready(weights["model.embed_tokens.weight"]))
@@ -308,7 +357,7 @@ def test_bfloat16_model_stays_close_to_float32():
     assert torch.equal(mixed_step_logits(on_onednn, torch.bfloat16).argmax(-1), reference.argmax(-1))
 
 
-@needs_avx512
+@needs_kernels
 def test_nan_propagates_as_in_torch():
     """A NaN in a query or in one cached key makes that row's output NaN (as the torch path does)
     instead of being clamped away inside the softmax; other rows are unaffected."""
@@ -325,7 +374,7 @@ def test_nan_propagates_as_in_torch():
     assert out[1].isnan().all() and not out[0].isnan().any()
 
 
-@needs_avx512
+@needs_kernels
 def test_refuses_a_pool_without_heads():
     """A pool with no kv heads is a RuntimeError, not a division by zero in the process."""
     with pytest.raises(RuntimeError, match="kv must be a contiguous layer pool"):
