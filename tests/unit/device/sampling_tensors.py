@@ -1,4 +1,8 @@
-"""`SamplingTensors` built from per-row Python lists, for tests that drive `sample` without a sequence table."""
+"""`SamplingTensors` of hand-picked per-row parameters, for tests that drive `sample` directly.
+
+They are made the way a step's are: the rows start as sequences of a real `SequenceTable`, which
+admits one step of them and gathers the tensors and host flags (greedy rows, seed wrap) itself.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,9 @@ from collections.abc import Sequence
 import torch
 
 from stageserve.device.sampler import SamplingTensors
-from stageserve.sampling_rules import is_greedy, seed_as_int64
+from stageserve.device.sequence_table import SequenceTable
+from stageserve.device.step_plan import StartedSequence, Step
+from stageserve.v1 import common_pb2, device_pb2
 
 
 def tensors_from_lists(
@@ -22,28 +28,23 @@ def tensors_from_lists(
     logprobs: Sequence[int],
     device: torch.device | str,
 ) -> SamplingTensors:
-    """The tensors and host flags of S rows from per-row lists (all of length S), as the sequence table
-    computes them: uint64 seeds stored as int64 with the same bits, greedy rows (``top_k == 1``
-    included) with temperature 0."""
-    greedy = [is_greedy(temp, k) for temp, k in zip(temperature, top_k, strict=True)]
-    floats = torch.tensor(
-        [[0.0 if g else temp for g, temp in zip(greedy, temperature)], list(top_p), list(min_p), list(repetition_penalty)],
-        dtype=torch.float32,
-    ).to(device)
-    ints = torch.tensor([list(top_k), [seed_as_int64(s) for s in seed], list(step_index)], dtype=torch.int64).to(device)
-    sampled_rows = [i for i, g in enumerate(greedy) if not g]
-    return SamplingTensors(
-        temperature=floats[0],
-        top_p=floats[1],
-        min_p=floats[2],
-        repetition_penalty=floats[3],
-        top_k=ints[0],
-        seed=ints[1],
-        step_index=ints[2],
-        all_greedy=not sampled_rows,
-        any_top_k=any(top_k[i] > 0 for i in sampled_rows),
-        any_top_p=any(top_p[i] < 1.0 for i in sampled_rows),
-        any_min_p=any(min_p[i] > 0.0 for i in sampled_rows),
-        any_penalty=any(p != 1.0 for p in repetition_penalty),
-        max_logprobs=max(logprobs, default=0),
+    """The `SamplingTensors` of S rows from per-row lists (all of length S); seeds are uint64 values."""
+    rows = list(range(len(temperature)))
+    device = torch.device(device)
+    table = SequenceTable(max(1, len(rows)), vocab_size=1, block_size=1, device=device)
+    params = zip(temperature, top_p, top_k, min_p, repetition_penalty, seed, logprobs, strict=True)
+    started = [
+        StartedSequence(row, 1, common_pb2.SamplingParams(temperature=t, top_p=p, top_k=k, min_p=m, repetition_penalty=r, seed=s, logprobs=n), [])
+        for row, (t, p, k, m, r, s, n) in zip(rows, params)
+    ]
+    step = Step(
+        plan=device_pb2.StepPlan(step_id=1), step_id=1, seq_index=rows, generation=[1] * len(rows), start_pos=[0] * len(rows),
+        num_tokens=[1] * len(rows), token_ids=[0] * len(rows), sample=[True] * len(rows), num_new_blocks=[1] * len(rows),
+        new_block_ids=rows, started=started, finished=[], sampled_seq_index=rows, sampled_generation=[1] * len(rows),
+        has_placeholder=False,
     )
+    admitted = table.admit(step)
+    if started:
+        table.apply_starts(table.stage_starts(started))
+    return table.sampling_tensors(admitted, torch.tensor(rows, dtype=torch.int64, device=device),
+                                  torch.tensor(list(step_index), dtype=torch.int64, device=device))
