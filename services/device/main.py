@@ -151,6 +151,7 @@ def _serve(args: argparse.Namespace, server, servicer, tracer, metrics, core) ->
     servicer.serve(core)
     server.set_ready(True)
     facts = core.facts
+    metrics.describe_model(facts.model_name, facts.backend, facts.dtype)
     log.info("device ready: %s on %s (%s, %s dispatch, depth %d), %d KV blocks of %d tokens, instance %s",
              facts.model_name, facts.backend, facts.dtype, facts.dispatch, facts.pipeline_depth, facts.kv_num_blocks, facts.kv_block_size, facts.instance_id)
 

@@ -133,14 +133,21 @@ def test_metrics_after_traffic(traced, workload):
     assert metric(prepare, "stageserve_inter_token_latency_seconds_count") == STREAMS * (MAX_TOKENS - 1)
     assert metric(prepare, "stageserve_generation_tokens_total") == STREAMS * MAX_TOKENS
     assert metric(prepare, "stageserve_prompt_tokens_total") == STREAMS * 4
+    assert metric(prepare, "stageserve_request_prefill_time_seconds_count") == STREAMS
+    assert metric(prepare, "stageserve_request_decode_time_seconds_count") == STREAMS
     assert metric(prepare, "stageserve_kv_cache_blocks_used") == 0
     assert metric(prepare, "stageserve_kv_cache_blocks_free") > 0
+    assert metric(prepare, "stageserve_kv_cache_usage_ratio") == 0
+    assert metric(prepare, "stageserve_model_info", model_name="SmolLM2-135M-Instruct", backend="cpu", dtype="float32") == 1
     assert metric(prepare, "stageserve_requests_running") == 0
     assert metric(prepare, "stageserve_requests_waiting") == 0
     steps = metric(prepare, "stageserve_host_critical_path_seconds_count")
     assert steps >= MAX_TOKENS
 
     device = scrape(pipeline.device)
+    assert metric(device, "stageserve_model_info", model_name="SmolLM2-135M-Instruct", backend="cpu", dtype="float32") == 1
+    for scraped in (prepare, device):
+        assert metric(scraped, "process_resident_memory_bytes") > 0 and metric(scraped, "process_open_fds") > 0
     assert metric(device, "stageserve_tickets_in_flight") == 0
     assert metric(device, "stageserve_steps_total", outcome="ok") == steps  # the warm-up step is not counted
     assert metric(device, "stageserve_step_device_time_seconds_count", timing_source="submit_to_completion") == steps
@@ -237,6 +244,9 @@ def test_sync_dispatch_trace_is_labelled_blocking_span_and_logs_are_json(tmp_pat
     try:
         run_streams(pipeline.prepare.address, 4, 8, "sync")
         device = scrape(pipeline.device)
+    assert metric(device, "stageserve_model_info", model_name="SmolLM2-135M-Instruct", backend="cpu", dtype="float32") == 1
+    for scraped in (prepare, device):
+        assert metric(scraped, "process_resident_memory_bytes") > 0 and metric(scraped, "process_open_fds") > 0
         assert metric(device, "stageserve_step_device_time_seconds_count", timing_source="blocking_span") >= 8
         assert metric(device, "stageserve_step_device_time_seconds_count", timing_source="submit_to_completion") == 0
     finally:
