@@ -123,7 +123,8 @@ class Deployments:
         if document != self._document:
             self.stop()
             self._document = document
-            self._pipeline = launch(self._factory, f"docs-{document.stem}")
+            # bfloat16 where the CPU has it (the README's default): the documents' answers need no float32 match.
+            self._pipeline = launch(self._factory, f"docs-{document.stem}", device_args=["--dtype", "auto"])
             self.folder = self._factory.mktemp(f"docs-{document.stem}-cwd")
             (self.folder / ".venv").symlink_to(sys.prefix, target_is_directory=True)
         assert self._pipeline is not None and self.folder is not None

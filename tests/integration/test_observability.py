@@ -24,6 +24,7 @@ from stageserve.launcher import Pipeline, ServiceProcess
 from stageserve.trace_tools.analyze import analyze, complete_spans
 from stageserve.trace_tools.merge import find_fragments, merge_fragments
 from stageserve.v1 import admin_pb2, admin_pb2_grpc, prepare_pb2, prepare_pb2_grpc
+from tests.grafana_dashboard import SCRAPE_LABELS, expressions, label_names, load_dashboard, metric_names
 from tests.integration.conftest import launch
 
 STREAMS = 8
@@ -157,6 +158,22 @@ def test_metrics_after_traffic(traced, workload):
     assert metric(reclaim, "stageserve_steps_published_total", outcome="ok") == steps
     assert metric(reclaim, "stageserve_completion_wait_seconds_count") == steps
     assert metric(reclaim, "stageserve_requests_live") == 0
+
+
+def test_grafana_dashboard_queries_only_metrics_the_services_export(traced, workload):
+    """Every series and label the shipped dashboard queries exists on the live /metrics of the three services."""
+    pipeline, _ = traced
+    exported: dict[str, set[str]] = defaultdict(set)  # sample name -> label names seen on it
+    for process in pipeline.processes:
+        for name, samples in scrape(process).items():
+            for labels, _ in samples:
+                exported[name] |= set(labels)
+    for title, expr in expressions(load_dashboard()):
+        names = metric_names(expr)
+        missing = names - set(exported)
+        assert not missing, f"panel {title!r} queries {sorted(missing)}, which no service exports"
+        unknown = label_names(expr) - SCRAPE_LABELS - set().union(*(exported[name] for name in names))
+        assert not unknown, f"panel {title!r} uses labels {sorted(unknown)} that {sorted(names)} do not carry"
 
 
 def test_refused_request_is_counted_with_its_status(traced, workload):
