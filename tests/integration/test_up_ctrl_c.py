@@ -1,6 +1,7 @@
 """Ctrl-C on ``stageserve up`` in a pseudo-terminal, as a user presses it: idle and with a request in
 flight, ten times. Every child exits 0, a request in flight still gets all its tokens, and no
-service waits out its drain timeout (each would log ``drain timeout``).
+service waits out its drain timeout (each would log ``drain timeout``). The terminal shows the
+launcher's lines only; the services' logs are in the folder it names.
 
 ``up`` runs on a tiny checkpoint (``tests.tiny_checkpoint``) so that each start takes seconds; the
 rounds run a few at a time. A round that fails kills what it started, by pid.
@@ -40,6 +41,7 @@ class Round:
     logs: dict[str, str]
     streamed: prepare_pb2.GenerateStreamResponse | None
     streamed_tokens: int
+    terminal: str  # what the launcher printed up to "ready"
 
 
 def stream_until_done(address: str, first_chunk: threading.Event, out: list) -> None:
@@ -76,6 +78,7 @@ def one_round(model: Path, log_dir: Path, in_flight: bool) -> Round:
     )
     try:
         launcher.expect(READY)
+        terminal = launcher.before
         address = launcher.match.group(1)
         launcher.expect("Ctrl-C stops all three.")
         streamed: list = [None, 0]
@@ -93,7 +96,7 @@ def one_round(model: Path, log_dir: Path, in_flight: bool) -> Round:
         if client is not None:
             client.join(60)
         logs = {role: (log_dir / f"{role}.log").read_text() for role in ("prepare", "device", "reclaim")}
-        return Round(launcher.exitstatus, codes, logs, streamed[0], streamed[1])
+        return Round(launcher.exitstatus, codes, logs, streamed[0], streamed[1], terminal)
     except BaseException:
         kill_tree(launcher)
         raise
@@ -112,6 +115,9 @@ def test_ctrl_c_stops_every_service_cleanly_idle_and_with_a_request_in_flight(ti
         where = f"round {index} ({'request in flight' if index % 2 else 'idle'})"
         assert result.exit_status == 0, where
         assert result.codes == {"prepare": 0, "device": 0, "reclaim": 0}, where
+        # Quiet by default: the launcher's own line names the log folder; no service line reaches the terminal.
+        assert f"logs in {tmp_path / f'round-{index}'}/" in result.terminal, where
+        assert " INFO " not in result.terminal and "listening on" not in result.terminal, where
         for role, log in result.logs.items():
             assert ": stopped" in log, f"{where}: {role} did not finish its shutdown"
             assert "drain timeout" not in log, f"{where}: {role} waited out its drain timeout"
