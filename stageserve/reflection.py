@@ -11,6 +11,7 @@ set, comments included. Files outside it (health, reflection itself) are served 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -22,13 +23,28 @@ DESCRIPTOR_SET = "descriptors.binpb"  # in the stageserve.v1 package, next to th
 
 @cache
 def documented_files() -> dict[str, descriptor_pb2.FileDescriptorProto]:
-    """stageserve's ``.proto`` files by name, with their source info (comments), as generated.
+    """stageserve's ``.proto`` files by name, with their source info (comments).
+
+    Otherwise as the generated stubs register them: protoc's descriptor set also names each
+    field's ``json_name``, which the stubs leave out; it is dropped, so grpcurl keeps printing the
+    proto field names (``finish_reason``, not ``finishReason``).
 
     Raises:
         FileNotFoundError: the package lacks the descriptor set (run ``make protos``).
     """
     data = resources.files("stageserve.v1").joinpath(DESCRIPTOR_SET).read_bytes()
-    return {file.name: file for file in descriptor_pb2.FileDescriptorSet.FromString(data).file}
+    files = descriptor_pb2.FileDescriptorSet.FromString(data).file
+    for file in files:
+        for message in _all_messages(file.message_type):
+            for field in message.field:
+                field.ClearField("json_name")
+    return {file.name: file for file in files}
+
+
+def _all_messages(messages) -> Iterator[descriptor_pb2.DescriptorProto]:
+    for message in messages:
+        yield message
+        yield from _all_messages(message.nested_type)
 
 
 class _DocumentedFile:

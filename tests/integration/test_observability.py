@@ -261,9 +261,6 @@ def test_sync_dispatch_trace_is_labelled_blocking_span_and_logs_are_json(tmp_pat
     try:
         run_streams(pipeline.prepare.address, 4, 8, "sync")
         device = scrape(pipeline.device)
-    assert metric(device, "stageserve_model_info", model_name="SmolLM2-135M-Instruct", backend="cpu", dtype="float32") == 1
-    for scraped in (prepare, device):
-        assert metric(scraped, "process_resident_memory_bytes") > 0 and metric(scraped, "process_open_fds") > 0
         assert metric(device, "stageserve_step_device_time_seconds_count", timing_source="blocking_span") >= 8
         assert metric(device, "stageserve_step_device_time_seconds_count", timing_source="submit_to_completion") == 0
     finally:
