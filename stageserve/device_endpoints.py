@@ -8,7 +8,7 @@
   the answer.
 
 :class:`EndpointFollower` resolves the entries every ``--device-refresh-s`` seconds and hands the
-current address set to its consumer (prepare's lanes, reclaim's device links), which opens a
+current address set to its consumer (prepare's device sessions, reclaim's completion links), which opens a
 connection to a new address and stops using one that left. A name that does not resolve
 (``EAI_NONAME``: a headless Service with no ready pod) contributes no address; any other lookup
 failure (a DNS server timeout) keeps the previous set, so a DNS hiccup never drops a device.

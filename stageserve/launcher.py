@@ -2,7 +2,15 @@
 
 Starts device, then reclaim (dials device), then prepare (dials both), each on its own port, waits
 until all three report readiness through ``grpc.health.v1``, optionally streams one chat answer, and
-stops all three cleanly (SIGTERM, then SIGKILL after a grace period) on Ctrl-C or SIGTERM.
+serves until Ctrl-C or SIGTERM. The services' logs go to one file each in a folder that ``up``
+prints (``--verbose``: to the terminal instead), so the terminal shows only the launcher's lines.
+
+Shutdown: each service runs in a session of its own, so a terminal's Ctrl-C reaches only the
+launcher, which then stops the services one at a time with SIGTERM, in the order in which each
+one's drain can complete: prepare (finishes the requests in flight, then lets the device go), the
+device (its last steps complete and reclaim, still up, takes their outputs), then reclaim. Each
+gets its drain timeout plus the server's stop grace before SIGKILL.
+
 :class:`ServiceProcess` and :func:`start_pipeline` are also what the integration tests use, so the
 tests start the services exactly the way users do.
 """
@@ -27,8 +35,9 @@ SERVICE_NAMES = {
     "reclaim": "stageserve.v1.Reclaim",
 }
 
-# How long `up` lets the services finish the shutdown a Ctrl-C started before it sends SIGTERM (seconds).
-CTRL_C_GRACE_S = 5.0
+# Seconds a stopped service may take beyond its drain timeout (the server's stop grace, then the
+# interpreter's exit) before it is killed.
+STOP_MARGIN_S = 15.0
 
 
 class ServiceProcess:
@@ -37,7 +46,9 @@ class ServiceProcess:
     The service binds ``--port`` (0 = ephemeral) and writes the bound port to a port file, which
     :meth:`wait_port` reads. With ``port`` 0 its Prometheus endpoint is ephemeral too
     (``--metrics-port 0``, unless ``args`` choose one), so parallel deployments never collide;
-    :attr:`metrics_port` reads it. Output goes to ``log_path``.
+    :attr:`metrics_port` reads it. Output goes to ``log_path``. The process starts a session of its
+    own, so signals a terminal sends to its foreground group (Ctrl-C) never reach it: whoever
+    started it stops it, by pid (:meth:`stop`).
 
     Args:
         role: ``prepare``, ``device`` or ``reclaim``.
@@ -63,7 +74,8 @@ class ServiceProcess:
         """Start the process (returns at once)."""
         out = open(self.log_path, "ab") if self.log_path else None
         try:
-            self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT if out else None)
+            self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
         finally:
             if out:
                 out.close()
@@ -129,20 +141,10 @@ class ServiceProcess:
                 time.sleep(0.1)
         raise RuntimeError(f"{self.role} was not ready within {timeout_s:.0f} s ({self._log_hint})")
 
-    def stop(self, timeout_s: float = 30.0, exiting_grace_s: float = 0.0) -> int | None:
-        """SIGTERM, wait up to ``timeout_s``, then SIGKILL. Returns the exit code (None if never started).
-
-        ``exiting_grace_s``: first wait this long for a process that is already stopping on its own
-        (after a terminal's Ctrl-C reached the whole process group), so that no SIGTERM lands in
-        the middle of its shutdown.
-        """
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM, wait up to ``timeout_s``, then SIGKILL. Returns the exit code (None if never started)."""
         if self.process is None:
             return None
-        if exiting_grace_s > 0:
-            try:
-                self.process.wait(exiting_grace_s)
-            except subprocess.TimeoutExpired:
-                pass
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -170,13 +172,14 @@ class Pipeline:
     def processes(self) -> list[ServiceProcess]:
         return [self.prepare, self.reclaim, self.device]
 
-    def stop(self, timeout_s: float = 30.0, exiting_grace_s: float = 0.0) -> dict[str, int | None]:
-        """Stop prepare, reclaim, then device (the order in which nothing dials a stopped peer).
+    def stop(self, timeout_s: float = 30.0 + STOP_MARGIN_S) -> dict[str, int | None]:
+        """Stop prepare, the device, then reclaim, each SIGTERM then up to ``timeout_s`` before
+        SIGKILL; returns each role's exit code.
 
-        ``exiting_grace_s`` (see `ServiceProcess.stop`) is one window for all three, not one each.
+        The order lets every drain complete: prepare finishes its requests and lets the device go;
+        the device's last outputs are taken by reclaim, which is still up; reclaim has nothing left.
         """
-        grace_ends = time.monotonic() + exiting_grace_s
-        return {p.role: p.stop(timeout_s, max(0.0, grace_ends - time.monotonic())) for p in self.processes}
+        return {p.role: p.stop(timeout_s) for p in (self.prepare, self.device, self.reclaim)}
 
 
 def start_pipeline(
@@ -225,7 +228,7 @@ def start_pipeline(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="", help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--port", type=int, default=50051, help="prepare's port (public API)")
+    parser.add_argument("--port", type=int, default=50051, help="prepare's port (public API); 0 = ephemeral")
     parser.add_argument("--device-port", type=int, default=50052)
     parser.add_argument("--reclaim-port", type=int, default=50053)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -236,6 +239,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="all three services record a Chrome trace from start-up into DIR, written at shutdown "
                              "(then: stageserve trace merge DIR)")
     parser.add_argument("--log-format", choices=["text", "json"], default="text", help="the services' log lines (default %(default)s)")
+    parser.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
+                        help="the services' logs go to DIR/{device,reclaim,prepare}.log (default: a new folder in the "
+                             "system's temporary folder, printed at start and kept)")
+    parser.add_argument("--verbose", action="store_true", help="stream the services' logs to this terminal instead of files")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="on Ctrl-C/SIGTERM, how long each service may finish its in-flight work (default %(default)s)")
     parser.add_argument("--metrics-port-base", default="9101", metavar="PORT|0|off",
                         help="Prometheus ports: prepare PORT, device PORT+1, reclaim PORT+2 (default %(default)s); "
                              "0 = ephemeral ports (printed once ready); off = no metrics")
@@ -252,57 +261,74 @@ def _metrics_ports(base: str) -> tuple[str, str, str]:
     return str(int(base)), str(int(base) + 1), str(int(base) + 2)
 
 
+def _service_args(args: argparse.Namespace) -> tuple[list[str], list[str], list[str]]:
+    """The (device, reclaim, prepare) flags ``up``'s own flags give."""
+    common = ["--log-format", args.log_format, "--drain-timeout", str(args.drain_timeout),
+              *(["--model", args.model] if args.model else []), *(["--trace-dir", str(args.trace_dir)] if args.trace_dir else [])]
+    prepare_metrics, device_metrics, reclaim_metrics = _metrics_ports(args.metrics_port_base)
+    device = [*common, "--metrics-port", device_metrics, "--dtype", args.dtype, "--backend", args.backend, "--dispatch", args.dispatch,
+              "--pipeline-depth", str(args.pipeline_depth)]
+    return device, [*common, "--metrics-port", reclaim_metrics], [*common, "--metrics-port", prepare_metrics]
+
+
+def _raise_keyboard_interrupt(_signum, _frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _print_ready(pipeline: Pipeline) -> None:
+    metrics = ", ".join(f"{p.role} http://127.0.0.1:{p.metrics_port}/metrics" for p in pipeline.processes if p.metrics_port)
+    print(
+        f"ready: prepare (Generation API) {pipeline.prepare.address}, device {pipeline.device.address}, "
+        f"reclaim {pipeline.reclaim.address}\n"
+        f"  metrics: {metrics or 'off'}\n"
+        f"  try: stageserve generate --target {pipeline.prepare.address} --chat \"Tell me a joke\"\n"
+        f"       grpcurl -plaintext {pipeline.prepare.address} list\n"
+        "Ctrl-C stops all three.",
+        file=sys.stderr, flush=True,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    """Start the three services, optionally stream one chat answer, serve until Ctrl-C/SIGTERM."""
+    """Start the three services, optionally stream one chat answer, serve until Ctrl-C/SIGTERM.
+
+    Exit code: 0 after a clean stop, 1 when a service failed to start or exited on its own, 130
+    when interrupted while starting.
+    """
     from stageserve import client
 
-    common_args = ["--log-format", args.log_format, *(["--model", args.model] if args.model else []),
-                   *(["--trace-dir", str(args.trace_dir)] if args.trace_dir else [])]
-    prepare_metrics, device_metrics, reclaim_metrics = _metrics_ports(args.metrics_port_base)
-    device_args = [*common_args, "--metrics-port", device_metrics, "--dtype", args.dtype, "--backend", args.backend, "--dispatch", args.dispatch,
-                   "--pipeline-depth", str(args.pipeline_depth)]
-    stop = threading.Event()
-    interrupted: list[bool] = []  # True for SIGINT: Ctrl-C, which the terminal also sent to the three services
-
-    def on_signal(signum, _frame) -> None:
-        interrupted.append(signum == signal.SIGINT)
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
-    with tempfile.TemporaryDirectory(prefix="stageserve-up-") as tmp:
-        print("starting device, reclaim and prepare (loading the model and warming up)...", file=sys.stderr, flush=True)
+    log_dir = None if args.verbose else (args.log_dir or Path(tempfile.mkdtemp(prefix="stageserve-up-")))
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    device_args, reclaim_args, prepare_args = _service_args(args)
+    # While starting, Ctrl-C or SIGTERM interrupts start_pipeline, which stops what it started.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    with tempfile.TemporaryDirectory(prefix="stageserve-up-ports-") as ports_dir:
+        logs = f"; logs in {log_dir}/" if log_dir else ""
+        print(f"starting device, reclaim and prepare (loading the model and warming up){logs}...", file=sys.stderr, flush=True)
         try:
-            pipeline = start_pipeline(
-                Path(tmp), device_args=device_args, reclaim_args=[*common_args, "--metrics-port", reclaim_metrics],
-                prepare_args=[*common_args, "--metrics-port", prepare_metrics],
-                ports=(args.port, args.device_port, args.reclaim_port),
-            )
+            pipeline = start_pipeline(Path(ports_dir), device_args=device_args, reclaim_args=reclaim_args, prepare_args=prepare_args,
+                                      ports=(args.port, args.device_port, args.reclaim_port), log_dir=log_dir)
+        except KeyboardInterrupt:
+            print("interrupted while starting; the services are stopped", file=sys.stderr)
+            return 130
         except RuntimeError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         try:
-            metrics = ", ".join(f"{p.role} http://127.0.0.1:{p.metrics_port}/metrics" for p in pipeline.processes if p.metrics_port)
-            print(
-                f"ready: prepare (Generation API) {pipeline.prepare.address}, device {pipeline.device.address}, "
-                f"reclaim {pipeline.reclaim.address}\n"
-                f"  metrics: {metrics or 'off'}\n"
-                f"  try: stageserve generate --target {pipeline.prepare.address} --chat \"Tell me a joke\"\n"
-                f"       grpcurl -plaintext {pipeline.prepare.address} list\n"
-                "Ctrl-C stops all three.",
-                file=sys.stderr, flush=True,
-            )
-            code = 0
-            if args.chat:
-                code = client.stream_chat(pipeline.prepare.address, args.chat)
-                if args.once:
-                    return code
+            _print_ready(pipeline)
+            code = client.stream_chat(pipeline.prepare.address, args.chat) if args.chat else 0
+            if args.chat and args.once:
+                return code
             while not stop.wait(0.5):
                 if any(p.process.poll() is not None for p in pipeline.processes):
                     print("error: a service exited; stopping the others", file=sys.stderr)
-                    code = 1
-                    break
+                    return 1
             return code
         finally:
-            codes = pipeline.stop(exiting_grace_s=CTRL_C_GRACE_S if any(interrupted) else 0.0)
+            print(f"stopping prepare, device, reclaim (in-flight requests get up to {args.drain_timeout:g} s)...",
+                  file=sys.stderr, flush=True)
+            codes = pipeline.stop(args.drain_timeout + STOP_MARGIN_S)
             print(f"stopped: {codes}", file=sys.stderr)

@@ -6,6 +6,9 @@ and several services in one process never share series) and serves it with
 :func:`start_metrics_server` on ``--metrics-port``: the port of the flag, ``0`` for an ephemeral
 one, or ``off``. The bound port is logged and, when the service has a ``--port-file``, written
 next to it as ``<port-file stem>.metrics-port`` (how tests and the launcher find an ephemeral one).
+The served registry also gets prometheus-client's process and platform collectors: ``process_*``
+(resident and virtual memory, CPU seconds, open and maximum file descriptors, start time) and
+``python_info``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector, start_http_server
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +29,8 @@ def metrics_port_file(port_file: Path) -> Path:
 
 
 def start_metrics_server(registry: CollectorRegistry, host: str, port: int | None, port_file: Path | None = None) -> int | None:
-    """Serve ``registry`` at ``http://host:port/metrics`` on a daemon thread; return the bound port.
+    """Serve ``registry`` (plus the process metrics) at ``http://host:port/metrics`` on a daemon
+    thread; return the bound port.
 
     Args:
         port: the port; ``0`` = ephemeral; ``None`` = no endpoint (returns ``None``).
@@ -38,6 +42,8 @@ def start_metrics_server(registry: CollectorRegistry, host: str, port: int | Non
     """
     if port is None:
         return None
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
     try:
         httpd, _ = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:

@@ -102,8 +102,9 @@ class ProfileServicer(admin_pb2_grpc.AdminServicer):
             written = self._tracer.stop()
             log.info("trace window written to %s (StopProfile)", written)
             reply.services.add(service=service, trace_file=str(written))
-        except RuntimeError as exc:
-            failures.append(ProfileError(grpc.StatusCode.FAILED_PRECONDITION, f"{service}: {exc}"))
+        except RuntimeError:  # the tracer's own message names its Python API, not this RPC
+            failures.append(ProfileError(grpc.StatusCode.FAILED_PRECONDITION,
+                                         f"{service}: no trace window is recording; start one with StartProfile"))
         except OSError as exc:
             failures.append(ProfileError(grpc.StatusCode.INTERNAL, f"{service}: cannot write the trace window: {exc}"))
         if not request.local_only:

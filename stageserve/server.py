@@ -8,7 +8,8 @@ streamed message); the rest of the process stays threaded.
 
 Follows grpc's own Python examples: the library's health servicer is set to SERVING only when
 the service is ready; ``server.stop(grace)`` on shutdown; server reflection so that
-``grpcurl -plaintext HOST:PORT list`` works without .proto files.
+``grpcurl -plaintext HOST:PORT list`` works without .proto files (and ``describe`` shows the proto
+comments, :mod:`stageserve.reflection`).
 
 Health: the empty service name ``""`` is liveness (SERVING while the process runs); the service's
 full name (e.g. ``stageserve.v1.Device``) is readiness (NOT_SERVING until :meth:`ServiceServer.set_ready`,
@@ -39,6 +40,7 @@ from grpc_reflection.v1alpha import reflection
 
 from stageserve.logs import LOG_FORMATS, JsonFormatter, TextFormatter
 from stageserve.profiling import ADMIN_SERVICE_NAME, ProfileServicer
+from stageserve.reflection import SourceInfoPool
 from stageserve.tracing import Tracer
 from stageserve.v1 import admin_pb2_grpc
 
@@ -115,7 +117,7 @@ class ServiceServer:
         """Start serving: liveness SERVING, readiness NOT_SERVING, reflection for the given services."""
         admin = [ADMIN_SERVICE_NAME] if self._tracer is not None else []
         self._call(reflection.enable_server_reflection,
-                   [*reflected_services, *admin, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+                   [*reflected_services, *admin, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server, SourceInfoPool())
         self._call(self.health.set, "", health_pb2.HealthCheckResponse.SERVING)
         self._call(self.health.set, self.service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._call(self.server.start)

@@ -151,6 +151,7 @@ def _serve(args: argparse.Namespace, server, servicer, tracer, metrics, core) ->
     servicer.serve(core)
     server.set_ready(True)
     reply = core.attach_reply
+    metrics.describe_model(reply.model_name, reply.backend, reply.dtype)
     log.info("device ready: %s on %s (%s, %s dispatch, depth %d), %d KV blocks of %d tokens, instance %s",
              reply.model_name, reply.backend, reply.dtype, reply.dispatch, reply.pipeline_depth, reply.kv_num_blocks, reply.kv_block_size, reply.instance_id)
 

@@ -8,6 +8,7 @@
 - ``stageserve_step_batch_size``: sampling rows per step.
 - ``stageserve_steps_total{outcome}``: ``ok`` or ``failed`` steps.
 - ``stageserve_tickets_in_flight``: tickets submitted whose output is not delivered yet.
+- ``stageserve_model_info{model_name, backend, dtype}``: the served model (always 1).
 
 Times come from the ticket's wall-clock ``submitted_unix_ns`` and the moment the output is handed
 on (``time.time_ns``): no per-step state is kept here beyond the previous submit time.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from stageserve.device.executor import StepResult, StepTicket
 
@@ -50,8 +51,13 @@ class DeviceMetrics:
         steps = Counter("stageserve_steps", "Steps completed on the device, by outcome", ["outcome"], registry=registry)
         self._steps_ok, self._steps_failed = steps.labels("ok"), steps.labels("failed")
         self._in_flight = Gauge("stageserve_tickets_in_flight", "Tickets submitted whose output is not delivered yet", registry=registry)
+        self._model = Info("stageserve_model", "The model this device serves", registry=registry)
         self._last_submit_ns = 0
         self._measuring = False
+
+    def describe_model(self, model_name: str, backend: str, dtype: str) -> None:
+        """Report the served model as ``stageserve_model_info`` (once it is loaded)."""
+        self._model.info({"model_name": model_name, "backend": backend, "dtype": dtype})
 
     def start(self) -> None:
         """Measure the steps submitted from now on (call after the warm-up)."""

@@ -119,11 +119,12 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
             await context.abort(error.code, error.message)
 
     async def GetModelInfo(self, request: prepare_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> prepare_pb2.ModelInfo:
-        """Model facts and load, summed over attached devices plus per device; UNAVAILABLE while none is attached."""
+        """Model facts and load, summed over attached devices plus per device. While none is attached,
+        only the devices (``attached: false``), so a client can see which one is down."""
         try:
             load, devices = self._router.load()
-        except RequestError as error:
-            await context.abort(error.code, error.message)
+        except RequestError:
+            return prepare_pb2.ModelInfo(devices=[device_status(device) for device in self._router.devices()])
         attach = load.attach
         return prepare_pb2.ModelInfo(
             model_name=attach.model_name,

@@ -155,6 +155,7 @@ class Engine:
             if handle is not None and handle.request is seq.request and handle.queued:
                 handle.queued = False
                 observe_queue_s((now_ns - handle.accepted_ns) / 1e9)
+                handle.observer.on_scheduled(now_ns)
                 self._tracer.end_async("request.queue", seq.request.request_id, step_id=step.step_id)
 
     # ---- the attachment (driven by the device session) ---------------------------------------------

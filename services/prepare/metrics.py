@@ -3,12 +3,15 @@
 prepare sees every request from acceptance to its terminal message, so the request-level figures
 live here: requests by finish reason and status code, time to first token (TTFT), inter-token
 latency (ITL), end-to-end latency, queue time, prompt and generated tokens, running / waiting
-requests, KV blocks used / free, and the host time of each step's scheduling work.
+requests, KV blocks used / free and the fraction used, the served model (an info metric), each
+request's prefill and decode time, and the host time of each step's scheduling work.
 
 Where each figure is measured (all on ``time.monotonic_ns``, the tracer's clock):
 
 - accepted: ``Engine.submit`` (:attr:`RequestHandle.accepted_ns`);
 - queue time: accepted -> the step loop schedules the request's first row;
+- prefill time: that first row scheduled -> its first token forwarded; decode time: first token
+  forwarded -> the terminal message (requests that finished with a finish reason);
 - TTFT / ITL / e2e: accepted -> the RPC handler is about to forward a chunk with tokens / the
   terminal message (:class:`RequestObserver`);
 - step host time: ``prepare.schedule`` start -> ``prepare.send`` end of each step.
@@ -22,7 +25,7 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from stageserve.metric_buckets import STEP_HOST_BUCKETS_S
@@ -49,7 +52,7 @@ class PrepareMetrics:
     Attributes:
         requests: ``stageserve_requests_total{finish_reason, code}``; ``finish_reason`` is
             stop / length / abort / error, ``code`` the gRPC status name (OK on a normal finish).
-        ttft, itl, e2e, queue_time: latency histograms in seconds.
+        ttft, itl, e2e, queue_time, prefill_time, decode_time: latency histograms in seconds.
         prompt_tokens, generation_tokens: token counters of accepted requests / forwarded tokens.
         step_host: host seconds per step (schedule + build plan + send).
     """
@@ -66,6 +69,10 @@ class PrepareMetrics:
                              buckets=LATENCY_BUCKETS_S, registry=registry)
         self.queue_time = Histogram("stageserve_request_queue_time_seconds", "Accepted until the first row of the request is scheduled",
                                     buckets=LATENCY_BUCKETS_S, registry=registry)
+        self.prefill_time = Histogram("stageserve_request_prefill_time_seconds", "First row of the request scheduled until its first token is forwarded",
+                                      buckets=LATENCY_BUCKETS_S, registry=registry)
+        self.decode_time = Histogram("stageserve_request_decode_time_seconds", "First token forwarded until the final chunk, for requests that finished with a finish reason",
+                                     buckets=LATENCY_BUCKETS_S, registry=registry)
         self.prompt_tokens = Counter("stageserve_prompt_tokens", "Prompt tokens of accepted requests", registry=registry)
         self.generation_tokens = Counter("stageserve_generation_tokens", "Generated tokens forwarded to clients", registry=registry)
         self.step_host = Histogram("stageserve_host_critical_path_seconds",
@@ -73,8 +80,8 @@ class PrepareMetrics:
                                    buckets=STEP_HOST_BUCKETS_S, registry=registry)
 
     def watch_engine(self, load: Callable[[], DeviceLoad | None]) -> None:
-        """Report running / waiting requests and KV blocks from ``load()`` at every scrape
-        (``None`` while no device is attached: the gauges read 0)."""
+        """Report running / waiting requests, KV blocks and the served model from ``load()`` at every
+        scrape (``None`` while no device is attached: the gauges read 0 and no model is reported)."""
         self.registry.register(_DeviceLoadCollector(load))
 
     def request_refused(self, code_name: str) -> None:
@@ -96,6 +103,11 @@ class _DeviceLoadCollector(Collector):
         yield GaugeMetricFamily("stageserve_kv_cache_blocks_used", "KV cache blocks holding a sequence's tokens", value=used)
         yield GaugeMetricFamily("stageserve_kv_cache_blocks_free", "KV cache blocks holding no sequence's tokens (reserved ones included)",
                                 value=load.kv_blocks_free if load else 0)
+        yield GaugeMetricFamily("stageserve_kv_cache_usage_ratio", "Fraction of the KV cache blocks holding tokens, 0 to 1",
+                                value=used / load.kv_blocks_total if load and load.kv_blocks_total else 0)
+        if load:
+            yield InfoMetricFamily("stageserve_model", "The model the attached devices serve",
+                                   value={"model_name": load.attach.model_name, "backend": load.attach.backend, "dtype": load.attach.dtype})
 
 
 class RequestObserver:
@@ -103,20 +115,26 @@ class RequestObserver:
 
     Call :meth:`on_event` with each event before it is forwarded, then exactly one of the
     terminal calls (:meth:`on_event` with a finish reason, :meth:`on_error`, :meth:`on_client_gone`);
-    later calls are ignored. Not thread-safe: the request's RPC handler owns it.
+    later calls are ignored. Not thread-safe: the request's RPC handler owns it, except for
+    :meth:`on_scheduled`, which the step loop calls before any event of the request exists.
 
     Args:
         request_id: the request's id (the async-span id in the trace).
         accepted_ns: ``clock_ns()`` when the engine accepted it.
     """
 
-    __slots__ = ("_metrics", "_tracer", "_request_id", "_accepted_ns", "_last_token_ns", "_ended")
+    __slots__ = ("_metrics", "_tracer", "_request_id", "_accepted_ns", "_scheduled_ns", "_first_token_ns", "_last_token_ns", "_ended")
 
     def __init__(self, metrics: PrepareMetrics, tracer: Tracer, request_id: str, accepted_ns: int) -> None:
         self._metrics, self._tracer = metrics, tracer
         self._request_id, self._accepted_ns = request_id, accepted_ns
-        self._last_token_ns = 0
+        self._scheduled_ns = self._first_token_ns = self._last_token_ns = 0
         self._ended = False
+
+    def on_scheduled(self, now_ns: int) -> None:
+        """The request's first row was scheduled at ``now_ns`` (the step loop, before any token of it
+        can be forwarded): its prefill time starts."""
+        self._scheduled_ns = now_ns
 
     def on_event(self, event) -> None:
         """A ``SequenceEvent`` about to be forwarded (tokens, and/or the finish)."""
@@ -126,6 +144,9 @@ class RequestObserver:
             metrics, tracer = self._metrics, self._tracer
             if self._last_token_ns == 0:
                 metrics.ttft.observe((now - self._accepted_ns) / 1e9)
+                self._first_token_ns = now
+                if self._scheduled_ns:
+                    metrics.prefill_time.observe((now - self._scheduled_ns) / 1e9)
                 tracer.end_async("request.ttft", self._request_id)
             else:
                 gap_s = (now - self._last_token_ns) / 1e9 / tokens
@@ -152,7 +173,10 @@ class RequestObserver:
         self._ended = True
         self._metrics.requests.labels(finish_reason, code_name).inc()
         if code_name == "OK":
-            self._metrics.e2e.observe((clock_ns() - self._accepted_ns) / 1e9)
+            now = clock_ns()
+            self._metrics.e2e.observe((now - self._accepted_ns) / 1e9)
+            if self._first_token_ns:
+                self._metrics.decode_time.observe((now - self._first_token_ns) / 1e9)
         tracer = self._tracer
         if self._last_token_ns == 0:  # close the TTFT span; no_token marks that no token came
             tracer.end_async("request.ttft", self._request_id, no_token=True)

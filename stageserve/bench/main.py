@@ -1,7 +1,8 @@
 """``stageserve bench``: the load generator, and the comparison runs as sub-commands.
 
 ``stageserve bench --target HOST:PORT --streams 32 --requests 64`` loads a running prepare service
-and prints a table (and ``--json FILE`` the report). The comparisons start what they compare
+and prints a table (and ``--json FILE`` the report; ``--json -`` prints only the JSON on stdout and
+the table on stderr). The exit code is 1 when any request failed. The comparisons start what they compare
 themselves, on the embedded model unless ``--model`` says otherwise:
 
 - ``stageserve bench compare-dispatch``: async versus sync dispatch (sim device and real model);
@@ -30,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="stop sending after SECONDS; in-flight requests finish")
     parser.add_argument("--prompts", type=Path, default=None, metavar="FILE",
                         help="JSONL prompts: one of \"messages\", \"prompt\" or \"prompt_token_ids\" per line (default: the built-in set)")
-    parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the report as JSON (- for stdout)")
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE",
+                        help="also write the report as JSON; - = to stdout, with the table on stderr")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     sub = parser.add_subparsers(dest="comparison", metavar="COMPARISON", help="run a comparison instead of loading --target")
     dispatch = _comparison(sub, "compare-dispatch", "async versus sync dispatch: step period, tokens/s, period / max stage time")
@@ -105,14 +107,19 @@ def _run_load(args: argparse.Namespace) -> int:
               "output_len": shape.output_len, "input_len": shape.input_len, "spread": shape.spread,
               "ignore_eos": shape.ignore_eos, "temperature": shape.temperature, "seed": args.seed}
     report = build_report(records, config)
-    print(format_table(report))
+    json_to_stdout = args.json is not None and str(args.json) == "-"
+    print(format_table(report), file=sys.stderr if json_to_stdout else sys.stdout)  # stdout stays pure JSON
     if args.json is not None:
         text = json.dumps(report, indent=1)
-        if str(args.json) == "-":
+        if json_to_stdout:
             print(text)
         else:
             args.json.write_text(text + "\n")
-    return 0 if report["requests"]["failed"] == 0 else 1
+    requests = report["requests"]
+    if requests["sent"] and not requests["ok"]:
+        errors = ", ".join(f"{code} {n}" for code, n in report["errors"].items())
+        print(f"error: every request failed ({errors}); is prepare running and ready at {args.target}?", file=sys.stderr)
+    return 0 if requests["failed"] == 0 else 1
 
 
 def _run_comparison(args: argparse.Namespace) -> str:

@@ -60,10 +60,16 @@ def stack_depths(spans: list[TraceSpan]) -> list[int]:
 
 def select_steps(spans: list[TraceSpan], first_step: int, last_step: int) -> list[TraceSpan]:
     """Spans of steps ``first_step..last_step`` (inclusive), plus spans without ``step_id`` that
-    overlap their time range."""
+    overlap their time range.
+
+    Raises:
+        ValueError: no span has a step id in the range (the message names the range the trace has).
+    """
     chosen = [s for s in spans if "step_id" in s.args and first_step <= int(s.args["step_id"]) <= last_step]
     if not chosen:
-        raise ValueError(f"no spans with step_id in {first_step}..{last_step}")
+        step_ids = [int(s.args["step_id"]) for s in spans if "step_id" in s.args]
+        present = f"this trace has step ids {min(step_ids)}..{max(step_ids)}" if step_ids else "this trace has no spans with a step_id"
+        raise ValueError(f"no spans with step_id in {first_step}..{last_step}; {present}")
     start, end = min(s.start_us for s in chosen), max(s.end_us for s in chosen)
     return chosen + [s for s in spans if "step_id" not in s.args and s.end_us >= start and s.start_us <= end]
 

@@ -93,7 +93,8 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """Model facts and the current load.
+        """Model facts and the current load, and every device prepare knows. While no device is
+        attached it still answers, with the devices (attached: false) and the other fields empty.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

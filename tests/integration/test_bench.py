@@ -4,6 +4,7 @@ baseline on the same simulated device: report shape and counts (no timing assert
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -46,6 +47,28 @@ def test_bench_report_counts_add_up(sim_pipeline: Pipeline, tmp_path):
     for key in ("ttft_ms", "itl_ms", "e2e_ms"):
         assert set(report[key]) == {"mean", "p50", "p90", "p99"} and report[key]["p50"] > 0
     assert report["config"]["streams"] == 4 and report["config"]["duration_s"] == 2
+
+
+def run_bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stageserve", "bench", "--no-progress", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_json_to_stdout_is_only_json(sim_pipeline: Pipeline):
+    done = run_bench("--target", sim_pipeline.prepare.address, "--streams", "2", "--requests", "4", "--output-len", "4", "--json", "-")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)  # the whole of stdout is the report
+    assert report["requests"] == {"sent": 4, "ok": 4, "failed": 0}
+    assert "output tokens/s" in done.stderr  # the table went to stderr
+
+
+def test_every_request_failing_exits_non_zero():
+    with socket.socket() as held:  # bound, not listening: every connection is refused
+        held.bind(("127.0.0.1", 0))
+        target = f"127.0.0.1:{held.getsockname()[1]}"
+        done = run_bench("--target", target, "--streams", "2", "--requests", "4", "--json", "-")
+    assert done.returncode == 1
+    assert json.loads(done.stdout)["errors"] == {"UNAVAILABLE": 4}
+    assert f"error: every request failed (UNAVAILABLE 4); is prepare running and ready at {target}?" in done.stderr
 
 
 def test_inprocess_baseline_matches_the_services(sim_pipeline: Pipeline):

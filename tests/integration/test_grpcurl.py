@@ -54,3 +54,15 @@ def test_generate_stream_with_json(pipeline):
 def test_health_check_by_service_name(pipeline):
     out = grpcurl("-d", '{"service": "stageserve.v1.Generation"}', pipeline.prepare.address, "grpc.health.v1.Health/Check")
     assert json.loads(out)["status"] == "SERVING"
+
+
+def test_describe_shows_the_field_comments_of_the_proto(pipeline):
+    # Reflection serves the descriptors with their source info (stageserve/reflection.py), so the
+    # API documents itself: defaults and meanings come with the fields.
+    described = grpcurl(pipeline.prepare.address, "describe", "stageserve.v1.GenerateRequest")
+    assert "// Completion tokens at most. Default 256, capped by the model's context.\n  optional uint32 max_tokens = 5;" in described
+    assert "// Default 1.0; 0 = greedy (argmax).\n  optional float temperature = 6;" in described
+    assert "// Set exactly one of prompt, messages and prompt_token_ids." in described
+    fields = [line for line in described.splitlines() if line.rstrip().endswith(";") and "=" in line]
+    commented = [line for previous, line in zip(described.splitlines(), described.splitlines()[1:]) if line in fields and previous.strip().startswith("//")]
+    assert len(fields) == 17 and commented == fields

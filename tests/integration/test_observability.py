@@ -24,6 +24,7 @@ from stageserve.launcher import Pipeline, ServiceProcess
 from stageserve.trace_tools.analyze import analyze, complete_spans
 from stageserve.trace_tools.merge import find_fragments, merge_fragments
 from stageserve.v1 import admin_pb2, admin_pb2_grpc, prepare_pb2, prepare_pb2_grpc
+from tests.grafana_dashboard import SCRAPE_LABELS, expressions, label_names, load_dashboard, metric_names
 from tests.integration.conftest import launch
 
 STREAMS = 8
@@ -133,14 +134,21 @@ def test_metrics_after_traffic(traced, workload):
     assert metric(prepare, "stageserve_inter_token_latency_seconds_count") == STREAMS * (MAX_TOKENS - 1)
     assert metric(prepare, "stageserve_generation_tokens_total") == STREAMS * MAX_TOKENS
     assert metric(prepare, "stageserve_prompt_tokens_total") == STREAMS * 4
+    assert metric(prepare, "stageserve_request_prefill_time_seconds_count") == STREAMS
+    assert metric(prepare, "stageserve_request_decode_time_seconds_count") == STREAMS
     assert metric(prepare, "stageserve_kv_cache_blocks_used") == 0
     assert metric(prepare, "stageserve_kv_cache_blocks_free") > 0
+    assert metric(prepare, "stageserve_kv_cache_usage_ratio") == 0
+    assert metric(prepare, "stageserve_model_info", model_name="SmolLM2-135M-Instruct", backend="cpu", dtype="float32") == 1
     assert metric(prepare, "stageserve_requests_running") == 0
     assert metric(prepare, "stageserve_requests_waiting") == 0
     steps = metric(prepare, "stageserve_host_critical_path_seconds_count")
     assert steps >= MAX_TOKENS
 
     device = scrape(pipeline.device)
+    assert metric(device, "stageserve_model_info", model_name="SmolLM2-135M-Instruct", backend="cpu", dtype="float32") == 1
+    for scraped in (prepare, device):
+        assert metric(scraped, "process_resident_memory_bytes") > 0 and metric(scraped, "process_open_fds") > 0
     assert metric(device, "stageserve_tickets_in_flight") == 0
     assert metric(device, "stageserve_steps_total", outcome="ok") == steps  # the warm-up step is not counted
     assert metric(device, "stageserve_step_device_time_seconds_count", timing_source="submit_to_completion") == steps
@@ -150,6 +158,22 @@ def test_metrics_after_traffic(traced, workload):
     assert metric(reclaim, "stageserve_steps_published_total", outcome="ok") == steps
     assert metric(reclaim, "stageserve_completion_wait_seconds_count") == steps
     assert metric(reclaim, "stageserve_requests_live") == 0
+
+
+def test_grafana_dashboard_queries_only_metrics_the_services_export(traced, workload):
+    """Every series and label the shipped dashboard queries exists on the live /metrics of the three services."""
+    pipeline, _ = traced
+    exported: dict[str, set[str]] = defaultdict(set)  # sample name -> label names seen on it
+    for process in pipeline.processes:
+        for name, samples in scrape(process).items():
+            for labels, _ in samples:
+                exported[name] |= set(labels)
+    for title, expr in expressions(load_dashboard()):
+        names = metric_names(expr)
+        missing = names - set(exported)
+        assert not missing, f"panel {title!r} queries {sorted(missing)}, which no service exports"
+        unknown = label_names(expr) - SCRAPE_LABELS - set().union(*(exported[name] for name in names))
+        assert not unknown, f"panel {title!r} uses labels {sorted(unknown)} that {sorted(names)} do not carry"
 
 
 def test_refused_request_is_counted_with_its_status(traced, workload):

@@ -1,5 +1,6 @@
-"""The Kubernetes manifests (deploy/k8s): both overlays rendered, validated against the Kubernetes
-schemas offline, and checked against what the ``stageserve`` CLI really configures.
+"""The Kubernetes manifests (deploy/k8s): every overlay rendered, validated against the Kubernetes
+schemas offline, and checked against what the ``stageserve`` CLI really configures; the
+Prometheus Operator's PodMonitor (deploy/k8s/monitoring) checked against the pods it scrapes.
 
 Overlays are rendered by kustomize as ``kubectl kustomize`` (kubectl is on every machine of the
 project). Where kubectl is missing, :func:`render` stands in: it implements the subset of kustomize
@@ -29,7 +30,10 @@ from stageserve.device_endpoints import parse_device_endpoints
 from stageserve.server import ServiceServer
 
 K8S_DIR = Path(__file__).resolve().parents[3] / "deploy" / "k8s"
-OVERLAYS = ("cpu", "ascend")
+OVERLAYS = ("cpu", "ascend", "cuda", "model-volume")
+# The device's accelerator per overlay: (--backend, the extended resource it requests, or None).
+ACCELERATORS = {"cpu": ("cpu", None), "ascend": ("npu", "huawei.com/Ascend910"), "cuda": ("cuda", "nvidia.com/gpu"),
+                "model-volume": ("cpu", None)}
 NAMESPACE = "stageserve"
 # Oldest Kubernetes the manifests target (native gRPC probes are GA there) and the newest schema shipped.
 K8S_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
@@ -81,7 +85,8 @@ def render(directory: Path) -> list[dict]:
 
 def strategic_merge(base, patch, field: str = ""):
     """Merge ``patch`` into a copy of ``base``: maps recursively, lists of :data:`MERGE_KEYS`
-    fields item by item on their key, other lists and scalars replaced; ``None`` deletes a key."""
+    fields item by item on their key (patch items first, as kustomize orders them), other lists and
+    scalars replaced; ``None`` deletes a key."""
     if isinstance(base, dict) and isinstance(patch, dict):
         merged = copy.deepcopy(base)
         for key, value in patch.items():
@@ -92,15 +97,13 @@ def strategic_merge(base, patch, field: str = ""):
                 merged[key] = strategic_merge(base[key], value, key) if key in base else copy.deepcopy(value)
         return merged
     if isinstance(base, list) and isinstance(patch, list) and field in MERGE_KEYS:
+        # kustomize's order: the patch's items (merged into the base item of the same key), then
+        # the base's items the patch does not name.
         key = MERGE_KEYS[field]
-        merged = copy.deepcopy(base)
-        for item in patch:
-            match = next((i for i, old in enumerate(merged) if old[key] == item[key]), None)
-            if match is None:
-                merged.append(copy.deepcopy(item))
-            else:
-                merged[match] = strategic_merge(merged[match], item)
-        return merged
+        by_key = {item[key]: item for item in base}
+        merged = [strategic_merge(by_key[item[key]], item) if item[key] in by_key else copy.deepcopy(item) for item in patch]
+        named = {item[key] for item in patch}
+        return merged + [copy.deepcopy(item) for item in base if item[key] not in named]
     return copy.deepcopy(patch)
 
 
@@ -249,7 +252,7 @@ def test_every_manifest_validates_strictly_against_the_kubernetes_schema(overlay
 def test_overlay_renders_every_component_into_the_namespace(overlay):
     name, manifests = overlay
     kinds = sorted((m["kind"], m["metadata"]["name"]) for m in manifests if m["kind"] != "NetworkPolicy")
-    assert kinds == [
+    assert kinds == sorted([
         ("ConfigMap", "stageserve-flags"),
         ("Deployment", "stageserve-prepare"),
         ("Deployment", "stageserve-reclaim"),
@@ -259,13 +262,15 @@ def test_overlay_renders_every_component_into_the_namespace(overlay):
         ("Service", "stageserve-prepare"),
         ("Service", "stageserve-reclaim"),
         ("StatefulSet", "stageserve-device"),
-    ]
+        *([("PersistentVolumeClaim", "stageserve-models")] if name == "model-volume" else []),
+    ])
     assert {m["metadata"].get("namespace") for m in manifests} == {NAMESPACE}
+    variant = "cpu" if name == "model-volume" else name  # the model-volume overlay builds on the cpu one
     for manifest in manifests:
         if manifest["kind"] in WORKLOAD_KINDS:
             # The overlay's images entry replaced the base's bare name with a tagged image of its variant.
             repository, _, tag = only_container(manifest)["image"].rpartition(":")
-            assert repository.endswith("/stageserve") and tag.endswith(f"-{name}")
+            assert repository.endswith("/stageserve") and tag.endswith(f"-{variant}")
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -441,26 +446,56 @@ def test_network_policy_lets_only_prepare_be_reached_from_outside(overlay):
         assert reached == allowed, f"{dest}:{port} is reachable from {sorted(reached)}, expected {sorted(allowed)}"
 
 
-def test_ascend_overlay_puts_the_device_on_an_npu(overlay):
+def test_accelerator_overlays_put_the_device_on_its_accelerator(overlay):
     name, manifests = overlay
     device = workload(manifests, "device")
     container, spec = only_container(device), pod_spec(device)
     args = container_cli_args(manifests, "device")
-    if name == "ascend":
-        assert args.backend == "npu"
+    backend, resource = ACCELERATORS[name]
+    assert args.backend == backend
+    if resource is not None:
         for kind in ("requests", "limits"):
-            assert container["resources"][kind]["huawei.com/Ascend910"] == "1"
-        assert spec["nodeSelector"] == {"accelerator": "huawei-Ascend910"}
-        assert any(t["key"] == "huawei.com/Ascend910" for t in spec["tolerations"])
+            assert container["resources"][kind][resource] == "1"
+        assert spec["nodeSelector"] and any(t["key"] == resource and t["effect"] == "NoSchedule" for t in spec["tolerations"])
         # The patch merged into the base container instead of replacing it.
         assert container["readinessProbe"]["grpc"]["service"] and container["args"][0] == "device"
-        assert container["env"][0]["value"].startswith("/tmp/")
+        assert container["env"][0]["value"].startswith("/tmp/")  # caches under the writable /tmp
     else:
-        assert args.backend == "cpu"
-        assert "nodeSelector" not in spec and "huawei.com/Ascend910" not in container["resources"]["limits"]
+        assert "nodeSelector" not in spec and "tolerations" not in spec
         assert args.threads == int(container["resources"]["limits"]["cpu"])
+    assert not set(container["resources"]["limits"]) - {"cpu", "memory", *([resource] if resource else [])}
     for role in ("prepare", "reclaim"):
-        assert not any("Ascend" in key for key in only_container(workload(manifests, role))["resources"]["limits"])
+        assert set(only_container(workload(manifests, role))["resources"]["limits"]) == {"cpu", "memory"}
+
+
+def test_device_replicas_spread_over_nodes(overlay):
+    # The PodDisruptionBudget holds voluntary disruptions to one device pod at a time; only a spread
+    # keeps one node's drain or loss from taking both replicas.
+    _, manifests = overlay
+    device = workload(manifests, "device")
+    pod_labels = device["spec"]["template"]["metadata"]["labels"]
+    by_key = {c["topologyKey"]: c for c in pod_spec(device)["topologySpreadConstraints"]}
+    hostname = by_key["kubernetes.io/hostname"]
+    assert (hostname["maxSkew"], hostname["whenUnsatisfiable"]) == (1, "DoNotSchedule")
+    assert selects(hostname["labelSelector"], pod_labels)
+    assert device["spec"]["replicas"] >= 2
+
+
+def test_every_pod_loads_the_model_of_the_flags(overlay):
+    name, manifests = overlay
+    for role in ROLES:
+        model = container_cli_args(manifests, role).model
+        container, spec = only_container(workload(manifests, role)), pod_spec(workload(manifests, role))
+        if name != "model-volume":
+            assert model == "", f"{role}: the base serves the embedded model"
+            continue
+        # Each of the three reads the model (weights, or the tokenizer): from a read-only mount of the claim.
+        mount = next(m for m in container["volumeMounts"] if model.startswith(m["mountPath"].rstrip("/") + "/"))
+        assert mount.get("readOnly") is True
+        volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+        claim_name = volume["persistentVolumeClaim"]["claimName"]
+        (claim,) = [m for m in find(manifests, "PersistentVolumeClaim") if m["metadata"]["name"] == claim_name]
+        assert claim["spec"]["accessModes"] == ["ReadOnlyMany"], "pods on several nodes mount it at once"
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (kustomize) to compare with")
@@ -479,9 +514,31 @@ def test_renderer_merges_patches_like_kustomize():
     patch = {"spec": {"containers": [{"name": "a", "args": ["z"], "env": [{"name": "J", "value": "2"}]},
                                      {"name": "b", "image": "i"}], "replicas": None}}
     assert strategic_merge(base, patch) == {"spec": {"containers": [
-        {"name": "a", "args": ["z"], "env": [{"name": "K", "value": "1"}, {"name": "J", "value": "2"}]},
+        {"name": "a", "args": ["z"], "env": [{"name": "J", "value": "2"}, {"name": "K", "value": "1"}]},
         {"name": "b", "image": "i"},
     ]}}
     assert expand("--x=$(A) $$(A) $(A)", {"A": "1"}) == "--x=1 $(A) 1"
     with pytest.raises(AssertionError, match=r"\$\(B\)"):
         expand("--x=$(B)", {"A": "1"})
+
+
+# ---------------------------------------------------------------------------------------------
+# The Prometheus Operator's PodMonitor (a custom resource: no Kubernetes schema to validate against)
+
+
+def test_pod_monitor_scrapes_every_pods_metrics_port(overlay):
+    _, manifests = overlay
+    monitoring = K8S_DIR / "monitoring"
+    (monitor,) = kustomize_build(monitoring) if shutil.which("kubectl") else render(monitoring)
+    assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
+    assert monitor["metadata"]["namespace"] == NAMESPACE  # a PodMonitor selects pods of its own namespace by default
+    assert set(monitor["spec"]) == {"selector", "podMetricsEndpoints"}
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    for role in ROLES:
+        pods = workload(manifests, role)
+        assert selects(monitor["spec"]["selector"], pods["spec"]["template"]["metadata"]["labels"]), f"{role} is not scraped"
+        assert container_port(only_container(pods), endpoint["port"]) == container_cli_args(manifests, role).metrics_port
+        assert endpoint["path"] == pods["spec"]["template"]["metadata"]["annotations"]["prometheus.io/path"]
+        assert ingress_allowed(manifests, role, endpoint["port"], {NAME_LABEL: "prometheus"}, "monitoring")
+    targets = {relabel["targetLabel"]: relabel["sourceLabels"] for relabel in endpoint["relabelings"]}
+    assert targets["component"] == [f"__meta_kubernetes_pod_label_{re.sub('[^a-z0-9]', '_', COMPONENT_LABEL)}"]

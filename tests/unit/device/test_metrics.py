@@ -51,3 +51,9 @@ def test_sync_dispatch_is_labelled_blocking_span_and_in_flight_is_read_at_scrape
     assert sample(metrics, "stageserve_step_device_time_seconds_count", timing_source="blocking_span") == 1
     assert sample(metrics, "stageserve_step_device_time_seconds_count", timing_source="submit_to_completion") == 0
     assert sample(metrics, "stageserve_tickets_in_flight") == 2
+
+
+def test_the_served_model_is_an_info_metric():
+    metrics = DeviceMetrics(CollectorRegistry(), "async")
+    metrics.describe_model("SmolLM2-135M-Instruct", "cpu", "bfloat16")
+    assert sample(metrics, "stageserve_model_info", model_name="SmolLM2-135M-Instruct", backend="cpu", dtype="bfloat16") == 1

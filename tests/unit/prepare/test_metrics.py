@@ -73,3 +73,36 @@ def test_load_gauges_read_zero_without_a_device(metrics):
     assert value(metrics, "stageserve_kv_cache_blocks_free") == 90
     assert value(metrics, "stageserve_requests_running") == 3
     assert value(metrics, "stageserve_requests_waiting") == 2
+
+
+def test_kv_usage_fraction_and_model_info(metrics):
+    load = [None]
+    metrics.watch_engine(lambda: load[0])
+    assert value(metrics, "stageserve_kv_cache_usage_ratio") == 0
+    assert not [m for m in metrics.registry.collect() if m.name == "stageserve_model"]  # no device: no model
+    attach = device_pb2.AttachReply(model_name="SmolLM2-135M-Instruct", backend="cpu", dtype="bfloat16")
+    load[0] = EngineLoad(attach, running=1, waiting=0, kv_blocks_free=75, kv_blocks_total=100)
+    assert value(metrics, "stageserve_kv_cache_usage_ratio") == 0.25
+    assert value(metrics, "stageserve_model_info", model_name="SmolLM2-135M-Instruct", backend="cpu", dtype="bfloat16") == 1
+
+
+def test_prefill_and_decode_time_split_the_request_at_its_first_token(metrics):
+    accepted = clock_ns() - 5_000_000  # accepted 5 ms ago, scheduled 1 ms after that
+    observer = RequestObserver(metrics, Tracer("prepare"), "r", accepted)
+    observer.on_scheduled(accepted + 1_000_000)
+    observer.on_event(event(1))
+    observer.on_event(event(2))
+    observer.on_event(event(1, common_pb2.FINISH_REASON_STOP))
+    assert value(metrics, "stageserve_request_prefill_time_seconds_count") == 1
+    assert value(metrics, "stageserve_request_decode_time_seconds_count") == 1
+    prefill = value(metrics, "stageserve_request_prefill_time_seconds_sum")
+    decode = value(metrics, "stageserve_request_decode_time_seconds_sum")
+    ttft = value(metrics, "stageserve_time_to_first_token_seconds_sum")
+    e2e = value(metrics, "stageserve_e2e_request_latency_seconds_sum")
+    assert 0 < prefill < ttft and prefill == pytest.approx(ttft - 0.001)  # queue 1 ms + prefill = TTFT
+    assert decode == pytest.approx(e2e - ttft, abs=1e-3)
+    failed = RequestObserver(metrics, Tracer("prepare"), "f", clock_ns())
+    failed.on_scheduled(clock_ns())
+    failed.on_error("UNAVAILABLE")  # no token, not finished: neither time is observed
+    assert value(metrics, "stageserve_request_prefill_time_seconds_count") == 1
+    assert value(metrics, "stageserve_request_decode_time_seconds_count") == 1

@@ -276,6 +276,11 @@ def test_device_loss_fails_in_flight_with_unavailable_then_reconnects(tokenizer)
         with pytest.raises(grpc.RpcError) as down:
             service.stub.Generate(chat("b", max_tokens=2))
         assert down.value.code() == grpc.StatusCode.UNAVAILABLE
+        # With its only device down, GetModelInfo still answers: the device, not attached.
+        info = service.stub.GetModelInfo(prepare_pb2.GetModelInfoRequest())
+        assert [(d.address, d.attached, d.accepting, d.instance_id) for d in info.devices] == [
+            (f"127.0.0.1:{peers.device_port}", False, False, "")]
+        assert (info.model_name, info.kv_blocks_total, info.running_requests) == ("", 0, 0)
         peers.restart_device()
         service.wait_health(SERVING)
         assert peers.device.attach.instance_id != first_instance

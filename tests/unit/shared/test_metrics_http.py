@@ -20,6 +20,8 @@ def test_ephemeral_port_is_written_next_to_the_port_file(tmp_path):
         body = response.read().decode()
     assert "stageserve_things_total 3.0" in body
     assert "python_gc" not in body  # the service's own registry, not the process-global one
+    for process_metric in ("process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds", "python_info"):
+        assert f"\n{process_metric}" in body
 
 
 def test_off_serves_nothing(tmp_path):

@@ -87,6 +87,8 @@ def test_stop_stops_every_peer_even_when_one_is_idle(deployment, tmp_path):
         stub.StopProfile(admin_pb2.StopProfileRequest())
     assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "device" in failed.value.details() and "written: prepare:" in failed.value.details()
+    assert "device: no trace window is recording; start one with StartProfile" in failed.value.details()
+    assert "start()" not in failed.value.details()
     assert not tracers["prepare"].enabled and not tracers["reclaim"].enabled
 
 

@@ -349,4 +349,10 @@ def test_plot_renders_a_timeline_png(tmp_path: Path) -> None:
     zoomed = tmp_path / "zoom.png"
     assert run_cli("plot", str(trace), "-o", str(zoomed), "--steps", "102:104") == 0
     assert zoomed.stat().st_size > 10_000
-    assert run_cli("plot", str(trace), "-o", str(zoomed), "--steps", "500:501") == 1
+
+
+def test_plot_of_absent_steps_names_the_step_ids_the_trace_has(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = write_trace(tmp_path / "trace.json", pipelined_trace(warmup_steps=1, steady_steps=6))
+    assert run_cli("plot", str(trace), "-o", str(tmp_path / "zoom.png"), "--steps", "12:15") == 1
+    assert "no spans with step_id in 12..15; this trace has step ids 100..106" in capsys.readouterr().err
+    assert not (tmp_path / "zoom.png").exists()
