@@ -81,7 +81,7 @@ def test_kv_usage_fraction_and_model_info(metrics):
     assert value(metrics, "stageserve_kv_cache_usage_ratio") == 0
     assert not [m for m in metrics.registry.collect() if m.name == "stageserve_model"]  # no device: no model
     attach = device_pb2.AttachReply(model_name="SmolLM2-135M-Instruct", backend="cpu", dtype="bfloat16")
-    load[0] = EngineLoad(attach, running=1, waiting=0, kv_blocks_free=75, kv_blocks_total=100)
+    load[0] = DeviceLoad(attach, running=1, waiting=0, kv_blocks_free=75, kv_blocks_total=100)
     assert value(metrics, "stageserve_kv_cache_usage_ratio") == 0.25
     assert value(metrics, "stageserve_model_info", model_name="SmolLM2-135M-Instruct", backend="cpu", dtype="bfloat16") == 1
 
