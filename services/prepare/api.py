@@ -26,6 +26,7 @@ from contextlib import aclosing
 import grpc
 
 from stageserve.logs import REQUEST_ID
+from stageserve.prepare.early_aborts import caller_of
 from stageserve.prepare.errors import RequestError
 from stageserve.prepare.request_handle import LoopWaker, RequestHandle
 from stageserve.prepare.router import DeviceFigures, DeviceRouter
@@ -108,8 +109,9 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         return response
 
     async def Abort(self, request: prepare_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> prepare_pb2.AbortResponse:
-        """Abort a running request by id; idempotent (unknown or finished ids give aborted=false)."""
-        return prepare_pb2.AbortResponse(aborted=self._router.abort(request.request_id))
+        """Abort a running request by id; idempotent (unknown or finished ids give aborted=false). An
+        unknown id's abort is kept for a request of this caller that registers within 10 s (``early_aborts.py``)."""
+        return prepare_pb2.AbortResponse(aborted=self._router.abort(request.request_id, caller_of(context)))
 
     async def Tokenize(self, request: prepare_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> prepare_pb2.TokenizeResponse:
         """Token ids and strings of a prompt or chat, exactly as Generate would see them; INVALID_ARGUMENT for a bad input."""
@@ -152,7 +154,7 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
             validated = await asyncio.get_running_loop().run_in_executor(None, self._validate, request, request_id)
             # On the loop, with no await until the done callback is set: a handler cancelled
             # in between would leave the request running for no one.
-            handle = self._router.submit(validated)
+            handle = self._router.submit(validated, caller_of(context))
         except RequestError as error:
             self._router.metrics.request_refused(error.code.name)
             shown_id = request_id[:256] if request_id.isprintable() else ascii(request_id[:256])  # the client's text, maybe invalid

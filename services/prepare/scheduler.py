@@ -165,7 +165,8 @@ class Scheduler:
             RequestError: ``RESOURCE_EXHAUSTED`` when the waiting queue is full, or when the request
                 needs more KV blocks than the whole pool has.
         """
-        if len(self._waiting) >= self.config.max_waiting:
+        # Requests the free sequence slots will take at the next step are not waiting in the queue.
+        if len(self._waiting) - len(self._free_indices) >= self.config.max_waiting:
             raise resource_exhausted(f"the waiting queue is full ({self.config.max_waiting} requests); retry later")
         kv_tokens = self.max_kv_tokens(request)
         needed = self.block_manager.blocks_for_tokens(kv_tokens)
