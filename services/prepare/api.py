@@ -27,6 +27,7 @@ import grpc
 
 from stageserve.logs import REQUEST_ID
 from stageserve.prepare.early_aborts import caller_of
+from stageserve.prepare.error_details import abort_rpc
 from stageserve.prepare.errors import RequestError
 from stageserve.prepare.request_handle import LoopWaker, RequestHandle
 from stageserve.prepare.router import DeviceFigures, DeviceRouter
@@ -60,7 +61,7 @@ def stream_chunk(request_id: str, event: reclaim_pb2.SequenceEvent) -> prepare_p
 def device_status(device: DeviceFigures) -> prepare_pb2.DeviceStatus:
     """One device's ``DeviceStatus`` (load figures 0 while detached)."""
     status = prepare_pb2.DeviceStatus(address=device.address, instance_id=device.instance_id, attached=device.attached,
-                                      accepting=device.accepting)
+                                      accepting=device.accepting, stalled=device.stalled)
     if device.load is not None:
         status.kv_blocks_total, status.kv_blocks_free = device.load.kv_blocks_total, device.load.kv_blocks_free
         status.running_requests, status.waiting_requests = device.load.running, device.load.waiting
@@ -118,14 +119,14 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         try:
             return await asyncio.get_running_loop().run_in_executor(None, self._tokenize, request)
         except RequestError as error:
-            await context.abort(error.code, error.message)
+            await abort_rpc(context, error)
 
     async def GetModelInfo(self, request: prepare_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> prepare_pb2.ModelInfo:
         """Model facts and load, summed over attached devices plus per device; UNAVAILABLE while none is attached."""
         try:
             load, devices = self._router.load()
         except RequestError as error:
-            await context.abort(error.code, error.message)
+            await abort_rpc(context, error)
         attach = load.attach
         return prepare_pb2.ModelInfo(
             model_name=attach.model_name,
@@ -159,7 +160,7 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
             self._router.metrics.request_refused(error.code.name)
             shown_id = request_id[:256] if request_id.isprintable() else ascii(request_id[:256])  # the client's text, maybe invalid
             log.debug("refused with %s: %s", error.code.name, error.message, extra={REQUEST_ID: shown_id})
-            await context.abort(error.code, error.message)
+            await abort_rpc(context, error)
         log.debug("accepted: %d prompt tokens, max_tokens %d", handle.request.num_prompt_tokens, handle.request.max_tokens,
                   extra={REQUEST_ID: request_id})
         # Runs once the handler's task is done, however it ended (a finished request is no longer
@@ -188,7 +189,7 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         except RequestError as error:
             observer.on_error(error.code.name)
             log.info("failed with %s: %s", error.code.name, error.message, extra={REQUEST_ID: handle.request.request_id})
-            await context.abort(error.code, error.message)
+            await abort_rpc(context, error)
         finally:
             # Ignored after a terminal; else the client left first (the task was cancelled). A
             # client whose deadline passes cancels the call a little before the server's copy of

@@ -28,6 +28,9 @@ from stageserve.prepare.session import DeviceSession
 from stageserve.prepare.validation import GenerationRequest, ModelLimits
 
 NOT_CONNECTED = "prepare is not connected to a ready device and to reclaim; retry shortly"
+DRAINING = "server is draining; retry on another replica"
+NO_DEVICE_RETRY_S = 1.0  # RetryInfo while no device accepts: a reconnect or a stalled device's recovery takes about that
+DRAINING_RETRY_S = 0.5  # RetryInfo: another replica takes it now; this one is gone soon
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,16 @@ class DeviceFigures:
     attached: bool
     accepting: bool
     load: DeviceLoad | None
+    stalled: bool = False
+
+
+def no_device_refusal(sessions: Sequence[DeviceSession]) -> RequestError:
+    """``UNAVAILABLE`` for a request no device accepts: naming the stalled devices if any (reason
+    ``DEVICE_STALLED``), else ``NOT_CONNECTED``; both say to retry in a second."""
+    stalled = [session.stalled for session in sessions if session.stalled]
+    if stalled:
+        return unavailable("; ".join(stalled) + "; retry shortly", reason="DEVICE_STALLED", retry_after_s=NO_DEVICE_RETRY_S)
+    return unavailable(NOT_CONNECTED, retry_after_s=NO_DEVICE_RETRY_S)
 
 
 class DeviceRouter:
@@ -73,10 +86,11 @@ class DeviceRouter:
             RequestError: ``UNAVAILABLE`` while draining or while no device is attached.
         """
         if self._draining:
-            raise unavailable("server is draining; retry on another replica")
-        loads = [load for session in self._sessions() if session.accepting and (load := session.engine.current_load()) is not None]
+            raise unavailable(DRAINING, reason="DRAINING", retry_after_s=DRAINING_RETRY_S)
+        sessions = self._sessions()
+        loads = [load for session in sessions if session.accepting and (load := session.engine.current_load()) is not None]
         if not loads:
-            raise unavailable(NOT_CONNECTED)
+            raise no_device_refusal(sessions)
         return ModelLimits(loads[0].attach.vocab_size, min(load.attach.max_model_len for load in loads))
 
     def submit(self, request: GenerationRequest, caller: str = "") -> RequestHandle:
@@ -90,12 +104,12 @@ class DeviceRouter:
         """
         with self._lock:
             if self._draining:
-                raise unavailable("server is draining; retry on another replica")
+                raise unavailable(DRAINING, reason="DRAINING", retry_after_s=DRAINING_RETRY_S)
             sessions = self._sessions()
             if any(session.engine.has_request(request.request_id) for session in sessions):
                 raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already running; use another id")
             candidates = [(session, load) for session in sessions if session.accepting and (load := session.engine.current_load()) is not None]
-            refusal = unavailable(NOT_CONNECTED)
+            refusal = no_device_refusal(sessions)
             for index in placement_order([load for _, load in candidates]):
                 engine = candidates[index][0].engine
                 try:
@@ -129,7 +143,8 @@ class DeviceRouter:
     # ---- figures and shutdown -----------------------------------------------------------------------
     def devices(self) -> list[DeviceFigures]:
         """Every device's figures, by address."""
-        return [DeviceFigures(session.address, session.instance_id, session.attached, session.accepting, session.engine.current_load())
+        return [DeviceFigures(session.address, session.instance_id, session.attached, session.accepting, session.engine.current_load(),
+                              bool(session.stalled))
                 for session in sorted(self._sessions(), key=lambda session: session.address)]
 
     def load(self) -> tuple[DeviceLoad, list[DeviceFigures]]:

@@ -54,3 +54,16 @@ def test_generate_stream_with_json(pipeline):
 def test_health_check_by_service_name(pipeline):
     out = grpcurl("-d", '{"service": "stageserve.v1.Generation"}', pipeline.prepare.address, "grpc.health.v1.Health/Check")
     assert json.loads(out)["status"] == "SERVING"
+
+
+def test_reflection_v1_lists_the_services(pipeline):
+    """Issue 20: reflection v1 as well as v1alpha. grpcurl 1.8.6 dials v1alpha for its own lookups,
+    so it calls v1's ServerReflectionInfo by name (described through reflection) and reads its answer."""
+    address = pipeline.prepare.address
+    assert "grpc.reflection.v1.ServerReflection" in grpcurl(address, "list").split()
+    out = grpcurl("-d", '{"list_services": ""}', address, "grpc.reflection.v1.ServerReflection/ServerReflectionInfo")
+    listed = {service["name"] for service in parse_json_stream(out)[0]["listServicesResponse"]["service"]}
+    assert {"stageserve.v1.Generation", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"} <= listed
+    described = parse_json_stream(grpcurl("-d", '{"file_containing_symbol": "stageserve.v1.Generation"}', address,
+                                          "grpc.reflection.v1.ServerReflection/ServerReflectionInfo"))[0]
+    assert described["fileDescriptorResponse"]["fileDescriptorProto"]  # the descriptors themselves
