@@ -34,7 +34,8 @@ def _register_v1_file(pool: descriptor_pool.DescriptorPool) -> None:
     old, new = f".{_V1ALPHA_PACKAGE}.", f".{V1_PACKAGE}."
     for message in proto.message_type:
         for field in message.field:
-            field.type_name = field.type_name.replace(old, new)
+            if field.HasField("type_name"):
+                field.type_name = field.type_name.replace(old, new)
     for method in proto.service[0].method:
         method.input_type, method.output_type = method.input_type.replace(old, new), method.output_type.replace(old, new)
     pool.AddSerializedFile(proto.SerializeToString())

@@ -485,3 +485,12 @@ def test_renderer_merges_patches_like_kustomize():
     assert expand("--x=$(A) $$(A) $(A)", {"A": "1"}) == "--x=1 $(A) 1"
     with pytest.raises(AssertionError, match=r"\$\(B\)"):
         expand("--x=$(B)", {"A": "1"})
+
+
+def test_the_cpu_device_pod_is_guaranteed_with_whole_cores(overlay):
+    """Issue 20: the device's compute threads get cores of their own (requests = limits, integer CPUs)."""
+    _, manifests = overlay
+    for container in pod_spec(workload(manifests, "device"))["containers"]:
+        requests, limits = container["resources"]["requests"], container["resources"]["limits"]
+        assert requests == limits, "Guaranteed QoS needs requests equal to limits for every resource"
+        assert str(limits["cpu"]).isdigit() and int(limits["cpu"]) >= 1, "whole cores"
