@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 import grpc
@@ -40,6 +41,7 @@ from stageserve.server import GRPC_OPTIONS
 log = logging.getLogger(__name__)
 
 WATCH_PERIOD_S = 0.5  # how often an accepting session looks for an overdue step
+STABLE_ATTACHMENT_S = 5.0  # an attachment that lasts this long resets the backoff
 DRAIN_POLL_S = 0.1    # how often a session that no longer accepts looks whether its last request ended
 
 
@@ -140,12 +142,18 @@ class DeviceSession:
             except _NotAttached as refusal:
                 self._sleep(backoff.refused(str(refusal), refusal.level))
                 continue
-            backoff.succeeded()
             # 3. watch; 4. detach
+            attached_at = time.monotonic()
             reason = self._watch()
             if reason is not None:
                 self.engine.detach(reason)
             self._detach(streams)
+            # An attachment lost at once (the device takes Attach but drops the stream) is a refusal
+            # too: retried with backoff, not in a tight loop.
+            if reason is not None and time.monotonic() - attached_at < STABLE_ATTACHMENT_S and not self._stop.is_set():
+                self._sleep(backoff.refused(f"attachment lost within {STABLE_ATTACHMENT_S:g} s ({reason})"))
+            else:
+                backoff.succeeded()
 
     def _attach(self) -> tuple[ExecuteStream, DeviceReadiness]:
         """Attach the engine to the device over a new ``Execute`` stream.
