@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-timeout", type=float, default=60.0, metavar="SECONDS",
                         help="a step not published by reclaim within this time ends that device's session: its requests fail "
                              "with UNAVAILABLE (default: %(default)s)")
-    parser.add_argument("--stall-timeout", type=float, default=5.0, metavar="SECONDS",
+    parser.add_argument("--stall-timeout", type=float, default=10.0, metavar="SECONDS",
                         help="a step not published within this time marks its device stalled: no new requests go to it "
                              "(UNAVAILABLE naming it when no other device accepts; readiness NOT_SERVING) until it completes "
                              "steps again (default: %(default)s)")

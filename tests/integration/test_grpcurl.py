@@ -62,8 +62,8 @@ def test_reflection_v1_lists_the_services(pipeline):
     address = pipeline.prepare.address
     assert "grpc.reflection.v1.ServerReflection" in grpcurl(address, "list").split()
     out = grpcurl("-d", '{"list_services": ""}', address, "grpc.reflection.v1.ServerReflection/ServerReflectionInfo")
-    listed = {service["name"] for service in parse_json_stream(out)[0]["listServicesResponse"]["service"]}
+    listed = {service["name"] for service in parse_json_stream(out)[0]["list_services_response"]["service"]}
     assert {"stageserve.v1.Generation", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"} <= listed
     described = parse_json_stream(grpcurl("-d", '{"file_containing_symbol": "stageserve.v1.Generation"}', address,
                                           "grpc.reflection.v1.ServerReflection/ServerReflectionInfo"))[0]
-    assert described["fileDescriptorResponse"]["fileDescriptorProto"]  # the descriptors themselves
+    assert described["file_descriptor_response"]["file_descriptor_proto"]  # the descriptors themselves
