@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="sequence table size = sequences in flight at most (default %(default)s)")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS", help="longest sequence (prompt + output) to accept (default: the model's context, capped by the KV pool)")
     parser.add_argument("--max-step-tokens", type=int, default=2048, metavar="TOKENS", help="tokens one step may carry (default %(default)s)")
-    parser.add_argument("--threads", type=int, default=None, metavar="N", help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=None, metavar="N", help="torch intra-op threads (default: cpu backend: the CPUs of the process's affinity and cgroup "
+                             "quota, less a quarter CPU for its gRPC and completion threads, rounded; else torch's choice)")
     parser.add_argument("--no-cpu-kernels", action="store_true", help="cpu backend: run the layers in plain torch ops instead of the fused C++ kernels (for comparison)")
     parser.add_argument("--no-amx-linears", action="store_true",
                         help="cpu backend: keep decode-sized bf16 linears on oneDNN instead of AMX, which holds a second copy of the weights")
@@ -78,6 +79,12 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
 
+    if args.backend == "cpu":  # before torch loads its OpenMP runtime (cpu_budget.py)
+        from stageserve.device.cpu_budget import default_compute_threads, set_openmp_wait_policy
+
+        set_openmp_wait_policy()
+        if args.threads is None:
+            args.threads = default_compute_threads()
     import torch  # noqa: F401 - heavy imports only past --help
     from prometheus_client import CollectorRegistry
 

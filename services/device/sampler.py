@@ -34,6 +34,8 @@ from stageserve.device import cpu_kernels
 from stageserve.sampling_rules import GREEDY_TEMPERATURE_EPS, first_violation, number_text
 from stageserve.v1 import common_pb2
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # logits and logprobs are kept within +-this: never inf
+
 
 @dataclass
 class SamplingTensors:
@@ -117,7 +119,8 @@ def sample(
     token_ids = greedy_ids if tensors.all_greedy else _sample_random(logits, tensors, greedy_ids, fused_argmax)
     if tensors.max_logprobs == 0:
         return SampleResult(token_ids, None, None, None)
-    logprobs = logits.log_softmax(dim=-1)
+    # A token whose probability underflows to 0 has log-probability -inf: reported as float32's lowest.
+    logprobs = logits.log_softmax(dim=-1).clamp_(min=-_FLOAT32_MAX)
     top_logprobs, top_ids = logprobs.topk(tensors.max_logprobs, dim=-1)
     sampled_logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     return SampleResult(token_ids, sampled_logprobs, top_ids, top_logprobs)
@@ -143,9 +146,12 @@ def apply_repetition_penalty(
     Where ``presence`` [S, V] bool is True, positive logits are divided by the row's ``penalty``
     [S] float32 and negative ones multiplied by it, exactly as Hugging Face's
     ``RepetitionPenaltyLogitsProcessor`` and vLLM; penalty 1 leaves a row unchanged.
+
+    A penalty at the edge of float32 (``1.4e-45``, ``3.4e38``) would turn logits into infinities,
+    and the softmax of two of them into NaN: results are clamped to float32's finite range.
     """
     row_penalty = penalty.unsqueeze(1)
-    penalised = torch.where(logits > 0, logits / row_penalty, logits * row_penalty)
+    penalised = torch.where(logits > 0, logits / row_penalty, logits * row_penalty).clamp_(-_FLOAT32_MAX, _FLOAT32_MAX)
     return torch.where(presence, penalised, logits)
 
 
@@ -155,7 +161,8 @@ def _sample_random(
     """Token ids [S] int64: temperature, truncation and a Gumbel-max draw; greedy rows keep greedy_ids."""
     greedy = tensors.temperature < GREEDY_TEMPERATURE_EPS
     temperature = torch.where(greedy, 1.0, tensors.temperature)
-    scaled = logits / temperature.unsqueeze(1)  # [S, V], owned: later stages work in place
+    # [S, V], owned: later stages work in place; clamped: a tiny temperature over a huge penalised logit is inf
+    scaled = (logits / temperature.unsqueeze(1)).clamp_(-_FLOAT32_MAX, _FLOAT32_MAX)
     cutoff = None  # [S]: smallest scaled logit a row keeps
     if tensors.any_top_k or tensors.any_top_p:
         cutoff = _top_k_top_p_cutoff(scaled, tensors)

@@ -26,6 +26,8 @@ from contextlib import aclosing
 import grpc
 
 from stageserve.logs import REQUEST_ID
+from stageserve.prepare.early_aborts import caller_of
+from stageserve.prepare.error_details import abort_rpc
 from stageserve.prepare.errors import RequestError
 from stageserve.prepare.request_handle import LoopWaker, RequestHandle
 from stageserve.prepare.router import DeviceFigures, DeviceRouter
@@ -59,7 +61,7 @@ def stream_chunk(request_id: str, event: reclaim_pb2.SequenceEvent) -> prepare_p
 def device_status(device: DeviceFigures) -> prepare_pb2.DeviceStatus:
     """One device's ``DeviceStatus`` (load figures 0 while detached)."""
     status = prepare_pb2.DeviceStatus(address=device.address, instance_id=device.instance_id, attached=device.attached,
-                                      accepting=device.accepting)
+                                      accepting=device.accepting, stalled=device.stalled)
     if device.load is not None:
         status.kv_blocks_total, status.kv_blocks_free = device.load.kv_blocks_total, device.load.kv_blocks_free
         status.running_requests, status.waiting_requests = device.load.running, device.load.waiting
@@ -108,15 +110,16 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         return response
 
     async def Abort(self, request: prepare_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> prepare_pb2.AbortResponse:
-        """Abort a running request by id; idempotent (unknown or finished ids give aborted=false)."""
-        return prepare_pb2.AbortResponse(aborted=self._router.abort(request.request_id))
+        """Abort a running request by id; idempotent (unknown or finished ids give aborted=false). An
+        unknown id's abort is kept for a request of this caller that registers within 10 s (``early_aborts.py``)."""
+        return prepare_pb2.AbortResponse(aborted=self._router.abort(request.request_id, caller_of(context)))
 
     async def Tokenize(self, request: prepare_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> prepare_pb2.TokenizeResponse:
         """Token ids and strings of a prompt or chat, exactly as Generate would see them; INVALID_ARGUMENT for a bad input."""
         try:
             return await asyncio.get_running_loop().run_in_executor(None, self._tokenize, request)
         except RequestError as error:
-            await context.abort(error.code, error.message)
+            await abort_rpc(context, error)
 
     async def GetModelInfo(self, request: prepare_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> prepare_pb2.ModelInfo:
         """Model facts and load, summed over attached devices plus per device. While none is attached,
@@ -153,12 +156,12 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
             validated = await asyncio.get_running_loop().run_in_executor(None, self._validate, request, request_id)
             # On the loop, with no await until the done callback is set: a handler cancelled
             # in between would leave the request running for no one.
-            handle = self._router.submit(validated)
+            handle = self._router.submit(validated, caller_of(context))
         except RequestError as error:
             self._router.metrics.request_refused(error.code.name)
             shown_id = request_id[:256] if request_id.isprintable() else ascii(request_id[:256])  # the client's text, maybe invalid
             log.debug("refused with %s: %s", error.code.name, error.message, extra={REQUEST_ID: shown_id})
-            await context.abort(error.code, error.message)
+            await abort_rpc(context, error)
         log.debug("accepted: %d prompt tokens, max_tokens %d", handle.request.num_prompt_tokens, handle.request.max_tokens,
                   extra={REQUEST_ID: request_id})
         # Runs once the handler's task is done, however it ended (a finished request is no longer
@@ -187,7 +190,7 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         except RequestError as error:
             observer.on_error(error.code.name)
             log.info("failed with %s: %s", error.code.name, error.message, extra={REQUEST_ID: handle.request.request_id})
-            await context.abort(error.code, error.message)
+            await abort_rpc(context, error)
         finally:
             # Ignored after a terminal; else the client left first (the task was cancelled). A
             # client whose deadline passes cancels the call a little before the server's copy of

@@ -43,16 +43,18 @@ class PipelineConnector:
         new_engine: builds the engine of a new device session.
         on_ready: called with the new readiness whenever it changes.
         step_timeout_s: a sent step not published within this time detaches its device.
+        stall_timeout_s: a sent step not published within this time marks its device stalled (no new requests).
         refresh_s: seconds between DNS lookups of ``dns:///`` entries.
         resolver: ``socket.getaddrinfo`` or a stand-in (tests).
     """
 
     def __init__(self, endpoints: DeviceEndpoints, reclaim_target: str, new_engine: Callable[[], Engine],
                  on_ready: Callable[[bool], None], step_timeout_s: float, refresh_s: float,
-                 resolver: Resolver = socket.getaddrinfo) -> None:
+                 resolver: Resolver = socket.getaddrinfo, stall_timeout_s: float | None = None) -> None:
         self._reclaim_channel = grpc.insecure_channel(reclaim_target, options=GRPC_OPTIONS)
         self._reclaim_target = reclaim_target
         self._new_engine, self._on_ready, self._step_timeout_s = new_engine, on_ready, step_timeout_s
+        self._stall_timeout_s = stall_timeout_s
         self._lock = threading.RLock()
         self._sessions: dict[str, DeviceSession] = {}
         self._engines_by_instance: dict[str, Engine] = {}  # replaced whole, read without the lock
@@ -100,7 +102,8 @@ class PipelineConnector:
                     del self._sessions[address]
             for address in addresses:
                 if address not in self._sessions:
-                    session = DeviceSession(address, self._new_engine(), self._reclaim_up, self._session_changed, self._step_timeout_s)
+                    session = DeviceSession(address, self._new_engine(), self._reclaim_up, self._session_changed, self._step_timeout_s,
+                                            self._stall_timeout_s)
                     self._sessions[address] = session
                     session.start()
         self._session_changed()

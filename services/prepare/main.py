@@ -36,7 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prefill-chunk", type=_positive_int, default=512, metavar="TOKENS",
                         help="prompt tokens of one sequence per step at most (chunked prefill; default: %(default)s)")
     parser.add_argument("--step-timeout", type=float, default=60.0, metavar="SECONDS",
-                        help="a step not published by reclaim within this time ends that device's session (default: %(default)s)")
+                        help="a step not published by reclaim within this time ends that device's session: its requests fail "
+                             "with UNAVAILABLE (default: %(default)s)")
+    parser.add_argument("--stall-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="a step not published within this time marks its device stalled: no new requests go to it "
+                             "(UNAVAILABLE naming it when no other device accepts; readiness NOT_SERVING) until it completes "
+                             "steps again (default: %(default)s)")
     parser.add_argument("--max-workers", type=_positive_int, default=16,
                         help="threads for work kept off the gRPC event loop: prompt validation and tokenization, "
                              "the Admin RPCs; streams need none (default: %(default)s)")
@@ -80,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         new_engine=lambda: Engine(max_prefill_chunk=args.max_prefill_chunk, max_waiting=args.max_waiting, tracer=tracer, metrics=metrics),
         on_ready=lambda up: server.set_ready(up and not router.draining),
         step_timeout_s=args.step_timeout,
+        stall_timeout_s=args.stall_timeout,
         refresh_s=args.device_refresh_s,
     )
     router = DeviceRouter(connector.sessions, metrics)

@@ -4,7 +4,8 @@ Each device has its own session and engine (``session.py``, ``engine.py``). The 
 object the RPC handlers talk to: it checks that a request id is not active on any device, places
 the request by :func:`~stageserve.prepare.placement.placement_order` over the sessions that accept
 requests (trying the next one when an engine refuses it: queue full, pool too small, or it just
-detached), forwards Abort and client cancels to the engine that holds the request, sums the
+detached), forwards Abort and client cancels to the engine that holds the request (an Abort for
+an id no engine holds yet is remembered: :mod:`~stageserve.prepare.early_aborts`), sums the
 figures, and drains on shutdown: it alone refuses new requests then. Lock order: router, then an
 engine (an engine never calls the router).
 """
@@ -18,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from stageserve.prepare.early_aborts import EarlyAborts
 from stageserve.prepare.errors import RequestError, unavailable
 from stageserve.prepare.metrics import PrepareMetrics
 from stageserve.prepare.placement import DeviceLoad, placement_order, sum_loads
@@ -26,6 +28,9 @@ from stageserve.prepare.session import DeviceSession
 from stageserve.prepare.validation import GenerationRequest, ModelLimits
 
 NOT_CONNECTED = "prepare is not connected to a ready device and to reclaim; retry shortly"
+DRAINING = "server is draining; retry on another replica"
+NO_DEVICE_RETRY_S = 1.0  # RetryInfo while no device accepts: a reconnect or a stalled device's recovery takes about that
+DRAINING_RETRY_S = 0.5  # RetryInfo: another replica takes it now; this one is gone soon
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,16 @@ class DeviceFigures:
     attached: bool
     accepting: bool
     load: DeviceLoad | None
+    stalled: bool = False
+
+
+def no_device_refusal(sessions: Sequence[DeviceSession]) -> RequestError:
+    """``UNAVAILABLE`` for a request no device accepts: naming the stalled devices if any (reason
+    ``DEVICE_STALLED``), else ``NOT_CONNECTED``; both say to retry in a second."""
+    stalled = [session.stalled for session in sessions if session.stalled]
+    if stalled:
+        return unavailable("; ".join(stalled) + "; retry shortly", reason="DEVICE_STALLED", retry_after_s=NO_DEVICE_RETRY_S)
+    return unavailable(NOT_CONNECTED, retry_after_s=NO_DEVICE_RETRY_S)
 
 
 class DeviceRouter:
@@ -53,6 +68,7 @@ class DeviceRouter:
         self._metrics = metrics
         self._lock = threading.Lock()
         self._draining = False
+        self._early_aborts = EarlyAborts()
 
     @property
     def draining(self) -> bool:
@@ -70,14 +86,16 @@ class DeviceRouter:
             RequestError: ``UNAVAILABLE`` while draining or while no device is attached.
         """
         if self._draining:
-            raise unavailable("server is draining; retry on another replica")
-        loads = [load for session in self._sessions() if session.accepting and (load := session.engine.current_load()) is not None]
+            raise unavailable(DRAINING, reason="DRAINING", retry_after_s=DRAINING_RETRY_S)
+        sessions = self._sessions()
+        loads = [load for session in sessions if session.accepting and (load := session.engine.current_load()) is not None]
         if not loads:
-            raise unavailable(NOT_CONNECTED)
+            raise no_device_refusal(sessions)
         return ModelLimits(loads[0].attach.vocab_size, min(load.attach.max_model_len for load in loads))
 
-    def submit(self, request: GenerationRequest) -> RequestHandle:
+    def submit(self, request: GenerationRequest, caller: str = "") -> RequestHandle:
         """Accept ``request`` on the least loaded accepting device; it stays there until it ends.
+        If ``caller`` aborted its id shortly before (:meth:`abort`), it ends at once with ``finish_reason`` abort.
 
         Raises:
             RequestError: ``UNAVAILABLE`` (draining, or no device accepts), ``ALREADY_EXISTS`` (its
@@ -86,23 +104,33 @@ class DeviceRouter:
         """
         with self._lock:
             if self._draining:
-                raise unavailable("server is draining; retry on another replica")
+                raise unavailable(DRAINING, reason="DRAINING", retry_after_s=DRAINING_RETRY_S)
             sessions = self._sessions()
             if any(session.engine.has_request(request.request_id) for session in sessions):
                 raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already running; use another id")
             candidates = [(session, load) for session in sessions if session.accepting and (load := session.engine.current_load()) is not None]
-            refusal = unavailable(NOT_CONNECTED)
+            refusal = no_device_refusal(sessions)
             for index in placement_order([load for _, load in candidates]):
+                engine = candidates[index][0].engine
                 try:
-                    return candidates[index][0].engine.submit(request)
+                    handle = engine.submit(request)
                 except RequestError as error:  # try the next device; report the most telling refusal
                     if refusal.code == grpc.StatusCode.UNAVAILABLE:
                         refusal = error
+                    continue
+                if self._early_aborts.take(caller, request.request_id):
+                    engine.abort(request.request_id)  # still waiting: it ends now, with finish_reason abort
+                return handle
             raise refusal
 
-    def abort(self, request_id: str) -> bool:
-        """Abort the active request ``request_id`` on whichever device holds it; ``False`` if none does."""
-        return any(session.engine.abort(request_id) for session in self._sessions())
+    def abort(self, request_id: str, caller: str = "") -> bool:
+        """Abort the active request ``request_id`` on whichever device holds it; ``False`` if none
+        does: then an abort by ``caller`` is remembered for a request that registers shortly after."""
+        with self._lock:
+            if any(session.engine.abort(request_id) for session in self._sessions()):
+                return True
+            self._early_aborts.remember(caller, request_id)
+            return False
 
     def cancel(self, handle: RequestHandle) -> None:
         """The RPC of ``handle`` ended: abort the request on its device if it still runs; stop its handler waiting."""
@@ -115,7 +143,8 @@ class DeviceRouter:
     # ---- figures and shutdown -----------------------------------------------------------------------
     def devices(self) -> list[DeviceFigures]:
         """Every device's figures, by address."""
-        return [DeviceFigures(session.address, session.instance_id, session.attached, session.accepting, session.engine.current_load())
+        return [DeviceFigures(session.address, session.instance_id, session.attached, session.accepting, session.engine.current_load(),
+                              bool(session.stalled))
                 for session in sorted(self._sessions(), key=lambda session: session.address)]
 
     def load(self) -> tuple[DeviceLoad, list[DeviceFigures]]:

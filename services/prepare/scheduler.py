@@ -39,7 +39,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from stageserve.prepare.block_manager import BlockManager
-from stageserve.prepare.errors import resource_exhausted
+from stageserve.prepare.errors import QUEUE_FULL_RETRY_S, resource_exhausted
 from stageserve.prepare.scheduled_step import PLACEHOLDER_TOKEN, ScheduledStep, SequenceState
 from stageserve.prepare.validation import GenerationRequest
 from stageserve.v1 import device_pb2, reclaim_pb2
@@ -165,8 +165,10 @@ class Scheduler:
             RequestError: ``RESOURCE_EXHAUSTED`` when the waiting queue is full, or when the request
                 needs more KV blocks than the whole pool has.
         """
-        if len(self._waiting) >= self.config.max_waiting:
-            raise resource_exhausted(f"the waiting queue is full ({self.config.max_waiting} requests); retry later")
+        # Requests the free sequence slots will take at the next step are not waiting in the queue.
+        if len(self._waiting) - len(self._free_indices) >= self.config.max_waiting:
+            raise resource_exhausted(f"the waiting queue is full ({self.config.max_waiting} requests); retry later",
+                                     reason="QUEUE_FULL", retry_after_s=QUEUE_FULL_RETRY_S)
         kv_tokens = self.max_kv_tokens(request)
         needed = self.block_manager.blocks_for_tokens(kv_tokens)
         if needed > self.block_manager.num_blocks:

@@ -12,12 +12,14 @@ that keeps them up, reconnecting with
    stream and attach the engine to it;
 3. watch until the ``Execute`` stream breaks, reclaim is lost, a sent step is not published within
    ``--step-timeout``, or the session no longer accepts (the device turned NOT_SERVING: it drains;
-   or its address left the DNS answer) and no request is left on it;
+   or its address left the DNS answer) and no request is left on it. Meanwhile a sent step not
+   published within ``--stall-timeout`` (shorter) marks the device *stalled*: it takes no new
+   requests (prepare's readiness drops when no other device accepts) until its steps complete again;
 4. detach: requests still on the device fail with ``UNAVAILABLE`` (none when it was let go idle);
    then dial again (1.), unless the address left the DNS answer: then the thread ends and the
    connector drops the session.
 
-A session *accepts* new requests only while attached, ready and listed. A request placed on it
+A session *accepts* new requests only while attached, ready, not stalled and listed. A request placed on it
 stays on it until it ends: a draining device keeps its ``Execute`` stream until its last request
 finished, and its drain waits for prepare to let it go.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 import grpc
@@ -38,6 +41,7 @@ from stageserve.server import GRPC_OPTIONS
 log = logging.getLogger(__name__)
 
 WATCH_PERIOD_S = 0.5  # how often an accepting session looks for an overdue step
+STABLE_ATTACHMENT_S = 5.0  # an attachment that lasts this long resets the backoff
 DRAIN_POLL_S = 0.1    # how often a session that no longer accepts looks whether its last request ended
 
 
@@ -58,15 +62,19 @@ class DeviceSession:
         reclaim_up: set while prepare is subscribed to reclaim.
         on_change: called (no arguments) when the session attaches, detaches, or its readiness flips.
         step_timeout_s: a sent step not published within this time ends the attachment.
+        stall_timeout_s: a sent step not published within this time marks the device stalled
+            (default: never, before ``step_timeout_s`` ends the attachment).
     """
 
     def __init__(self, address: str, engine: Engine, reclaim_up: threading.Event, on_change: Callable[[], None],
-                 step_timeout_s: float) -> None:
+                 step_timeout_s: float, stall_timeout_s: float | None = None) -> None:
         self.address = address
         self.engine = engine
         self.instance_id = ""  # of the attached device; "" while detached
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._reclaim_up, self._on_change, self._step_timeout_s = reclaim_up, on_change, step_timeout_s
+        self._stall_timeout_s = step_timeout_s if stall_timeout_s is None else stall_timeout_s
+        self.stalled = ""  # why the attached device counts as stalled; "" while it is not
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._listed = True
@@ -82,8 +90,8 @@ class DeviceSession:
 
     @property
     def accepting(self) -> bool:
-        """Whether new requests may be placed here: attached, the device ready, the address listed."""
-        return self._attached and self._device_ready and self._listed
+        """Whether new requests may be placed here: attached, the device ready and not stalled, the address listed."""
+        return self._attached and self._device_ready and self._listed and not self.stalled
 
     @property
     def finished(self) -> bool:
@@ -134,12 +142,18 @@ class DeviceSession:
             except _NotAttached as refusal:
                 self._sleep(backoff.refused(str(refusal), refusal.level))
                 continue
-            backoff.succeeded()
             # 3. watch; 4. detach
+            attached_at = time.monotonic()
             reason = self._watch()
             if reason is not None:
                 self.engine.detach(reason)
             self._detach(streams)
+            # An attachment lost at once (the device takes Attach but drops the stream) is a refusal
+            # too: retried with backoff, not in a tight loop.
+            if reason is not None and time.monotonic() - attached_at < STABLE_ATTACHMENT_S and not self._stop.is_set():
+                self._sleep(backoff.refused(f"attachment lost within {STABLE_ATTACHMENT_S:g} s ({reason})"))
+            else:
+                backoff.succeeded()
 
     def _attach(self) -> tuple[ExecuteStream, DeviceReadiness]:
         """Attach the engine to the device over a new ``Execute`` stream.
@@ -176,7 +190,7 @@ class DeviceSession:
         """Wait for the end of the attachment; the reason to fail its requests, or ``None`` when the
         device was let go with no request left (the engine is already detached)."""
         while True:
-            self._sleep(WATCH_PERIOD_S if self.accepting else DRAIN_POLL_S)
+            self._sleep(min(WATCH_PERIOD_S, self._stall_timeout_s / 4) if self.accepting else DRAIN_POLL_S)
             if self._stop.is_set():
                 return "prepare is shutting down"
             if self._lost_reason:
@@ -184,10 +198,26 @@ class DeviceSession:
             overdue = self.engine.oldest_unpublished_step()
             if overdue is not None and overdue[1] > self._step_timeout_s:
                 return f"reclaim published no events for step {overdue[0]} of device {self.address} within {self._step_timeout_s:g} s"
-            if not self.accepting:
+            self._note_stall(overdue)
+            if not (self._device_ready and self._listed):
                 why = "left the DNS answer" if not self._listed else "is draining"
                 if self.engine.detach_if_idle(f"device {self.address} {why}; no request was left on it"):
                     return None
+
+    def _note_stall(self, overdue: tuple[int, float] | None) -> None:
+        """Mark the device stalled while its oldest unpublished step is older than the stall
+        timeout, and not once it is not (its steps complete again); log and notify each change."""
+        stalled = overdue is not None and overdue[1] > self._stall_timeout_s
+        if stalled == bool(self.stalled):
+            return
+        if stalled:
+            self.stalled = (f"device {self.address} is stalled: step {overdue[0]} sent {overdue[1]:.1f} s ago is not completed"
+                            f" (--stall-timeout {self._stall_timeout_s:g} s)")
+            log.warning("%s; no new requests go to it until it completes steps again", self.stalled)
+        else:
+            self.stalled = ""
+            log.warning("device %s completes steps again; it takes new requests", self.address)
+        self._on_change()
 
     def _detach(self, streams: tuple[ExecuteStream, DeviceReadiness]) -> None:
         for stream in streams:
@@ -195,6 +225,7 @@ class DeviceSession:
         was_known = self._attached or self.instance_id
         self._attached = False
         self._device_ready = False
+        self.stalled = ""
         self.instance_id = ""
         if was_known:
             self._on_change()

@@ -93,12 +93,13 @@ class IncrementalDetokenizer:
     def flush(self, state: DetokenizerState) -> str:
         """Text of tokens held back at the end of a sequence.
 
-        Non-empty only when the sequence ended inside a multi-byte character; the bytes that can
-        never complete are then shown as U+FFFD, exactly as ``decode`` of all ids shows them.
+        Held back are only tokens that end inside a multi-byte character. The complete characters
+        among them are returned; the incomplete final character is dropped (``decode`` of all ids
+        would show it as U+FFFD): its token ids are still reported, the text has no U+FFFD for it.
         """
         if state.read_offset == len(state.ids):
             return ""
         window = state.ids[state.prefix_offset :]
         prefix_text = self._decode(window[: state.read_offset - state.prefix_offset])
         state.prefix_offset = state.read_offset = len(state.ids)
-        return self._decode(window)[len(prefix_text) :]
+        return self._decode(window)[len(prefix_text) :].rstrip(REPLACEMENT_CHAR)

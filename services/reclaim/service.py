@@ -134,8 +134,11 @@ class CompletionLink:
             if received:
                 backoff.succeeded()
             if not self._stopping.is_set() and self._listed:
-                delay_s = backoff.next_delay()
-                log.warning("device %s stream lost (%s); reconnecting in %.1f s", self._target, reason, delay_s)
+                if received:  # news: logged; a stream refused again and again is logged once (Backoff)
+                    delay_s = backoff.next_delay()
+                    log.warning("device %s stream lost (%s); reconnecting in %.1f s", self._target, reason, delay_s)
+                else:
+                    delay_s = backoff.refused(f"stream lost before any event ({reason})")
                 self._stopping.wait(delay_s)
         if not self._stopping.is_set():
             log.info("device %s left the device list; its link ended", self._target)

@@ -170,7 +170,7 @@ class ModelInfo(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., dispatch: _Optional[str] = ..., pipeline_depth: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ...) -> None: ...
 
 class DeviceStatus(_message.Message):
-    __slots__ = ("address", "instance_id", "attached", "accepting", "kv_blocks_total", "kv_blocks_free", "running_requests", "waiting_requests")
+    __slots__ = ("address", "instance_id", "attached", "accepting", "kv_blocks_total", "kv_blocks_free", "running_requests", "waiting_requests", "stalled")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class DeviceStatus(_message.Message):
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
     address: str
     instance_id: str
     attached: bool
@@ -187,4 +188,5 @@ class DeviceStatus(_message.Message):
     kv_blocks_free: int
     running_requests: int
     waiting_requests: int
-    def __init__(self, address: _Optional[str] = ..., instance_id: _Optional[str] = ..., attached: _Optional[bool] = ..., accepting: _Optional[bool] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ...) -> None: ...
+    stalled: bool
+    def __init__(self, address: _Optional[str] = ..., instance_id: _Optional[str] = ..., attached: _Optional[bool] = ..., accepting: _Optional[bool] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., stalled: _Optional[bool] = ...) -> None: ...

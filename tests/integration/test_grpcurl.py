@@ -66,3 +66,16 @@ def test_describe_shows_the_field_comments_of_the_proto(pipeline):
     fields = [line for line in described.splitlines() if line.rstrip().endswith(";") and "=" in line]
     commented = [line for previous, line in zip(described.splitlines(), described.splitlines()[1:]) if line in fields and previous.strip().startswith("//")]
     assert len(fields) == 17 and commented == fields
+
+
+def test_reflection_v1_lists_the_services(pipeline):
+    """Issue 20: reflection v1 as well as v1alpha. grpcurl 1.8.6 dials v1alpha for its own lookups,
+    so it calls v1's ServerReflectionInfo by name (described through reflection) and reads its answer."""
+    address = pipeline.prepare.address
+    assert "grpc.reflection.v1.ServerReflection" in grpcurl(address, "list").split()
+    out = grpcurl("-d", '{"list_services": ""}', address, "grpc.reflection.v1.ServerReflection/ServerReflectionInfo")
+    listed = {service["name"] for service in parse_json_stream(out)[0]["list_services_response"]["service"]}
+    assert {"stageserve.v1.Generation", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"} <= listed
+    described = parse_json_stream(grpcurl("-d", '{"file_containing_symbol": "stageserve.v1.Generation"}', address,
+                                          "grpc.reflection.v1.ServerReflection/ServerReflectionInfo"))[0]
+    assert described["file_descriptor_response"]["file_descriptor_proto"]  # the descriptors themselves

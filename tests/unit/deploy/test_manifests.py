@@ -542,3 +542,12 @@ def test_pod_monitor_scrapes_every_pods_metrics_port(overlay):
         assert ingress_allowed(manifests, role, endpoint["port"], {NAME_LABEL: "prometheus"}, "monitoring")
     targets = {relabel["targetLabel"]: relabel["sourceLabels"] for relabel in endpoint["relabelings"]}
     assert targets["component"] == [f"__meta_kubernetes_pod_label_{re.sub('[^a-z0-9]', '_', COMPONENT_LABEL)}"]
+
+
+def test_the_cpu_device_pod_is_guaranteed_with_whole_cores(overlay):
+    """Issue 20: the device's compute threads get cores of their own (requests = limits, integer CPUs)."""
+    _, manifests = overlay
+    for container in pod_spec(workload(manifests, "device"))["containers"]:
+        requests, limits = container["resources"]["requests"], container["resources"]["limits"]
+        assert requests == limits, "Guaranteed QoS needs requests equal to limits for every resource"
+        assert str(limits["cpu"]).isdigit() and int(limits["cpu"]) >= 1, "whole cores"

@@ -38,3 +38,26 @@ def test_a_device_refusing_attach_is_retried_with_backoff_and_logged_once(caplog
     refusals = [record.getMessage() for record in caplog.records if "cannot attach" in record.getMessage()]
     assert len(refusals) == 1
     assert refusals[0].startswith(f"device {address}: cannot attach (UNAVAILABLE: warming up); retrying in ")
+
+
+def test_a_device_refusing_attach_for_ten_seconds_costs_fewer_than_fifty_attempts():
+    """Issue 20: 27,309 attach cycles in 110 s before the backoff; now a handful, and it attaches after."""
+    peers = FakePeers()
+    peers.device.refuse_attach = "warming up"
+    reclaim_up = threading.Event()
+    reclaim_up.set()
+    session = DeviceSession(f"127.0.0.1:{peers.device_port}", Engine(max_prefill_chunk=16, max_waiting=8), reclaim_up,
+                            on_change=lambda: None, step_timeout_s=10)
+    try:
+        session.start()
+        time.sleep(10)
+        refused_attempts = peers.device.attach_calls
+        peers.device.refuse_attach = ""
+        deadline = time.monotonic() + 30
+        while not session.attached:
+            assert time.monotonic() < deadline, "never attached once the device accepted"
+            time.sleep(0.05)
+    finally:
+        session.stop()
+        peers.stop()
+    assert 5 <= refused_attempts < 50  # the delays' lower bounds allow 10 at most in 10 s

@@ -150,13 +150,23 @@ def test_step_token_budget_is_respected_with_decode_rows_first():
 
 
 def test_waiting_queue_full_is_resource_exhausted():
-    scheduler = make_scheduler(max_waiting=2)
-    scheduler.add_request(make_request("a", 4, 4))
-    scheduler.add_request(make_request("b", 4, 4))
+    scheduler = make_scheduler(max_waiting=2, max_num_seqs=1)
+    for request_id in "abc":  # "a" takes the free slot at the next step; "b" and "c" wait
+        scheduler.add_request(make_request(request_id, 4, 4))
     with pytest.raises(RequestError) as full:
-        scheduler.add_request(make_request("c", 4, 4))
+        scheduler.add_request(make_request("d", 4, 4))
     assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "waiting queue is full (2 requests)" in full.value.message
+
+
+def test_a_burst_the_free_slots_take_is_not_counted_as_waiting():
+    """Issue 20: six requests at once against max_waiting 4 with 4 free slots are all accepted."""
+    scheduler = make_scheduler(max_waiting=4, max_num_seqs=4)
+    for request_id in "abcdef":
+        scheduler.add_request(make_request(request_id, 4, 4))
+    assert scheduler.num_waiting == 6
+    step = scheduler.schedule()
+    assert len(step.started) == 4 and scheduler.num_waiting == 2
 
 
 def test_request_larger_than_the_whole_pool_is_refused_with_sizes():
