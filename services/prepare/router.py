@@ -3,7 +3,7 @@
 Each device has its own session and engine (``session.py``, ``engine.py``). The router is the one
 object the RPC handlers talk to: it checks that a request id is not active on any device, places
 the request by :func:`~stageserve.prepare.placement.placement_order` over the sessions that accept
-requests (trying the next one when an engine refuses it: queue full, pool too small, or it just
+requests (their loads and the prefix of the request each one's cache holds) (trying the next one when an engine refuses it: queue full, pool too small, or it just
 detached), forwards Abort and client cancels to the engine that holds the request, sums the
 figures, and drains on shutdown: it alone refuses new requests then. Lock order: router, then an
 engine (an engine never calls the router).
@@ -77,7 +77,7 @@ class DeviceRouter:
         return ModelLimits(loads[0].attach.vocab_size, min(load.attach.max_model_len for load in loads))
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Accept ``request`` on the least loaded accepting device; it stays there until it ends.
+        """Accept ``request`` on the accepting device placement prefers; it stays there until it ends.
 
         Raises:
             RequestError: ``UNAVAILABLE`` (draining, or no device accepts), ``ALREADY_EXISTS`` (its
@@ -92,7 +92,8 @@ class DeviceRouter:
                 raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already running; use another id")
             candidates = [(session, load) for session in sessions if session.accepting and (load := session.engine.current_load()) is not None]
             refusal = unavailable(NOT_CONNECTED)
-            for index in placement_order([load for _, load in candidates]):
+            hits = [session.engine.prefix_hit_tokens(request) for session, _ in candidates] if len(candidates) > 1 else []
+            for index in placement_order([load for _, load in candidates], hits):
                 try:
                     return candidates[index][0].engine.submit(request)
                 except RequestError as error:  # try the next device; report the most telling refusal
