@@ -4,7 +4,7 @@ with ``--no-prefix-caching``, greedy in float32; the outputs must be the same to
 from __future__ import annotations
 
 import random
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -39,17 +39,9 @@ def generate(stub, ids: list[int], request_id: str, salt: str | None = None) -> 
 
 
 def concurrently(stub, prompts: dict[str, list[int]]) -> dict[str, tuple[list[int], int]]:
-    results = {}
-
-    def one(request_id: str) -> None:
-        results[request_id] = generate(stub, prompts[request_id], request_id)
-
-    threads = [threading.Thread(target=one, args=(rid,)) for rid in prompts]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(180)
-    return results
+    """:func:`generate` of every prompt at once (one batch on the device), by request id."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return dict(zip(prompts, pool.map(lambda rid: generate(stub, prompts[rid], rid), prompts)))
 
 
 def random_ids(seed: int, count: int) -> list[int]:
