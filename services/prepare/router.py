@@ -5,8 +5,9 @@ object the RPC handlers talk to: it checks that a request id is not active on an
 the request by :func:`~stageserve.prepare.placement.placement_order` over the loads of the
 sessions that accept requests and the prefix of the request each one's cache holds (trying the
 next one when an engine refuses it: queue full, pool too small, or it just detached), forwards
-Abort and client cancels to the engine that holds the request, sums the figures, and drains on shutdown: it alone refuses new requests then. Lock order: router, then an
-engine (an engine never calls the router).
+Abort and client cancels to the engine that holds the request, sums the figures, and drains on
+shutdown: it alone refuses new requests then. Lock order: router, then an engine (an engine never
+calls the router).
 """
 
 from __future__ import annotations
