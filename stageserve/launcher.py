@@ -208,15 +208,15 @@ def start_pipeline(
     try:
         device = ServiceProcess("device", list(device_args), workdir, device_port, log("device")).start()
         started.append(device)
-        device.wait_port()
+        device.wait_port(ready_timeout_s)
         reclaim = ServiceProcess("reclaim", ["--device", device.address, *reclaim_args], workdir, reclaim_port, log("reclaim")).start()
         started.append(reclaim)
-        reclaim.wait_port()
+        reclaim.wait_port(ready_timeout_s)
         prepare = ServiceProcess(
             "prepare", ["--device", device.address, "--reclaim", reclaim.address, *prepare_args], workdir, prepare_port, log("prepare")
         ).start()
         started.append(prepare)
-        prepare.wait_port()
+        prepare.wait_port(ready_timeout_s)
         for process in (device, reclaim, prepare):
             process.wait_ready(ready_timeout_s)
         return Pipeline(device=device, reclaim=reclaim, prepare=prepare)

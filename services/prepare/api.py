@@ -41,8 +41,9 @@ REQUEST_ID_HEADER = "x-request-id"
 DEADLINE_SLACK_S = 0.25
 
 
-def stream_chunk(request_id: str, event: reclaim_pb2.SequenceEvent) -> prepare_pb2.GenerateStreamResponse | None:
-    """The ``GenerateStreamResponse`` of one published event (finish fields and usage on the last);
+def stream_chunk(request_id: str, event: reclaim_pb2.SequenceEvent, cached_tokens: int = 0) -> prepare_pb2.GenerateStreamResponse | None:
+    """The ``GenerateStreamResponse`` of one published event (finish fields and usage on the last,
+    with ``cached_tokens`` prompt tokens served from the prefix cache);
     ``None`` for an event with no text, token ids or finish: the client is sent nothing for it."""
     if not (event.text or event.token_ids or event.finish_reason):
         return None
@@ -55,6 +56,7 @@ def stream_chunk(request_id: str, event: reclaim_pb2.SequenceEvent) -> prepare_p
             chunk.stop_token_id = event.stop_token_id
         chunk.usage.prompt_tokens = event.prompt_tokens
         chunk.usage.completion_tokens = event.completion_tokens
+        chunk.usage.cached_tokens = cached_tokens
     return chunk
 
 
@@ -65,6 +67,7 @@ def device_status(device: DeviceFigures) -> prepare_pb2.DeviceStatus:
     if device.load is not None:
         status.kv_blocks_total, status.kv_blocks_free = device.load.kv_blocks_total, device.load.kv_blocks_free
         status.running_requests, status.waiting_requests = device.load.running, device.load.waiting
+        status.kv_blocks_cached = device.load.kv_blocks_cached
     return status
 
 
@@ -87,7 +90,7 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         request_id = handle.request.request_id
         async with aclosing(self._events(handle, context)) as events:  # its finally runs now, not at GC
             async for event in events:
-                if (chunk := stream_chunk(request_id, event)) is not None:
+                if (chunk := stream_chunk(request_id, event, handle.cached_tokens)) is not None:
                     await context.write(chunk)
 
     async def Generate(self, request: prepare_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> prepare_pb2.GenerateResponse:
@@ -101,7 +104,7 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
                 response.token_ids.extend(event.token_ids)
                 response.logprobs.extend(event.logprobs)
                 if event.finish_reason:
-                    final = stream_chunk(handle.request.request_id, event)
+                    final = stream_chunk(handle.request.request_id, event, handle.cached_tokens)
                     response.finish_reason, response.stop_string = final.finish_reason, final.stop_string
                     if final.HasField("stop_token_id"):
                         response.stop_token_id = final.stop_token_id

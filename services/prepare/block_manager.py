@@ -11,11 +11,20 @@ for every token it may ever write to the KV cache. Blocks then leave the free li
 sequence's rows reach them (``can_append``/``append_slots``), so the pool figures show real use,
 while a running sequence can never find the pool empty. That is what makes the scheduler
 deadlock-free without preemption (see ``scheduler.py``).
+
+Prefix caching (``prefix_cache.py``): blocks are reference-counted. A sequence may start with
+blocks it shares (a prefix hit, one reference each); a block whose refcount drops to zero goes
+back to the free list, unless it is cached: then it stays, evictable, until the free list is empty
+and a sequence needs a block, and the least recently used one goes first. Evictable blocks count as
+available to reservations, so a reservation is always backed by free or evictable blocks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from stageserve.prepare.prefix_cache import BlockHash, PrefixCache
 
 
 @dataclass(eq=False)
@@ -32,7 +41,8 @@ class BlockTable:
 
 
 class BlockManager:
-    """Free list and reservations over KV blocks ``[0, num_blocks)`` of ``block_size`` tokens each.
+    """Free list, refcounts, reservations and the prefix cache over KV blocks ``[0, num_blocks)``
+    of ``block_size`` tokens each.
 
     Not thread-safe: the scheduler that owns it is driven under one lock.
 
@@ -51,49 +61,68 @@ class BlockManager:
         self.block_size = block_size
         # Reversed so that pop() hands out low ids first (easier to read in logs and tests).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._refs = [0] * num_blocks
         self._reserved = 0  # sum of BlockTable.reserved over live tables
+        self.cache = PrefixCache()
 
     @property
     def num_free(self) -> int:
-        """Blocks that hold no sequence's KV (reserved ones included)."""
-        return len(self._free)
+        """Blocks that hold no sequence's KV (reserved and evictable cached ones included)."""
+        return len(self._free) + self.cache.num_evictable
 
     @property
     def num_used(self) -> int:
         """Blocks in some sequence's block table."""
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     @property
     def num_available(self) -> int:
         """Free blocks not promised to an admitted sequence: what admission may still reserve."""
-        return len(self._free) - self._reserved
+        return self.num_free - self._reserved
+
+    def ref_count(self, block_id: int) -> int:
+        """Block tables that hold ``block_id``."""
+        return self._refs[block_id]
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` KV entries (ceil division)."""
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, max_kv_tokens: int) -> bool:
-        """Whether a sequence that may write up to ``max_kv_tokens`` KV entries can be admitted now."""
-        return self.blocks_for_tokens(max_kv_tokens) <= self.num_available
+    def _blocks_needed(self, max_kv_tokens: int, shared: Sequence[int]) -> int:
+        """Available blocks an admission takes: the blocks it will write, plus the shared ones that
+        stop being evictable once it holds them."""
+        evictable = sum(1 for block_id in shared if self.cache.is_evictable(block_id))
+        return self.blocks_for_tokens(max_kv_tokens) - len(shared) + evictable
 
-    def allocate(self, max_kv_tokens: int) -> BlockTable:
-        """Reserve blocks for ``max_kv_tokens`` KV entries and return the (still empty) block table.
+    def can_allocate(self, max_kv_tokens: int, shared: Sequence[int] = ()) -> bool:
+        """Whether a sequence that may write up to ``max_kv_tokens`` KV entries, starting with the
+        cached blocks ``shared`` (a prefix hit), can be admitted now."""
+        return self._blocks_needed(max_kv_tokens, shared) <= self.num_available
+
+    def allocate(self, max_kv_tokens: int, shared: Sequence[int] = ()) -> BlockTable:
+        """Hold the ``shared`` blocks, reserve the rest of ``max_kv_tokens`` KV entries, and return
+        the block table (``shared`` so far).
 
         Raises:
             RuntimeError: ``can_allocate`` is false (a scheduler bug).
         """
-        needed = self.blocks_for_tokens(max_kv_tokens)
-        if needed > self.num_available:
-            raise RuntimeError(f"allocate: {needed} blocks needed, {self.num_available} available")
+        if not self.can_allocate(max_kv_tokens, shared):
+            raise RuntimeError(f"allocate: {self._blocks_needed(max_kv_tokens, shared)} blocks needed, {self.num_available} available")
+        for block_id in shared:
+            if self._refs[block_id] == 0:
+                self.cache.acquire(block_id)
+            self._refs[block_id] += 1
+        needed = self.blocks_for_tokens(max_kv_tokens) - len(shared)
         self._reserved += needed
-        return BlockTable(reserved=needed)
+        return BlockTable(block_ids=list(shared), reserved=needed)
 
     def can_append(self, table: BlockTable, num_kv_tokens: int) -> bool:
         """Whether ``table`` can grow to cover ``num_kv_tokens`` positions within its reservation."""
         return self.blocks_for_tokens(num_kv_tokens) - len(table.block_ids) <= table.reserved
 
     def append_slots(self, table: BlockTable, num_kv_tokens: int) -> list[int]:
-        """Grow ``table`` to cover positions ``[0, num_kv_tokens)``; return the block ids added (maybe none).
+        """Grow ``table`` to cover positions ``[0, num_kv_tokens)``; return the block ids added (maybe
+        none). A block comes from the free list, else from the least recently used evictable one.
 
         Raises:
             RuntimeError: the growth exceeds the table's reservation (``can_append`` is false).
@@ -103,15 +132,29 @@ class BlockManager:
         missing = self.blocks_for_tokens(num_kv_tokens) - len(table.block_ids)
         if missing <= 0:
             return []
-        new_ids = [self._free.pop() for _ in range(missing)]
+        new_ids = [self._free.pop() if self._free else self.cache.evict() for _ in range(missing)]
+        for block_id in new_ids:
+            self._refs[block_id] = 1
         table.block_ids.extend(new_ids)
         table.reserved -= missing
         self._reserved -= missing
         return new_ids
 
+    def cache_block(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Make a held block, whose KV is written and published, shareable under ``block_hash``;
+        whether it was added (``False``: that prefix is cached already, in another block)."""
+        return self._refs[block_id] > 0 and self.cache.insert(block_id, block_hash)
+
     def free(self, table: BlockTable) -> None:
-        """Return the table's blocks and its unused reservation to the pool; the table is left empty."""
-        self._free.extend(reversed(table.block_ids))
+        """Drop the table's hold on its blocks and return its unused reservation; the table is left
+        empty. A block nobody holds goes back to the free list, or stays cached (evictable)."""
+        for block_id in reversed(table.block_ids):
+            self._refs[block_id] -= 1
+            if self._refs[block_id] == 0:
+                if self.cache.is_cached(block_id):
+                    self.cache.release(block_id)
+                else:
+                    self._free.append(block_id)
         self._reserved -= table.reserved
         table.block_ids = []
         table.reserved = 0

@@ -65,6 +65,7 @@ class _Attachment:
     send_plan: Callable[[device_pb2.StepPlan], None]
     credits: int
     sent_at: dict[int, float] = field(default_factory=dict)  # unpublished step id -> time.monotonic() at send
+    evictions_counted: int = 0  # the scheduler's prefix-cache evictions already added to the metric
 
 
 def local_abort_event(request: GenerationRequest) -> reclaim_pb2.SequenceEvent:
@@ -84,10 +85,13 @@ class Engine:
         max_waiting: waiting-queue bound (``--max-waiting``).
         tracer: prepare's tracer (default: one that never records).
         metrics: prepare's metrics (default: on a private registry nobody scrapes).
+        enable_prefix_caching: share cached prompt blocks between requests (``--no-prefix-caching`` turns it off).
     """
 
-    def __init__(self, max_prefill_chunk: int, max_waiting: int, tracer: Tracer | None = None, metrics: PrepareMetrics | None = None) -> None:
+    def __init__(self, max_prefill_chunk: int, max_waiting: int, tracer: Tracer | None = None, metrics: PrepareMetrics | None = None,
+                 enable_prefix_caching: bool = True) -> None:
         self._max_prefill_chunk = max_prefill_chunk
+        self._enable_prefix_caching = enable_prefix_caching
         self._max_waiting = max_waiting
         self._tracer = tracer or Tracer("prepare")
         self._metrics = metrics or PrepareMetrics(CollectorRegistry())
@@ -140,6 +144,7 @@ class Engine:
                 current.sent_at[step.step_id] = time.monotonic()
                 if step.started:
                     self._note_scheduled(step, start_ns)
+                self._count_evictions(current)
             # 3. build the plan (flat arrays) and send it; only this thread sends, so plans keep their order
             with tracer.span("prepare.build_plan", step_id=step.step_id):
                 plan = build_step_plan(step)
@@ -151,12 +156,23 @@ class Engine:
         """The first rows of ``step.started`` were scheduled: their queue time ends (engine lock)."""
         observe_queue_s = self._metrics.queue_time.observe
         for seq in step.started:
+            if self._enable_prefix_caching:
+                self._metrics.prefix_cache_queries.inc(seq.request.num_prompt_tokens)
+                self._metrics.prefix_cache_hits.inc(seq.num_cached_tokens)
             handle = self._active.get(seq.request.request_id)
             if handle is not None and handle.request is seq.request and handle.queued:
                 handle.queued = False
+                handle.cached_tokens = seq.num_cached_tokens
                 observe_queue_s((now_ns - handle.accepted_ns) / 1e9)
                 handle.observer.on_scheduled(now_ns)
-                self._tracer.end_async("request.queue", seq.request.request_id, step_id=step.step_id)
+                self._tracer.end_async("request.queue", seq.request.request_id, step_id=step.step_id, cached_tokens=seq.num_cached_tokens)
+
+    def _count_evictions(self, current: _Attachment) -> None:
+        """Add the prefix-cache evictions of the step just scheduled to the metric (engine lock)."""
+        evictions = current.scheduler.block_manager.cache.num_evictions
+        if evictions > current.evictions_counted:
+            self._metrics.prefix_cache_evictions.inc(evictions - current.evictions_counted)
+            current.evictions_counted = evictions
 
     # ---- the attachment (driven by the device session) ---------------------------------------------
     def attach(self, reply: device_pb2.AttachReply, send_plan: Callable[[device_pb2.StepPlan], None]) -> None:
@@ -170,7 +186,7 @@ class Engine:
         """
         if min(reply.max_num_seqs, reply.max_step_tokens, reply.kv_num_blocks, reply.kv_block_size, reply.max_model_len) < 1:
             raise ValueError(f"the device reported unusable limits: {reply}")
-        config = SchedulerConfig.from_attach(reply, self._max_prefill_chunk, self._max_waiting)
+        config = SchedulerConfig.from_attach(reply, self._max_prefill_chunk, self._max_waiting, self._enable_prefix_caching)
         with self._cond:
             stale = self._indices_in_use if reply.instance_id == self._last_instance_id else ()
             scheduler = Scheduler(config, self._generations, stale, first_step_id=self._next_step_id)
@@ -339,7 +355,15 @@ class Engine:
             scheduler = current.scheduler
             blocks = scheduler.block_manager
             return DeviceLoad(current.attach, scheduler.num_running, scheduler.num_waiting, blocks.num_free, blocks.num_blocks,
-                              blocks.num_available, scheduler.num_waiting_kv_blocks)
+                              blocks.num_available, scheduler.num_waiting_kv_blocks, blocks.cache.num_cached)
+
+    def prefix_hit_tokens(self, request: GenerationRequest) -> int:
+        """Prompt tokens of ``request`` this device's prefix cache holds now (0 while detached)."""
+        with self._cond:
+            current = self._attachment
+            if current is None:
+                return 0
+            return len(current.scheduler.prefix_hit(request)) * current.attach.kv_block_size
 
     def finish_active(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for the active requests to end; those still running then fail

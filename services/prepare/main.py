@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests waiting for admission per device at most; more are refused with RESOURCE_EXHAUSTED (default: %(default)s)")
     parser.add_argument("--max-prefill-chunk", type=_positive_int, default=512, metavar="TOKENS",
                         help="prompt tokens of one sequence per step at most (chunked prefill; default: %(default)s)")
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                        help="prefill every prompt in full: no KV blocks shared between requests (default: a prompt starts at"
+                             " its longest cached prefix of full blocks)")
     parser.add_argument("--step-timeout", type=float, default=60.0, metavar="SECONDS",
                         help="a step not published by reclaim within this time ends that device's session: its requests fail "
                              "with UNAVAILABLE (default: %(default)s)")
@@ -82,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     connector = PipelineConnector(
         args.device, args.reclaim,
-        new_engine=lambda: Engine(max_prefill_chunk=args.max_prefill_chunk, max_waiting=args.max_waiting, tracer=tracer, metrics=metrics),
+        new_engine=lambda: Engine(max_prefill_chunk=args.max_prefill_chunk, max_waiting=args.max_waiting, tracer=tracer, metrics=metrics,
+                                  enable_prefix_caching=args.prefix_caching),
         on_ready=lambda up: server.set_ready(up and not router.draining),
         step_timeout_s=args.step_timeout,
         stall_timeout_s=args.stall_timeout,

@@ -55,6 +55,9 @@ class PrepareMetrics:
         ttft, itl, e2e, queue_time, prefill_time, decode_time: latency histograms in seconds.
         prompt_tokens, generation_tokens: token counters of accepted requests / forwarded tokens.
         step_host: host seconds per step (schedule + build plan + send).
+        prefix_cache_queries, prefix_cache_hits: prompt tokens of admitted requests looked up in
+            the prefix cache / found there (never prefilled); ``hits / queries`` is the hit rate.
+        prefix_cache_evictions: cached blocks taken back by the pool for new KV.
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -78,6 +81,12 @@ class PrepareMetrics:
         self.step_host = Histogram("stageserve_host_critical_path_seconds",
                                    "prepare's host work per step on the critical path: schedule + build plan + send",
                                    buckets=STEP_HOST_BUCKETS_S, registry=registry)
+        self.prefix_cache_queries = Counter("stageserve_prefix_cache_queries_tokens", "Prompt tokens of admitted requests looked up in the prefix cache",
+                                            registry=registry)
+        self.prefix_cache_hits = Counter("stageserve_prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache (not prefilled)",
+                                         registry=registry)
+        self.prefix_cache_evictions = Counter("stageserve_prefix_cache_evictions_blocks", "Cached KV blocks evicted to make room",
+                                              registry=registry)
 
     def watch_engine(self, load: Callable[[], DeviceLoad | None]) -> None:
         """Report running / waiting requests, KV blocks and the served model from ``load()`` at every
@@ -103,6 +112,8 @@ class _DeviceLoadCollector(Collector):
         yield GaugeMetricFamily("stageserve_kv_cache_blocks_used", "KV cache blocks holding a sequence's tokens", value=used)
         yield GaugeMetricFamily("stageserve_kv_cache_blocks_free", "KV cache blocks holding no sequence's tokens (reserved ones included)",
                                 value=load.kv_blocks_free if load else 0)
+        yield GaugeMetricFamily("stageserve_kv_cache_blocks_cached", "KV cache blocks in the prefix cache (shareable; held by a sequence or not)",
+                                value=load.kv_blocks_cached if load else 0)
         yield GaugeMetricFamily("stageserve_kv_cache_usage_ratio", "Fraction of the KV cache blocks holding tokens, 0 to 1",
                                 value=used / load.kv_blocks_total if load and load.kv_blocks_total else 0)
         if load:

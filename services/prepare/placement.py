@@ -1,5 +1,6 @@
-"""A device's load, and which device a new request goes to: the least loaded one, by KV headroom,
-then waiting work.
+"""A device's load, and which device a new request goes to: the one holding the longest cached
+prefix of it unless that one is clearly busier, else the least loaded one, by KV headroom, then
+waiting work.
 
 A request is placed once, when it is accepted, and never moves: its KV cache lives in that device's
 pool and its sampled tokens in that device's sequence table. So placement looks at what admission
@@ -13,6 +14,13 @@ there will look at:
 
 Same ordering idea as "least outstanding requests" balancing, weighted by the resource that
 actually bounds admission (the KV pool, as in vLLM's scheduler).
+
+**Cache affinity** (prefix caching): a device whose prefix cache holds part of the prompt goes
+first, longest hit first, if it has KV headroom left and at most :data:`AFFINITY_MAX_EXTRA_REQUESTS`
+more outstanding (waiting + running) requests than the least busy device; the others follow in
+load order. So the turns of a conversation stay where their KV is, while a burst of requests with
+one shared prefix still spreads once one device is loaded (as SGLang's cache-aware router balances
+prefix matches against load).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ class DeviceLoad:
         kv_blocks_total: KV blocks of the device's pool.
         kv_blocks_available: free KV blocks not promised to a running sequence.
         waiting_kv_blocks: blocks the waiting requests will reserve at admission.
+        kv_blocks_cached: blocks in the device's prefix cache (held by a sequence or not).
     """
 
     attach: device_pb2.AttachReply
@@ -44,6 +53,7 @@ class DeviceLoad:
     kv_blocks_total: int
     kv_blocks_available: int = 0
     waiting_kv_blocks: int = 0
+    kv_blocks_cached: int = 0
 
     @property
     def kv_headroom(self) -> int:
@@ -51,9 +61,23 @@ class DeviceLoad:
         return self.kv_blocks_available - self.waiting_kv_blocks
 
 
-def placement_order(loads: Sequence[DeviceLoad]) -> list[int]:
-    """Indices of ``loads``, best device first (see the module docstring); equal loads keep their order."""
-    return sorted(range(len(loads)), key=lambda i: (-loads[i].kv_headroom, loads[i].waiting, loads[i].running))
+AFFINITY_MAX_EXTRA_REQUESTS = 4  # outstanding requests a cache hit may cost over the least busy device
+
+
+def placement_order(loads: Sequence[DeviceLoad], hit_tokens: Sequence[int] = ()) -> list[int]:
+    """Indices of ``loads``, best device first (see the module docstring); equal loads keep their order.
+
+    Args:
+        hit_tokens: per device, prompt tokens of the request its prefix cache holds (none: all 0).
+    """
+    by_load = sorted(range(len(loads)), key=lambda i: (-loads[i].kv_headroom, loads[i].waiting, loads[i].running))
+    if not any(hit_tokens):
+        return by_load
+    least_busy = min(load.waiting + load.running for load in loads)
+    affine = sorted((i for i in by_load if hit_tokens[i] > 0 and loads[i].kv_headroom > 0
+                     and loads[i].waiting + loads[i].running <= least_busy + AFFINITY_MAX_EXTRA_REQUESTS),
+                    key=lambda i: -hit_tokens[i])
+    return affine + [i for i in by_load if i not in affine]
 
 
 def sum_loads(loads: Sequence[DeviceLoad]) -> DeviceLoad | None:
@@ -68,4 +92,5 @@ def sum_loads(loads: Sequence[DeviceLoad]) -> DeviceLoad | None:
         kv_blocks_total=sum(load.kv_blocks_total for load in loads),
         kv_blocks_available=sum(load.kv_blocks_available for load in loads),
         waiting_kv_blocks=sum(load.waiting_kv_blocks for load in loads),
+        kv_blocks_cached=sum(load.kv_blocks_cached for load in loads),
     )

@@ -71,6 +71,7 @@ class RequestHandle:
         observer: its metrics and ``request.*`` trace events, fed by the RPC handler.
         accepted_ns: ``clock_ns()`` at acceptance.
         queued: no row of it has been scheduled yet (engine lock).
+        cached_tokens: prompt tokens served from the prefix cache (set when first scheduled).
     """
 
     def __init__(self, request: GenerationRequest, observer: RequestObserver, accepted_ns: int) -> None:
@@ -78,6 +79,7 @@ class RequestHandle:
         self.observer = observer
         self.accepted_ns = accepted_ns
         self.queued = True
+        self.cached_tokens = 0
         self._lock = threading.Lock()
         self._items: deque = deque()
         self._wake: Callable[[], None] | None = None  # armed by a waiting consumer, fired by the next put

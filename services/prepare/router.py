@@ -2,12 +2,13 @@
 
 Each device has its own session and engine (``session.py``, ``engine.py``). The router is the one
 object the RPC handlers talk to: it checks that a request id is not active on any device, places
-the request by :func:`~stageserve.prepare.placement.placement_order` over the sessions that accept
-requests (trying the next one when an engine refuses it: queue full, pool too small, or it just
-detached), forwards Abort and client cancels to the engine that holds the request (an Abort for
-an id no engine holds yet is remembered: :mod:`~stageserve.prepare.early_aborts`), sums the
-figures, and drains on shutdown: it alone refuses new requests then. Lock order: router, then an
-engine (an engine never calls the router).
+the request by :func:`~stageserve.prepare.placement.placement_order` over the loads of the
+sessions that accept requests and the prefix of the request each one's cache holds (trying the
+next one when an engine refuses it: queue full, pool too small, or it just detached), forwards
+Abort and client cancels to the engine that holds the request (an Abort for an id no engine holds
+yet is remembered: :mod:`~stageserve.prepare.early_aborts`), sums the figures, and drains on
+shutdown: it alone refuses new requests then. Lock order: router, then an engine (an engine never
+calls the router).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class DeviceRouter:
         return ModelLimits(loads[0].attach.vocab_size, min(load.attach.max_model_len for load in loads))
 
     def submit(self, request: GenerationRequest, caller: str = "") -> RequestHandle:
-        """Accept ``request`` on the least loaded accepting device; it stays there until it ends.
+        """Accept ``request`` on the accepting device placement prefers; it stays there until it ends.
         If ``caller`` aborted its id shortly before (:meth:`abort`), it ends at once with ``finish_reason`` abort.
 
         Raises:
@@ -110,7 +111,8 @@ class DeviceRouter:
                 raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already running; use another id")
             candidates = [(session, load) for session in sessions if session.accepting and (load := session.engine.current_load()) is not None]
             refusal = no_device_refusal(sessions)
-            for index in placement_order([load for _, load in candidates]):
+            hits = [session.engine.prefix_hit_tokens(request) for session, _ in candidates] if len(candidates) > 1 else []
+            for index in placement_order([load for _, load in candidates], hits):
                 engine = candidates[index][0].engine
                 try:
                     handle = engine.submit(request)

@@ -25,6 +25,10 @@ class SequenceState:
         stopped: gets no more rows.
         finished: its terminal event was published by reclaim, or prepare ended it locally.
         abort_forwarded: its request id was put in a plan's ``aborted`` list.
+        block_hashes: hash chain of the prompt's full blocks (empty with prefix caching off).
+        num_cached_tokens: prompt tokens it started with from the prefix cache (never prefilled).
+        num_blocks_sent: entries of ``blocks.block_ids`` already sent to the device.
+        cache_poisoned: a step of it failed; none of its blocks may become shareable.
     """
 
     request: GenerationRequest
@@ -37,6 +41,10 @@ class SequenceState:
     stopped: bool = False
     finished: bool = False
     abort_forwarded: bool = False
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_blocks_sent: int = 0
+    cache_poisoned: bool = False
 
     @property
     def in_prefill(self) -> bool:
@@ -47,7 +55,8 @@ class SequenceState:
 class ScheduledStep:
     """One step as the scheduler built it: the ``StepPlan`` fields as flat lists (row ``r`` has
     ``num_tokens[r]`` tokens in ``token_ids`` and ``num_new_blocks[r]`` ids in ``new_block_ids``),
-    plus ``rows``, the host-side sequence of each row."""
+    plus ``rows``, the host-side sequence of each row, and ``cache_writes``: ``(sequence, block
+    index)`` of each prompt block whose last token a row writes (shareable once the step is published)."""
 
     step_id: int
     finished: list[int]
@@ -62,6 +71,7 @@ class ScheduledStep:
     sample: list[bool] = field(default_factory=list)
     num_new_blocks: list[int] = field(default_factory=list)
     new_block_ids: list[int] = field(default_factory=list)
+    cache_writes: list[tuple[SequenceState, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -97,6 +107,8 @@ def build_step_plan(step: ScheduledStep) -> device_pb2.StepPlan:
 
 
 def step_size_args(step: ScheduledStep) -> dict[str, int]:
-    """Trace args of a step's size: rows, prompt tokens and decode tokens (decode rows carry the placeholder)."""
+    """Trace args of a step's size: rows, prompt tokens, decode tokens (decode rows carry the
+    placeholder), and the prompt tokens its new sequences skipped (prefix-cache hits)."""
     decode = step.token_ids.count(PLACEHOLDER_TOKEN)
-    return {"step_id": step.step_id, "batch_size": len(step.rows), "prefill_tokens": len(step.token_ids) - decode, "decode_tokens": decode}
+    return {"step_id": step.step_id, "batch_size": len(step.rows), "prefill_tokens": len(step.token_ids) - decode, "decode_tokens": decode,
+            "prefill_tokens_skipped": sum(seq.num_cached_tokens for seq in step.started)}

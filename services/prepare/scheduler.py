@@ -17,12 +17,24 @@ One step, built in this order within ``max_step_tokens`` tokens:
 
 **Admission policy (never deadlocks, no preemption).** A request is admitted when a seq index is
 free and the KV pool can *reserve* every block it may ever write: ``prompt + max_tokens - 1``
-tokens (the last sampled token is never fed back). Blocks leave the free list only as rows reach
-them, but a running sequence can always grow, so every admitted sequence runs to its end and
-returns its blocks. A request that could not fit even the empty pool is refused at
-:meth:`add_request` with ``RESOURCE_EXHAUSTED`` naming the sizes, so the head of the waiting queue
-always fits once the running sequences are done; it is never overtaken (no starvation). The cost:
-a request that stops early held its reservation meanwhile.
+tokens (the last sampled token is never fed back), less the cached blocks it starts with (a prefix
+hit), plus those of them no sequence held (they stop being evictable). Blocks leave the pool only
+as rows reach them, but a running sequence can always grow (free and evictable blocks together
+always cover the reservations), so every admitted sequence runs to its end and returns its blocks.
+A request that could not fit even the empty pool without any hit is refused at :meth:`add_request`
+with ``RESOURCE_EXHAUSTED`` naming the sizes. Once the running sequences are done every block is
+free or evictable, and a hit never makes a request need more than without one, so the head of the
+waiting queue always fits then; it is never overtaken (no starvation). The cost: a request that
+stops early held its reservation meanwhile.
+
+**Prefix caching** (``prefix_cache.py``, on unless ``enable_prefix_caching`` is false). A new
+sequence starts with the longest cached prefix of its prompt's full blocks, at most
+``(prompt - 1) // block_size`` blocks so that its last prompt token is always computed (its
+logits are sampled): its first row has ``start_pos`` past the hit, and its first
+``new_block_ids`` are the shared blocks. A prompt block becomes shareable only when the step that
+wrote its last token is published without error (:meth:`update_from_output`); a sequence any of
+whose steps failed or was refused never makes a block shareable. The cache lives and dies with
+the scheduler, i.e. with one attachment of one device.
 
 **Finish lag.** A sequence gets no more rows once reclaim reports its finish, once it has been
 given ``max_tokens`` sampling rows, or once it is aborted or failed. Its blocks and seq index are
@@ -40,6 +52,7 @@ from dataclasses import dataclass
 
 from stageserve.prepare.block_manager import BlockManager
 from stageserve.prepare.errors import QUEUE_FULL_RETRY_S, resource_exhausted
+from stageserve.prepare.prefix_cache import BlockHash, cache_namespace, chain_hashes
 from stageserve.prepare.scheduled_step import PLACEHOLDER_TOKEN, ScheduledStep, SequenceState
 from stageserve.prepare.validation import GenerationRequest
 from stageserve.v1 import device_pb2, reclaim_pb2
@@ -55,6 +68,8 @@ class SchedulerConfig:
         kv_num_blocks, kv_block_size: the device's KV pool (blocks; tokens per block).
         max_prefill_chunk: prompt tokens of one sequence per step at most.
         max_waiting: requests the waiting queue holds at most.
+        enable_prefix_caching: share published full prompt blocks between requests.
+        model_identity: what else changes a block's KV (the model); part of every block hash.
     """
 
     max_num_seqs: int
@@ -63,10 +78,13 @@ class SchedulerConfig:
     kv_block_size: int
     max_prefill_chunk: int
     max_waiting: int
+    enable_prefix_caching: bool = True
+    model_identity: str = ""
 
     @classmethod
-    def from_attach(cls, reply: device_pb2.AttachReply, max_prefill_chunk: int, max_waiting: int) -> "SchedulerConfig":
-        """The device's limits from its ``AttachReply`` plus prepare's own flags."""
+    def from_attach(cls, reply: device_pb2.AttachReply, max_prefill_chunk: int, max_waiting: int,
+                    enable_prefix_caching: bool = True) -> "SchedulerConfig":
+        """The device's limits and model from its ``AttachReply`` plus prepare's own flags."""
         return cls(
             max_num_seqs=reply.max_num_seqs,
             max_step_tokens=reply.max_step_tokens,
@@ -74,6 +92,8 @@ class SchedulerConfig:
             kv_block_size=reply.kv_block_size,
             max_prefill_chunk=max_prefill_chunk,
             max_waiting=max_waiting,
+            enable_prefix_caching=enable_prefix_caching,
+            model_identity=f"{reply.model_name}|{reply.dtype}",
         )
 
 
@@ -112,6 +132,7 @@ class Scheduler:
         self._free_indices = deque(i for i in range(config.max_num_seqs) if i not in set(self._pending_finished))
         self._pending_aborts: list[str] = []
         self._waiting: deque[GenerationRequest] = deque()
+        self._block_hashes: dict[GenerationRequest, list[BlockHash]] = {}  # waiting requests' hash chains
         self._waiting_kv_blocks = 0  # blocks the waiting requests will reserve at admission
         self._running: list[SequenceState] = []  # admission order
         self._by_index: dict[int, SequenceState] = {}
@@ -179,6 +200,20 @@ class Scheduler:
             )
         self._waiting.append(request)
         self._waiting_kv_blocks += needed
+        self._block_hashes[request] = self.block_hashes(request)
+
+    def block_hashes(self, request: GenerationRequest) -> list[BlockHash]:
+        """The hash chain of ``request``'s full prompt blocks (none with prefix caching off)."""
+        if not self.config.enable_prefix_caching:
+            return []
+        namespace = cache_namespace(self.config.model_identity, request.cache_salt)
+        return chain_hashes(request.prompt_token_ids, self.config.kv_block_size, namespace)
+
+    def prefix_hit(self, request: GenerationRequest, hashes: list[BlockHash] | None = None) -> list[int]:
+        """The cached blocks ``request`` would start with if admitted now (see the module docstring)."""
+        if hashes is None:
+            hashes = self._block_hashes.get(request) or self.block_hashes(request)
+        return self.block_manager.cache.longest_prefix(hashes[: (request.num_prompt_tokens - 1) // self.config.kv_block_size])
 
     def abort(self, request: GenerationRequest) -> AbortOutcome:
         """Stop scheduling ``request``: drop it from the waiting queue, or forward the abort to reclaim."""
@@ -186,6 +221,7 @@ class Scheduler:
         if seq is None:
             if request in self._waiting:
                 self._waiting.remove(request)
+                del self._block_hashes[request]
                 self._waiting_kv_blocks -= self.block_manager.blocks_for_tokens(self.max_kv_tokens(request))
                 return AbortOutcome.REMOVED_WAITING
             return AbortOutcome.NOT_FOUND
@@ -240,7 +276,7 @@ class Scheduler:
         return budget
 
     def _can_admit(self, request: GenerationRequest) -> bool:
-        return bool(self._free_indices) and self.block_manager.can_allocate(self.max_kv_tokens(request))
+        return bool(self._free_indices) and self.block_manager.can_allocate(self.max_kv_tokens(request), self.prefix_hit(request))
 
     def _admit(self, step: ScheduledStep, budget: int) -> None:
         while budget > 0 and self._waiting and self._can_admit(self._waiting[0]):
@@ -248,18 +284,26 @@ class Scheduler:
             self._waiting_kv_blocks -= self.block_manager.blocks_for_tokens(self.max_kv_tokens(request))
             index = self._free_indices.popleft()
             self._generations[index] += 1
-            seq = SequenceState(request, index, self._generations[index], self.block_manager.allocate(self.max_kv_tokens(request)))
+            hashes = self._block_hashes.pop(request)
+            shared = self.prefix_hit(request, hashes)
+            seq = SequenceState(request, index, self._generations[index], self.block_manager.allocate(self.max_kv_tokens(request), shared),
+                                num_kv_tokens=len(shared) * self.config.kv_block_size, block_hashes=hashes,
+                                num_cached_tokens=len(shared) * self.config.kv_block_size)
             self._running.append(seq)
             self._by_index[index] = seq
             self._by_request[request] = seq
             step.started.append(seq)
-            budget -= self._add_row(step, seq, min(request.num_prompt_tokens, self.config.max_prefill_chunk, budget))
+            budget -= self._add_row(step, seq, min(request.num_prompt_tokens - seq.num_kv_tokens, self.config.max_prefill_chunk, budget))
 
     def _add_row(self, step: ScheduledStep, seq: SequenceState, num_tokens: int) -> int:
         """Append one row of ``num_tokens`` tokens for ``seq``; return ``num_tokens``."""
         start, end = seq.num_kv_tokens, seq.num_kv_tokens + num_tokens
         prompt_tokens = seq.request.num_prompt_tokens
-        new_blocks = self.block_manager.append_slots(seq.blocks, end)
+        self.block_manager.append_slots(seq.blocks, end)
+        new_blocks = seq.blocks.block_ids[seq.num_blocks_sent :]  # the shared ones too, in a first row
+        seq.num_blocks_sent = len(seq.blocks.block_ids)
+        block_size = self.config.kv_block_size
+        step.cache_writes.extend((seq, j) for j in range(start // block_size, min(end // block_size, len(seq.block_hashes))))
         sample = end >= prompt_tokens
         step.rows.append(seq)
         step.seq_index.append(seq.seq_index)
@@ -299,13 +343,29 @@ class Scheduler:
             if event.finish_reason or event.error_code:
                 seq.stopped = seq.finished = True
                 touched.append(seq)
+            seq.cache_poisoned |= bool(event.error_code)
         step = self._in_flight.pop(step_events.step_id, None)
         if step is not None:
             if step_events.error_code:
+                self._poison(step)
                 routed += self._fail_rows_without_event(step, step_events)
+            else:
+                self._cache_written_blocks(step)
             touched.extend(self._release_rows(step))
         self._free_done(touched)
         return routed
+
+    @staticmethod
+    def _poison(step: ScheduledStep) -> None:
+        """``step`` failed or was refused: its sequences' KV may be incomplete; none becomes shareable."""
+        for seq in step.rows:
+            seq.cache_poisoned = True
+
+    def _cache_written_blocks(self, step: ScheduledStep) -> None:
+        """``step`` was published without error: the prompt blocks it completed become shareable."""
+        for seq, j in step.cache_writes:
+            if not seq.cache_poisoned:
+                self.block_manager.cache_block(seq.blocks.block_ids[j], seq.block_hashes[j])
 
     def _fail_rows_without_event(self, step: ScheduledStep, step_events: reclaim_pb2.StepEvents) -> list[tuple[GenerationRequest, reclaim_pb2.SequenceEvent]]:
         """A failed step's sequences that reclaim could not name (rows that did not sample) fail too."""
@@ -338,6 +398,7 @@ class Scheduler:
             if index not in self._by_index and index in self._free_indices:
                 self._free_indices.remove(index)
                 self._pending_finished.append(index)
+        self._poison(step)
         failed = []
         started = set(step.started)
         for seq in dict.fromkeys(step.rows):

@@ -33,6 +33,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_REQUEST_ID_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256
 CHAT_ROLES = ("system", "user", "assistant")
 
 
@@ -59,6 +60,7 @@ class GenerationRequest:
         max_tokens: completion tokens at most, ``>= 1``, ``prompt + max_tokens <= max_model_len``.
         sampling: concrete sampling parameters for the device.
         stop: stop conditions for reclaim (``max_tokens`` and ``prompt_tokens`` filled in).
+        cache_salt: prefix-cache blocks are shared only between requests of the same salt.
     """
 
     request_id: str
@@ -66,6 +68,7 @@ class GenerationRequest:
     max_tokens: int
     sampling: common_pb2.SamplingParams
     stop: common_pb2.StopParams
+    cache_salt: str = ""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -162,7 +165,9 @@ def validate_generate_request(
         include_stop_str_in_output=request.include_stop_str_in_output,
         prompt_tokens=len(ids),
     )
-    return GenerationRequest(request_id=request_id, prompt_token_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stop)
+    _at_most("cache_salt", len(request.cache_salt), MAX_CACHE_SALT_CHARS, what="characters")
+    return GenerationRequest(request_id=request_id, prompt_token_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stop,
+                             cache_salt=request.cache_salt)
 
 
 @functools.lru_cache(maxsize=4)

@@ -104,12 +104,12 @@ class RunResult:
 class ServicesSide:
     """The three services as processes (started like ``stageserve up``), driven over gRPC; all three load ``model_path``."""
 
-    def __init__(self, name: str, workdir: Path, model_path: Path, device_args: list[str]) -> None:
+    def __init__(self, name: str, workdir: Path, model_path: Path, device_args: list[str], prepare_args: list[str] = ()) -> None:
         self.name = name
         logs = workdir / name
         logs.mkdir(parents=True, exist_ok=True)
         model = ["--model", str(model_path)]
-        self.pipeline: Pipeline = start_pipeline(logs, device_args=[*model, *device_args], prepare_args=model, reclaim_args=model, log_dir=logs)
+        self.pipeline: Pipeline = start_pipeline(logs, device_args=[*model, *device_args], prepare_args=[*model, *prepare_args], reclaim_args=model, log_dir=logs)
 
     def run(self, workload: Workload, load: Load, progress: bool = True) -> RunResult:
         clock = StepClock(self.pipeline.reclaim.address)

@@ -8,7 +8,9 @@ themselves, on the embedded model unless ``--model`` says otherwise:
 - ``stageserve bench compare-dispatch``: async versus sync dispatch (sim device and real model);
 - ``stageserve bench compare-split``: three services versus the same code in one process;
 - ``stageserve bench compare-peers``: versus transformers and llama-cpp-python (``stageserve[bench]``);
-- ``stageserve bench sweep``: tokens/s and p99 ITL against concurrency, with a PNG plot.
+- ``stageserve bench sweep``: tokens/s and p99 ITL against concurrency, with a PNG plot;
+- ``stageserve bench compare-prefix-cache``: prefix caching on against off (shared system prompt,
+  multi-turn chat, no shared prefix).
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], dest="compare_streams", help="concurrency values (default 1..64)")
     sweep.add_argument("--llama-max-requests", type=int, default=4, metavar="N",
                        help="llama-cpp-python serves one request at a time, so its figures do not depend on concurrency: time at most N requests (default %(default)s)")
+    prefix = _comparison(sub, "compare-prefix-cache", "prefix caching on against off: shared system prompt, multi-turn chat, no shared prefix")
+    prefix.add_argument("--streams", type=int, default=16, dest="compare_streams", help="concurrent streams of the loaded runs (default %(default)s)")
+    prefix.add_argument("--system-tokens", type=int, default=1500, metavar="TOKENS", help="shared system prompt length (default %(default)s)")
     sweep.add_argument("--plot", type=Path, default=Path("docs/benchmarks-concurrency.png"), help="PNG path (default %(default)s)")
 
 
@@ -134,6 +139,10 @@ def _run_comparison(args: argparse.Namespace) -> str:
         return compare.compare_dispatch(common, args.sim_step_ms, args.compare_streams, include_model=not args.no_model)
     if args.comparison == "compare-split":
         return compare.compare_split(common, args.compare_streams)
+    if args.comparison == "compare-prefix-cache":
+        from stageserve.bench.prefix_cache import compare_prefix_cache
+
+        return compare_prefix_cache(common, args.compare_streams, args.system_tokens)
     if args.comparison == "compare-peers":
         return compare.compare_peers(common, args.compare_streams)
     return compare.sweep(common, args.compare_streams, args.llama_max_requests, args.plot)

@@ -175,6 +175,30 @@ def test_sixteen_requests_spread_over_both_devices(cluster, references):
     assert all(d.kv_blocks_total > 0 and d.instance_id for d in info.devices)
 
 
+def test_second_turn_lands_on_the_device_that_served_the_first(cluster):
+    """Two conversations start at once (placement splits them over the idle devices); each one's
+    second turn resends the first and must find its KV: by load alone both would go to one device."""
+    first_turns = {f"conv-{c}": [1000 + 97 * c + i for i in range(80)] for c in range(2)}  # 5 full blocks each
+
+    def turn(request_id: str, ids: list[int]) -> prepare_pb2.GenerateStreamResponse:
+        req = prepare_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=ids, max_tokens=8, temperature=0.0, ignore_eos=True)
+        return list(cluster.stub.GenerateStream(req, timeout=120))
+
+    before = {d.address: d.kv_blocks_cached for d in cluster.devices_status().values()}
+    replies: dict[str, list[int]] = {}
+    threads = [threading.Thread(target=lambda rid=rid: replies.__setitem__(rid, turn(f"{rid}-1", first_turns[rid]))) for rid in first_turns]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    grown = {d.address: d.kv_blocks_cached - before[d.address] for d in cluster.devices_status().values()}
+    assert all(count >= 5 for count in grown.values()), grown  # each device served one first turn
+    for rid, ids in first_turns.items():
+        reply = [t for chunk in replies[rid] for t in chunk.token_ids]
+        last = turn(f"{rid}-2", ids + reply + [500, 501, 502])[-1]
+        assert last.usage.cached_tokens == 80, (rid, last.usage)
+
+
 def test_killing_a_device_fails_only_its_requests(cluster, references):
     victim, survivor = cluster.devices
     batch: dict = {}

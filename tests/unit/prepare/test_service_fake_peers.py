@@ -387,3 +387,25 @@ def test_devices_follow_the_dns_answer_and_a_lost_one_fails_only_its_requests(to
         service.stop()
         second_server.stop(0).wait()
         peers.stop()
+
+
+def test_device_restart_empties_its_prefix_cache(tokenizer):
+    peers = FakePeers(step_delay_s=0.01)
+    service = Prepare(peers, tokenizer)
+    try:
+        ids = list(range(300, 350))  # 3 full blocks of 16 and 2 tokens
+
+        def cached_tokens() -> int:
+            return service.stub.Generate(prepare_pb2.GenerateRequest(prompt_token_ids=ids, max_tokens=2)).usage.cached_tokens
+
+        assert [cached_tokens(), cached_tokens()] == [0, 48]
+        peers.stop_device()
+        service.wait_health(NOT_SERVING)
+        peers.restart_device()
+        service.wait_health(SERVING)
+        assert [d.kv_blocks_cached for d in service.stub.GetModelInfo(prepare_pb2.GetModelInfoRequest()).devices] == [0]
+        assert [cached_tokens(), cached_tokens()] == [0, 48]
+        service.wait_kv_all_free()
+    finally:
+        service.stop()
+        peers.stop()
