@@ -91,6 +91,14 @@ class ServiceProcess:
         path = metrics_port_file(self.port_file)
         return int(path.read_text()) if path.exists() else None
 
+    @property
+    def http_port(self) -> int | None:
+        """prepare's bound OpenAI-compatible HTTP port once it listens; None when it serves none."""
+        from stageserve.prepare.openai_api import http_port_file
+
+        path = http_port_file(self.port_file)
+        return int(path.read_text()) if path.exists() else None
+
     def wait_port(self, timeout_s: float = 120.0) -> int:
         """Wait for the port file; returns the bound port.
 
@@ -228,6 +236,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=50051, help="prepare's port (public API)")
     parser.add_argument("--device-port", type=int, default=50052)
     parser.add_argument("--reclaim-port", type=int, default=50053)
+    parser.add_argument("--http-port", default="8000", metavar="PORT|0|off",
+                        help="prepare's OpenAI-compatible HTTP API (default %(default)s); 0 = ephemeral; off = none")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "npu"])
     parser.add_argument("--dispatch", default="async", choices=["async", "sync"])
@@ -275,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             pipeline = start_pipeline(
                 Path(tmp), device_args=device_args, reclaim_args=[*common_args, "--metrics-port", reclaim_metrics],
-                prepare_args=[*common_args, "--metrics-port", prepare_metrics],
+                prepare_args=[*common_args, "--metrics-port", prepare_metrics, "--http-port", args.http_port],
                 ports=(args.port, args.device_port, args.reclaim_port),
             )
         except RuntimeError as exc:
@@ -287,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
                 f"ready: prepare (Generation API) {pipeline.prepare.address}, device {pipeline.device.address}, "
                 f"reclaim {pipeline.reclaim.address}\n"
                 f"  metrics: {metrics or 'off'}\n"
+                f"  OpenAI-compatible API: {f'http://127.0.0.1:{pipeline.prepare.http_port}/v1' if pipeline.prepare.http_port else 'off'}\n"
                 f"  try: stageserve generate --target {pipeline.prepare.address} --chat \"Tell me a joke\"\n"
                 f"       grpcurl -plaintext {pipeline.prepare.address} list\n"
                 "Ctrl-C stops all three.",
