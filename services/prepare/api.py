@@ -89,18 +89,13 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         """The whole completion at once: the stream's chunks joined per choice (choice 0 in the
         top-level fields, all in ``choices`` when n > 1); same errors as GenerateStream."""
         submission = await self._accept(request, context)
-        choices = [prepare_pb2.Choice(index=i) for i in range(len(submission.handles))]
+        choices = [prepare_pb2.GenerateStreamResponse(request_id=submission.request_id, index=i) for i in range(len(submission.handles))]
         texts: list[list[str]] = [[] for _ in choices]
         async with aclosing(self._events(submission, context)) as events:
             async for index, event in events:
-                choice = choices[index]
-                texts[index].append(event.text)
-                choice.token_ids.extend(event.token_ids)
-                choice.logprobs.extend(event.logprobs)
-                if event.finish_reason:
-                    choice.finish_reason, choice.stop_string = event.finish_reason, event.stop_string
-                    if event.HasField("stop_token_id"):
-                        choice.stop_token_id = event.stop_token_id
+                if (chunk := stream_chunk(submission.request_id, event, index)) is not None:
+                    texts[index].append(chunk.text)
+                    choices[index].MergeFrom(chunk)  # appends the ids and logprobs; the last chunk sets the finish fields
         for choice, text in zip(choices, texts):
             choice.text = "".join(text)
         first = choices[0]
@@ -111,7 +106,7 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         if first.HasField("stop_token_id"):
             response.stop_token_id = first.stop_token_id
         response.usage.prompt_tokens = submission.num_prompt_tokens
-        response.usage.completion_tokens = sum(len(choice.token_ids) for choice in choices)
+        response.usage.completion_tokens = sum(choice.usage.completion_tokens for choice in choices)
         return response
 
     async def Abort(self, request: prepare_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> prepare_pb2.AbortResponse:
