@@ -103,6 +103,14 @@ class ServiceProcess:
         path = metrics_port_file(self.port_file)
         return int(path.read_text()) if path.exists() else None
 
+    @property
+    def http_port(self) -> int | None:
+        """prepare's bound OpenAI-compatible HTTP port once it listens; None when it serves none."""
+        from stageserve.prepare.openai_api import http_port_file
+
+        path = http_port_file(self.port_file)
+        return int(path.read_text()) if path.exists() else None
+
     def wait_port(self, timeout_s: float = 120.0) -> int:
         """Wait for the port file; returns the bound port.
 
@@ -231,6 +239,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=50051, help="prepare's port (public API); 0 = ephemeral")
     parser.add_argument("--device-port", type=int, default=50052)
     parser.add_argument("--reclaim-port", type=int, default=50053)
+    parser.add_argument("--http-port", default="8000", metavar="PORT|0|off",
+                        help="prepare's OpenAI-compatible HTTP API (default %(default)s); 0 = ephemeral; off = none")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "npu"])
     parser.add_argument("--dispatch", default="async", choices=["async", "sync"])
@@ -268,7 +278,7 @@ def _service_args(args: argparse.Namespace) -> tuple[list[str], list[str], list[
     prepare_metrics, device_metrics, reclaim_metrics = _metrics_ports(args.metrics_port_base)
     device = [*common, "--metrics-port", device_metrics, "--dtype", args.dtype, "--backend", args.backend, "--dispatch", args.dispatch,
               "--pipeline-depth", str(args.pipeline_depth)]
-    return device, [*common, "--metrics-port", reclaim_metrics], [*common, "--metrics-port", prepare_metrics]
+    return device, [*common, "--metrics-port", reclaim_metrics], [*common, "--metrics-port", prepare_metrics, "--http-port", args.http_port]
 
 
 def _raise_keyboard_interrupt(_signum, _frame) -> None:
@@ -281,6 +291,7 @@ def _print_ready(pipeline: Pipeline) -> None:
         f"ready: prepare (Generation API) {pipeline.prepare.address}, device {pipeline.device.address}, "
         f"reclaim {pipeline.reclaim.address}\n"
         f"  metrics: {metrics or 'off'}\n"
+        f"  OpenAI-compatible API: {f'http://127.0.0.1:{pipeline.prepare.http_port}/v1' if pipeline.prepare.http_port else 'off'}\n"
         f"  try: stageserve generate --target {pipeline.prepare.address} --chat \"Tell me a joke\"\n"
         f"       grpcurl -plaintext {pipeline.prepare.address} list\n"
         "Ctrl-C stops all three.",

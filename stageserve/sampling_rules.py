@@ -18,6 +18,9 @@ from stageserve.v1 import common_pb2
 MAX_LOGPROBS = 20
 """Most top-n logprobs one row may ask for (``SamplingParams.logprobs``)."""
 
+MAX_LOGIT_BIAS = 1024
+"""Most ``logit_bias`` entries one request may carry."""
+
 GREEDY_TEMPERATURE_EPS = 1e-5
 """Temperatures below this are greedy: dividing by them would overflow float32 (vLLM's _SAMPLING_EPS)."""
 
@@ -70,6 +73,10 @@ class FieldRange:
         return f"outside {self.interval} ({self.meaning})" if self.meaning else f"outside {self.interval}"
 
 
+LOGIT_BIAS_RANGE = FieldRange("logit_bias", -100.0, False, 100.0)
+"""The allowed bias of one ``logit_bias`` entry (OpenAI's range)."""
+
+
 def number_text(value: float) -> str:
     """``value`` as messages write it: an integer in full, a float in ``%g`` (``0``, ``1.5``, ``nan``)."""
     return str(value) if isinstance(value, int) else f"{value:g}"
@@ -90,6 +97,8 @@ def sampling_ranges(vocab_size: int | None) -> tuple[FieldRange, ...]:
         FieldRange("min_p", 0.0, False, 1.0, "0 = off"),
         FieldRange("repetition_penalty", 0.0, True, math.inf, "1 = off"),
         FieldRange("logprobs", 0, False, MAX_LOGPROBS, high_name=f"the maximum of {MAX_LOGPROBS}"),
+        FieldRange("presence_penalty", -2.0, False, 2.0, "0 = off"),
+        FieldRange("frequency_penalty", -2.0, False, 2.0, "0 = off"),
     )
 
 
@@ -99,6 +108,19 @@ def first_violation(params: common_pb2.SamplingParams, vocab_size: int | None) -
         value = getattr(params, rule.field)
         if not rule.allows(value):
             return rule, value
+    return None
+
+
+def logit_bias_problem(params: common_pb2.SamplingParams, vocab_size: int | None) -> str | None:
+    """What is wrong with ``params.logit_bias`` (a sentence naming the entry), ``None`` when nothing is:
+    at most `MAX_LOGIT_BIAS` entries, token ids in ``[0, vocab_size)``, biases in `LOGIT_BIAS_RANGE`."""
+    if len(params.logit_bias) > MAX_LOGIT_BIAS:
+        return f"logit_bias: {len(params.logit_bias)} entries is more than the maximum of {MAX_LOGIT_BIAS}"
+    for token_id, bias in sorted(params.logit_bias.items()):
+        if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+            return f"logit_bias: token id {token_id} is outside the vocabulary [0, {vocab_size})"
+        if not LOGIT_BIAS_RANGE.allows(bias):
+            return f"logit_bias[{token_id}]: {number_text(bias)} is {LOGIT_BIAS_RANGE.problem}"
     return None
 
 

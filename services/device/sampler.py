@@ -6,8 +6,10 @@ loop, and the logits never leave their device (cpu, cuda or npu). Stages that no
 skipped on host flags decided when the step is built, so an all-greedy decode step is one argmax.
 
 Pipeline per row (each stage cites its source):
-  1. repetition penalty on tokens present in the prompt or output (CTRL, Keskar et al. 2019,
-     as Hugging Face's ``RepetitionPenaltyLogitsProcessor``);
+  1. logit bias (OpenAI's ``logit_bias``: a constant added to chosen tokens' logits), then the
+     repetition penalty on tokens present in the prompt or output (CTRL, Keskar et al. 2019, as
+     Hugging Face's ``RepetitionPenaltyLogitsProcessor``), then OpenAI's presence and frequency
+     penalties on the completion's token counts (as vLLM's ``apply_penalties``);
   2. logprobs of that penalised distribution, before temperature and truncation (vLLM's "raw"
      logprobs convention, as ``common.proto``'s ``TokenLogprob`` documents);
   3. greedy rows (temperature below ``GREEDY_TEMPERATURE_EPS``) take the argmax;
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 
 from stageserve.device import cpu_kernels
-from stageserve.sampling_rules import GREEDY_TEMPERATURE_EPS, first_violation, number_text
+from stageserve.sampling_rules import GREEDY_TEMPERATURE_EPS, first_violation, logit_bias_problem, number_text
 from stageserve.v1 import common_pb2
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # logits and logprobs are kept within +-this: never inf
@@ -60,6 +62,10 @@ class SamplingTensors:
     any_min_p: bool  # some non-greedy row has min_p > 0
     any_penalty: bool  # some row has repetition_penalty != 1 (needs ``presence``)
     max_logprobs: int  # largest top-n any row asked for; 0 = no logprobs computed
+    presence_penalty: torch.Tensor | None = None  # [S] float32; with frequency_penalty and
+    frequency_penalty: torch.Tensor | None = None  # [S] float32; output_counts: None = no row has them
+    output_counts: torch.Tensor | None = None  # [S, V] float32, times each token occurs in the row's output
+    logit_bias: torch.Tensor | None = None  # [S, V] float32 added to the logits; None = no row has a bias
 
 
 @dataclass
@@ -88,6 +94,8 @@ def validate_sampling_params(params: common_pb2.SamplingParams, vocab_size: int 
     if broken is not None:
         rule, value = broken
         raise ValueError(f"sampling.{rule.field} must be {rule.requirement}, got {number_text(value)}")
+    if (problem := logit_bias_problem(params, vocab_size)) is not None:
+        raise ValueError(f"sampling.{problem}")
 
 
 @torch.inference_mode()
@@ -109,12 +117,16 @@ def sample(
     rows draw from the temperature-scaled, truncated distribution with noise that depends only on
     (seed, step_index, token id). Raises ``ValueError`` if a penalty is requested without presence.
     """
-    if not tensors.all_greedy or tensors.any_penalty or tensors.max_logprobs:
+    if not tensors.all_greedy or tensors.any_penalty or tensors.max_logprobs or _any_additive(tensors):
         logits = logits.float()
+    if tensors.logit_bias is not None:
+        logits = logits + tensors.logit_bias
     if tensors.any_penalty:
         if presence is None:
             raise ValueError("sample: presence is required when any row has a repetition penalty")
         logits = apply_repetition_penalty(logits, presence, tensors.repetition_penalty)
+    if tensors.output_counts is not None:
+        logits = apply_additive_penalties(logits, tensors.output_counts, tensors.presence_penalty, tensors.frequency_penalty)
     greedy_ids = argmax_rows(logits, fused_argmax)
     token_ids = greedy_ids if tensors.all_greedy else _sample_random(logits, tensors, greedy_ids, fused_argmax)
     if tensors.max_logprobs == 0:
@@ -153,6 +165,21 @@ def apply_repetition_penalty(
     row_penalty = penalty.unsqueeze(1)
     penalised = torch.where(logits > 0, logits / row_penalty, logits * row_penalty).clamp_(-_FLOAT32_MAX, _FLOAT32_MAX)
     return torch.where(presence, penalised, logits)
+
+
+def apply_additive_penalties(
+    logits: torch.Tensor, counts: torch.Tensor, presence_penalty: torch.Tensor, frequency_penalty: torch.Tensor
+) -> torch.Tensor:
+    """Return ``logits`` [S, V] float32 less OpenAI's penalties: ``frequency_penalty * count +
+    presence_penalty * (count > 0)``, with ``counts`` [S, V] float32 the times each token occurs in
+    the row's completion so far and the penalties [S] float32 (OpenAI's API reference; vLLM's
+    ``apply_penalties``). Penalties 0 leave a row unchanged."""
+    penalty = counts * frequency_penalty.unsqueeze(1) + (counts > 0).float() * presence_penalty.unsqueeze(1)
+    return logits - penalty
+
+
+def _any_additive(tensors: SamplingTensors) -> bool:
+    return tensors.logit_bias is not None or tensors.output_counts is not None
 
 
 def _sample_random(

@@ -36,6 +36,8 @@ _TOP_K = 2  # not greedy and top_k > 0
 _TOP_P = 4  # not greedy and top_p < 1
 _MIN_P = 8  # not greedy and min_p > 0
 _PENALTY = 16  # repetition_penalty != 1
+_ADDITIVE = 32  # presence_penalty or frequency_penalty != 0 (needs the output counts)
+_BIAS = 64  # a logit_bias
 
 
 @dataclass
@@ -44,10 +46,13 @@ class StagedStarts:
 
     Attributes:
         seq_index: ``[k]`` int64.
-        floats: ``[4, k]`` float32: temperature (0 when greedy), top_p, min_p, repetition_penalty.
+        floats: ``[6, k]`` float32: temperature (0 when greedy), top_p, min_p, repetition_penalty,
+            presence_penalty, frequency_penalty.
         ints: ``[2, k]`` int64: top_k, seed (uint64 bits as int64).
         presence_rows, presence_tokens: ``[P]`` int64 coordinates of prompt tokens of sequences
             with a repetition penalty; ``None`` when there are none.
+        bias_rows, bias_tokens, bias_values: ``[B]`` int64, int64, float32 entries of the
+            sequences' logit biases; ``None`` when there are none.
     """
 
     seq_index: torch.Tensor
@@ -55,6 +60,9 @@ class StagedStarts:
     ints: torch.Tensor
     presence_rows: torch.Tensor | None
     presence_tokens: torch.Tensor | None
+    bias_rows: torch.Tensor | None
+    bias_tokens: torch.Tensor | None
+    bias_values: torch.Tensor | None
 
 
 class SequenceTable:
@@ -71,9 +79,12 @@ class SequenceTable:
         n = max_num_seqs
         self.max_num_seqs, self.vocab_size, self.block_size, self.device = n, vocab_size, block_size, device
         self.last_token = torch.zeros(n, dtype=torch.int64, device=device)  # [N]
-        self.floats = torch.ones(4, n, dtype=torch.float32, device=device)  # [4, N], see StagedStarts
+        self.floats = torch.ones(6, n, dtype=torch.float32, device=device)  # [6, N], see StagedStarts
         self.ints = torch.zeros(2, n, dtype=torch.int64, device=device)  # [2, N]
         self.presence = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)  # [N, V]
+        # OpenAI's penalties and logit bias; float32 so that sampling reads them without a cast.
+        self.output_counts = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)  # [N, V]
+        self.logit_bias = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)  # [N, V]
         self.reset()
 
     def reset(self) -> None:
@@ -172,6 +183,8 @@ class SequenceTable:
         self._top_logprobs[seq] = params.logprobs
         greedy = is_greedy(params.temperature, params.top_k)
         flags = _PENALTY if params.repetition_penalty != 1.0 else 0
+        flags |= _ADDITIVE if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 else 0
+        flags |= _BIAS if params.logit_bias else 0
         if not greedy:
             flags |= _SAMPLED
             flags |= _TOP_K if params.top_k > 0 else 0
@@ -183,12 +196,18 @@ class SequenceTable:
 
     def stage_starts(self, started: list[StartedSequence]) -> StagedStarts:
         """Upload the parameters and prompt presence of ``started`` (non-empty) to the device."""
-        floats, ints, rows, tokens = [[], [], [], []], [[], []], [], []
+        floats, ints, rows, tokens = [[] for _ in range(6)], [[], []], [], []
+        bias_rows, bias_tokens, bias_values = [], [], []
         for start in started:
             p = start.sampling
             greedy = is_greedy(p.temperature, p.top_k)
-            for column, value in zip(floats, (0.0 if greedy else p.temperature, p.top_p, p.min_p, p.repetition_penalty)):
+            values = (0.0 if greedy else p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
+            for column, value in zip(floats, values):
                 column.append(value)
+            for token_id, bias in p.logit_bias.items():
+                bias_rows.append(start.seq_index)
+                bias_tokens.append(token_id)
+                bias_values.append(bias)
             ints[0].append(p.top_k)
             ints[1].append(seed_as_int64(p.seed))
             if p.repetition_penalty != 1.0 and start.prompt_token_ids:
@@ -201,6 +220,9 @@ class SequenceTable:
             ints=to_device(ints, torch.int64, device),
             presence_rows=to_device(rows, torch.int64, device) if rows else None,
             presence_tokens=to_device(tokens, torch.int64, device) if tokens else None,
+            bias_rows=to_device(bias_rows, torch.int64, device) if bias_rows else None,
+            bias_tokens=to_device(bias_tokens, torch.int64, device) if bias_rows else None,
+            bias_values=to_device(bias_values, torch.float32, device) if bias_rows else None,
         )
 
     def apply_starts(self, staged: StagedStarts) -> None:
@@ -210,13 +232,17 @@ class SequenceTable:
         self.presence[staged.seq_index] = False
         if staged.presence_rows is not None:
             self.presence[staged.presence_rows, staged.presence_tokens] = True
+        self.output_counts[staged.seq_index] = 0.0
+        self.logit_bias[staged.seq_index] = 0.0
+        if staged.bias_rows is not None:
+            self.logit_bias[staged.bias_rows, staged.bias_tokens] = staged.bias_values
 
     def sampling_tensors(self, step: AdmittedStep, rows: torch.Tensor, step_index: torch.Tensor) -> SamplingTensors:
         """The step's `SamplingTensors` for sampling rows ``rows`` ``[S]`` int64 (seq_index), by gather.
 
         ``step_index`` ``[S]`` int64 is each row's output index (from ``step.sampled_step_index``).
         """
-        floats = self.floats[:, rows]  # [4, S]
+        floats = self.floats[:, rows]  # [6, S]
         ints = self.ints[:, rows]  # [2, S]
         flags = step.sampling_flags
         return SamplingTensors(
@@ -233,11 +259,18 @@ class SequenceTable:
             any_min_p=bool(flags & _MIN_P),
             any_penalty=bool(flags & _PENALTY),
             max_logprobs=max(step.sampled_top_logprobs, default=0),
+            presence_penalty=floats[4] if flags & _ADDITIVE else None,
+            frequency_penalty=floats[5] if flags & _ADDITIVE else None,
+            output_counts=self.output_counts[rows] if flags & _ADDITIVE else None,
+            logit_bias=self.logit_bias[rows] if flags & _BIAS else None,
         )
 
-    def record_sampled(self, rows: torch.Tensor, token_ids: torch.Tensor, any_penalty: bool) -> None:
-        """Store sampled ``token_ids`` ``[S]`` int64 as the last token of ``rows`` ``[S]``; mark presence."""
+    def record_sampled(self, rows: torch.Tensor, token_ids: torch.Tensor, tensors: SamplingTensors) -> None:
+        """Store sampled ``token_ids`` ``[S]`` int64 as the last token of ``rows`` ``[S]`` (distinct
+        seq_index); mark presence and count the tokens when the step's rows use them."""
         self.last_token[rows] = token_ids
-        if any_penalty:
+        if tensors.any_penalty:
             self.presence[rows, token_ids] = True
+        if tensors.output_counts is not None:
+            self.output_counts[rows, token_ids] += 1.0
 

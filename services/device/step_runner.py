@@ -93,7 +93,7 @@ class ModelStepRunner:
         rows, step_index = staged.sampled[0], staged.sampled[1]
         tensors = table.sampling_tensors(staged.admitted, rows, step_index)
         result = sample(logits, tensors, table.presence[rows] if tensors.any_penalty else None, fused_argmax=self.model.cpu_kernels)
-        table.record_sampled(rows, result.token_ids, tensors.any_penalty)
+        table.record_sampled(rows, result.token_ids, tensors)
         count = rows.shape[0]
         out.token_ids[:count].copy_(result.token_ids, non_blocking=True)
         if result.logprobs is not None:

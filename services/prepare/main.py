@@ -6,7 +6,8 @@ request on one device (``router.py``). Readiness is SERVING while reclaim is sub
 one device takes requests. The public API is served on ``grpc.aio``: one event loop on the thread
 ``prepare-grpc``, one coroutine per RPC; the scheduler and the links keep their threads. SIGTERM:
 readiness NOT_SERVING, new requests refused with ``UNAVAILABLE`` ("server is draining"), in-flight
-requests complete for up to ``--drain-timeout`` seconds, exit 0.
+requests complete for up to ``--drain-timeout`` seconds, exit 0. ``--http-port`` also serves the
+OpenAI-compatible HTTP API (``openai_api.py``) on the same event loop, through the same frontend.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-workers", type=_positive_int, default=16,
                         help="threads for work kept off the gRPC event loop: prompt validation and tokenization, "
                              "the Admin RPCs; streams need none (default: %(default)s)")
+    parser.add_argument("--http-port", type=_port_or_off, default=None, metavar="PORT",
+                        help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models) "
+                             "on this port; 0 = ephemeral, written to <port-file>.http-port (default: off)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from stageserve.metrics_http import start_metrics_server
     from stageserve.model_files import resolve_model_path
     from stageserve.prepare.api import GenerationServicer
+    from stageserve.prepare.frontend import GenerationFrontend
     from stageserve.prepare.connector import PipelineConnector
     from stageserve.prepare.engine import Engine
     from stageserve.prepare.metrics import PrepareMetrics
@@ -94,16 +99,45 @@ def run(args: argparse.Namespace) -> int:
     )
     router = DeviceRouter(connector.sessions, metrics)
     metrics.watch_engine(router.current_load)
-    server.add_servicer(prepare_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(router, tokenizer, LoopWaker(server.loop)))
+    frontend = GenerationFrontend(router, tokenizer, LoopWaker(server.loop))
+    server.add_servicer(prepare_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(frontend))
     server.start([SERVICE_NAME])
+    try:
+        http = _start_http(args, frontend, server.loop)
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        server.stop(0)
+        return 2
     connector.start()
 
     def drain() -> None:
         router.drain(args.drain_timeout)
+        if http is not None:
+            http.stop(timeout_s=1.0)  # its requests have ended (or failed) with the drain
         connector.stop()
 
     server.run_until_stopped(drain)
     return 0
+
+
+def _start_http(args: argparse.Namespace, frontend, loop):
+    """The OpenAI-compatible HTTP server when ``--http-port`` is set, else ``None``. Raises RuntimeError (cannot bind)."""
+    if args.http_port is None:
+        return None
+    from stageserve.prepare.openai_api import HttpServer, create_app
+
+    http = HttpServer(create_app(frontend), args.host, args.http_port, loop, args.port_file)
+    log.info("OpenAI-compatible API on http://%s:%d/v1", args.host, http.port)
+    return http
+
+
+def _port_or_off(text: str) -> int | None:
+    if text == "off":
+        return None
+    value = int(text)
+    if not 0 <= value < 65536:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535] or off, got {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:

@@ -94,9 +94,10 @@ class DeviceRouter:
             raise no_device_refusal(sessions)
         return ModelLimits(loads[0].attach.vocab_size, min(load.attach.max_model_len for load in loads))
 
-    def submit(self, request: GenerationRequest, caller: str = "") -> RequestHandle:
+    def submit(self, request: GenerationRequest, caller: str = "", abort_key: str | None = None) -> RequestHandle:
         """Accept ``request`` on the accepting device placement prefers; it stays there until it ends.
-        If ``caller`` aborted its id shortly before (:meth:`abort`), it ends at once with ``finish_reason`` abort.
+        If ``caller`` aborted ``abort_key`` (default: its id; a choice's: its request's) shortly
+        before (:meth:`abort`), it ends at once with ``finish_reason`` abort.
 
         Raises:
             RequestError: ``UNAVAILABLE`` (draining, or no device accepts), ``ALREADY_EXISTS`` (its
@@ -120,18 +121,19 @@ class DeviceRouter:
                     if refusal.code == grpc.StatusCode.UNAVAILABLE:
                         refusal = error
                     continue
-                if self._early_aborts.take(caller, request.request_id):
+                if self._early_aborts.take(caller, abort_key or request.request_id):
                     engine.abort(request.request_id)  # still waiting: it ends now, with finish_reason abort
                 return handle
             raise refusal
 
-    def abort(self, request_id: str, caller: str = "") -> bool:
+    def abort(self, request_id: str, caller: str = "", remember: bool = True) -> bool:
         """Abort the active request ``request_id`` on whichever device holds it; ``False`` if none
-        does: then an abort by ``caller`` is remembered for a request that registers shortly after."""
+        does: then (with ``remember``) an abort by ``caller`` is kept for a request that registers shortly after."""
         with self._lock:
             if any(session.engine.abort(request_id) for session in self._sessions()):
                 return True
-            self._early_aborts.remember(caller, request_id)
+            if remember:
+                self._early_aborts.remember(caller, request_id)
             return False
 
     def cancel(self, handle: RequestHandle) -> None:

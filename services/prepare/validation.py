@@ -8,7 +8,7 @@ exact values):
 
 - ``max_tokens``: ``min(256, max_model_len - prompt_tokens)``; an explicit value is never
   capped: ``prompt_tokens + max_tokens > max_model_len`` is refused, naming both numbers.
-- ``temperature`` 1.0, ``top_p`` 1.0, ``repetition_penalty`` 1.0 (off).
+- ``temperature`` 1.0, ``top_p`` 1.0, ``repetition_penalty`` 1.0 (off), ``n`` 1.
 - ``seed``: a random 63-bit number per request (63 bits so it also fits a signed 64-bit integer).
 
 Prompt forms: ``prompt`` is tokenized as is (with the tokenizer's own special tokens, e.g. a
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from stageserve.prepare.errors import invalid_argument
-from stageserve.sampling_rules import first_violation
+from stageserve.sampling_rules import first_violation, logit_bias_problem
 from stageserve.v1 import common_pb2, prepare_pb2
 
 DEFAULT_MAX_TOKENS = 256
@@ -34,6 +34,8 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_REQUEST_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256
+MAX_CHOICES = 16
+MAX_USER_CHARS = 256
 CHAT_ROLES = ("system", "user", "assistant")
 
 
@@ -151,6 +153,7 @@ def validate_generate_request(
     _check_token_ids("prompt_token_ids", ids, limits.vocab_size)
     max_tokens = _max_tokens(request, len(ids), limits.max_model_len)
     sampling = _sampling(request, limits.vocab_size)
+    _at_most("user", len(request.user), MAX_USER_CHARS, what="characters")
     if request.min_tokens > max_tokens:
         raise invalid_argument(f"min_tokens: {request.min_tokens} is more than max_tokens ({max_tokens}); use at most {max_tokens}")
     _check_stop_strings(request.stop)
@@ -205,12 +208,30 @@ def _sampling(request: prepare_pb2.GenerateRequest, vocab_size: int) -> common_p
         repetition_penalty=request.repetition_penalty if request.HasField("repetition_penalty") else 1.0,
         seed=request.seed if request.HasField("seed") else secrets.randbits(63),
         logprobs=request.logprobs,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        logit_bias=request.logit_bias,
     )
     broken = first_violation(sampling, vocab_size)
     if broken is not None:
         rule, value = broken
         raise invalid_argument(f"{rule.field}: {value} is {rule.problem}")
+    if (problem := logit_bias_problem(sampling, vocab_size)) is not None:
+        raise invalid_argument(problem)
     return sampling
+
+
+def validate_choices(request: prepare_pb2.GenerateRequest) -> int:
+    """The number of completions ``request`` asks for (``n``, default 1).
+
+    Raises:
+        RequestError: ``INVALID_ARGUMENT`` when ``n`` is 0 or more than `MAX_CHOICES`.
+    """
+    if not request.HasField("n"):
+        return 1
+    if request.n == 0:
+        raise invalid_argument(f"n: must be at least 1 (at most {MAX_CHOICES}); leave it unset for 1")
+    return _at_most("n", request.n, MAX_CHOICES)
 
 
 def _max_tokens(request: prepare_pb2.GenerateRequest, prompt_tokens: int, max_model_len: int) -> int:

@@ -25,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The load generator's flags, plus one sub-command per comparison."""
     _add_workload_arguments(parser)
     parser.add_argument("--target", default="127.0.0.1:50051", help="prepare's address (default %(default)s)")
+    parser.add_argument("--openai", default=None, metavar="URL",
+                        help="send the load to prepare's OpenAI-compatible API at URL (http://HOST:PORT/v1) instead of gRPC; "
+                             "--target still tokenizes for --input-len")
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--streams", type=int, default=None, metavar="N", help="N concurrent streams (default 8 unless --rate)")
     load.add_argument("--rate", type=float, default=None, metavar="R", help="Poisson arrivals, R requests/s")
@@ -96,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_load(args: argparse.Namespace) -> int:
     import asyncio
 
-    from stageserve.bench.loadgen import GrpcTransport, Load, grpc_tokenizer, run_load
+    from stageserve.bench.loadgen import Load, grpc_tokenizer, run_load
     from stageserve.bench.metrics import build_report, format_table
     from stageserve.bench.workload import Shape, Workload, load_prompts
 
@@ -106,8 +109,8 @@ def _run_load(args: argparse.Namespace) -> int:
     streams = args.streams if args.streams is not None or args.rate is not None else 8
     requests = args.requests if args.requests is not None or args.duration is not None else 64
     load = Load(streams=streams, rate=args.rate, max_concurrency=args.max_concurrency, requests=requests, duration_s=args.duration, seed=args.seed)
-    records = asyncio.run(run_load(lambda: GrpcTransport(args.target), workload, load, not args.no_progress))
-    config = {"target": args.target, "streams": load.streams, "rate": load.rate, "max_concurrency": load.max_concurrency,
+    records = asyncio.run(run_load(lambda: _transport(args), workload, load, not args.no_progress))
+    config = {"target": args.openai or args.target, "streams": load.streams, "rate": load.rate, "max_concurrency": load.max_concurrency,
               "requests": load.requests, "duration_s": load.duration_s, "prompts": str(args.prompts) if args.prompts else "built-in",
               "output_len": shape.output_len, "input_len": shape.input_len, "spread": shape.spread,
               "ignore_eos": shape.ignore_eos, "temperature": shape.temperature, "seed": args.seed}
@@ -125,6 +128,16 @@ def _run_load(args: argparse.Namespace) -> int:
         errors = ", ".join(f"{code} {n}" for code, n in report["errors"].items())
         print(f"error: every request failed ({errors}); is prepare running and ready at {args.target}?", file=sys.stderr)
     return 0 if requests["failed"] == 0 else 1
+
+
+def _transport(args: argparse.Namespace):
+    if args.openai:
+        from stageserve.bench.openai_transport import OpenAITransport
+
+        return OpenAITransport(args.openai)
+    from stageserve.bench.loadgen import GrpcTransport
+
+    return GrpcTransport(args.target)
 
 
 def _run_comparison(args: argparse.Namespace) -> str:

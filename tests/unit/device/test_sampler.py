@@ -353,3 +353,34 @@ def test_validate_sampling_params_names_the_bad_field(overrides, message):
     with pytest.raises(ValueError) as raised:
         validate_sampling_params(valid_params(**overrides), vocab_size=49152)
     assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_presence_and_frequency_penalties_subtract_from_counted_tokens(device):
+    logits = torch.tensor([[3.0, 2.9, 1.0, 0.0], [3.0, 2.9, 1.0, 0.0]], device=device)
+    counts = torch.tensor([[2.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]], device=device)
+    tensors = make_tensors(2, device, temperature=0.0, logprobs=4)
+    tensors.presence_penalty = torch.tensor([0.5, 0.5], device=device)
+    tensors.frequency_penalty = torch.tensor([0.25, 0.25], device=device)
+    tensors.output_counts = counts
+    result = sample(logits, tensors)
+    assert result.token_ids.tolist() == [1, 0]  # row 0: 3 - 0.5 - 0.5 = 2.0 < 2.9; row 1 has no counts
+    expected = torch.tensor([2.0, 2.9, 0.25, 0.0]).log_softmax(-1)  # logprobs follow the penalties
+    assert result.top_logprobs[0].tolist() == pytest.approx(sorted(expected.tolist(), reverse=True), abs=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logit_bias_is_added_before_greedy_and_random_sampling(device):
+    logits = torch.tensor([[5.0, 0.0, 0.0], [5.0, 0.0, 0.0]], device=device)
+    tensors = make_tensors(2, device, temperature=[0.0, 1.0], seed=[1, 2])
+    tensors.logit_bias = torch.tensor([[-100.0, 0.0, 1.0], [-100.0, 100.0, 0.0]], device=device)
+    assert sample(logits, tensors).token_ids.tolist() == [2, 1]
+
+
+def test_logit_bias_and_additive_penalties_are_checked():
+    with pytest.raises(ValueError, match=r"sampling.logit_bias\[3\]: 101 is outside \[-100, 100\]"):
+        validate_sampling_params(common_pb2.SamplingParams(top_p=1.0, repetition_penalty=1.0, logit_bias={3: 101.0}), 10)
+    with pytest.raises(ValueError, match=r"token id 12 is outside the vocabulary \[0, 10\)"):
+        validate_sampling_params(common_pb2.SamplingParams(top_p=1.0, repetition_penalty=1.0, logit_bias={12: 1.0}), 10)
+    with pytest.raises(ValueError, match=r"sampling.frequency_penalty must be in \[-2, 2\]"):
+        validate_sampling_params(common_pb2.SamplingParams(top_p=1.0, repetition_penalty=1.0, frequency_penalty=2.5), 10)

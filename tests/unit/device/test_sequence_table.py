@@ -119,6 +119,6 @@ def test_device_state_gathers_sampling_tensors_and_tracks_presence(table):
     assert (tensors.all_greedy, tensors.any_top_k, tensors.any_top_p, tensors.any_min_p, tensors.any_penalty) == (False, True, True, False, True)
     assert tensors.max_logprobs == 3
     assert torch.nonzero(table.presence[2]).view(-1).tolist() == [5, 6, 7]  # the prompt
-    table.record_sampled(rows, torch.tensor([42]), any_penalty=True)
+    table.record_sampled(rows, torch.tensor([42]), tensors)
     assert table.last_token[2].item() == 42
     assert torch.nonzero(table.presence[2]).view(-1).tolist() == [5, 6, 7, 42]

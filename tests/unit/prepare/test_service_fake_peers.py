@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from stageserve.device_endpoints import parse_device_endpoints
 from stageserve.prepare.api import GenerationServicer
 from stageserve.prepare.connector import PipelineConnector
+from stageserve.prepare.frontend import GenerationFrontend
 from stageserve.prepare.engine import Engine
 from stageserve.prepare.main import SERVICE_NAME
 from stageserve.prepare.metrics import PrepareMetrics
@@ -52,7 +53,7 @@ class Prepare:
             resolver=resolver,
         )
         self.router = DeviceRouter(self.connector.sessions, metrics)
-        self.server.add_servicer(prepare_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(self.router, tokenizer, LoopWaker(self.server.loop)))
+        self.server.add_servicer(prepare_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(GenerationFrontend(self.router, tokenizer, LoopWaker(self.server.loop))))
         self.server.start([SERVICE_NAME])
         self.connector.start()
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.port}")

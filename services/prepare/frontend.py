@@ -1,0 +1,181 @@
+"""What both public APIs (gRPC ``stageserve.v1.Generation`` and the OpenAI-compatible HTTP one) do
+with a ``GenerateRequest``, written once: validate it, submit its ``n`` choices to the router, and
+hand back their events, each fed to its request's observer first.
+
+A request with ``n > 1`` runs as ``n`` scheduler requests, one per choice, with ids
+``<request_id>#<i>`` and seeds ``seed + i`` (mod 2**64): a seeded request reproduces all its choices,
+and the choices differ from one another. Choices placed together each prefill the prompt (a block
+enters the prefix cache only once the step that wrote it is published); a later request reuses it. The choices are
+placed like any request and end independently; the request ends when the last one does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import replace
+
+from stageserve.logs import REQUEST_ID
+from stageserve.prepare.errors import RequestError
+from stageserve.prepare.request_handle import LoopWaker, RequestHandle
+from stageserve.prepare.router import DeviceRouter
+from stageserve.prepare.validation import MAX_CHOICES, GenerationRequest, validate_choices, validate_generate_request
+from stageserve.v1 import common_pb2, prepare_pb2, reclaim_pb2
+
+log = logging.getLogger(__name__)
+
+_SEED_MASK = (1 << 64) - 1
+
+
+def choice_id(request_id: str, index: int) -> str:
+    """The scheduler's id of choice ``index`` of a request with several choices."""
+    return f"{request_id}#{index}"
+
+
+def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """``request`` itself when ``n == 1``, else its ``n`` choices (see the module docstring)."""
+    if n == 1:
+        return [request]
+    choices = []
+    for index in range(n):
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(request.sampling)
+        sampling.seed = (request.sampling.seed + index) & _SEED_MASK
+        choices.append(replace(request, request_id=choice_id(request.request_id, index), sampling=sampling))
+    return choices
+
+
+class Submission:
+    """The accepted choices of one request; ``handles[i]`` is choice ``i``'s.
+
+    Attributes:
+        request_id: the request's id (the client's or a generated one).
+        handles: one per choice, in index order.
+    """
+
+    def __init__(self, request_id: str, handles: list[RequestHandle], router: DeviceRouter) -> None:
+        self.request_id = request_id
+        self.handles = handles
+        self._router = router
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.handles[0].request.num_prompt_tokens
+
+    def cancel(self) -> None:
+        """The client's call ended (however): abort the choices still running, free their KV."""
+        for handle in self.handles:
+            self._router.cancel(handle)
+
+    def client_gone(self, deadline_passed: bool = False) -> None:
+        """Tell each choice's observer the client left (ignored for choices that already ended)."""
+        for handle in self.handles:
+            handle.observer.on_client_gone(deadline_passed=deadline_passed)
+
+    async def events(self, waker: LoopWaker) -> AsyncIterator[tuple[int, reclaim_pb2.SequenceEvent]]:
+        """``(choice index, event)`` of every choice, in each choice's order, until all have ended.
+
+        Raises:
+            RequestError: a choice ended with this status instead (the other choices are then
+                no longer waited for; :meth:`cancel` aborts them).
+        """
+        if len(self.handles) == 1:  # the common case, without a task per choice
+            async for event in _observed(self.handles[0], waker):
+                yield 0, event
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, handle: RequestHandle) -> None:
+            try:
+                async for event in _observed(handle, waker):
+                    queue.put_nowait((index, event))
+            except RequestError as error:
+                queue.put_nowait(error)
+            finally:
+                queue.put_nowait(None)
+
+        tasks = [asyncio.create_task(pump(i, handle)) for i, handle in enumerate(self.handles)]
+        try:
+            running = len(tasks)
+            while running:
+                item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, RequestError):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
+async def _observed(handle: RequestHandle, waker: LoopWaker) -> AsyncIterator[reclaim_pb2.SequenceEvent]:
+    """``handle``'s events, each fed to its observer first; a terminal error is counted, logged, raised."""
+    try:
+        async with aclosing(handle.events_async(waker)) as events:
+            async for event in events:
+                handle.observer.on_event(event)
+                yield event
+    except RequestError as error:
+        handle.observer.on_error(error.code.name)
+        log.info("failed with %s: %s", error.code.name, error.message, extra={REQUEST_ID: handle.request.request_id})
+        raise
+
+
+class GenerationFrontend:
+    """Validates and submits requests for the public APIs, on ``waker``'s event loop.
+
+    ``tokenizer`` is the served model's; tokenization runs in the loop's default executor, so that a
+    long prompt does not hold up every other stream's chunks.
+    """
+
+    def __init__(self, router: DeviceRouter, tokenizer, waker: LoopWaker) -> None:
+        self.router = router
+        self.tokenizer = tokenizer
+        self.waker = waker
+
+    async def submit(self, request: prepare_pb2.GenerateRequest, request_id: str, caller: str = "") -> Submission:
+        """Validate ``request`` and place its choices; the caller must call the submission's
+        :meth:`Submission.cancel` once its call ends, however it ends. If ``caller`` aborted
+        ``request_id`` shortly before (:meth:`abort`), the choices end at once with ``finish_reason`` abort.
+
+        Raises:
+            RequestError: the refusal (``INVALID_ARGUMENT``, ``ALREADY_EXISTS``,
+                ``RESOURCE_EXHAUSTED``, ``UNAVAILABLE``); choices already placed are aborted.
+        """
+        try:
+            validated, n = await asyncio.get_running_loop().run_in_executor(None, self._validate, request, request_id)
+            # On the loop, with no await until the caller holds the submission: a task cancelled
+            # in between would leave choices running for no one.
+            handles: list[RequestHandle] = []
+            try:
+                for choice in choice_requests(validated, n):
+                    handles.append(self.router.submit(choice, caller, abort_key=request_id))
+            except RequestError:
+                for handle in handles:
+                    self.router.cancel(handle)
+                raise
+        except RequestError as error:
+            self.router.metrics.request_refused(error.code.name)
+            shown_id = request_id[:256] if request_id.isprintable() else ascii(request_id[:256])  # the client's text, maybe invalid
+            log.debug("refused with %s: %s", error.code.name, error.message, extra={REQUEST_ID: shown_id})
+            raise
+        log.debug("accepted: %d prompt tokens, max_tokens %d, n %d", validated.num_prompt_tokens, validated.max_tokens, n,
+                  extra={REQUEST_ID: request_id})
+        return Submission(request_id, handles, self.router)
+
+    def abort(self, request_id: str, caller: str = "") -> bool:
+        """Abort the running request ``request_id`` (all its choices); ``False`` if none runs: then
+        the abort is remembered for ``caller``'s request of that id registering shortly after."""
+        ids = [request_id] + [choice_id(request_id, i) for i in range(MAX_CHOICES)]
+        if any([self.router.abort(each, remember=False) for each in ids]):  # a list: abort every one
+            return True
+        return self.router.abort(request_id, caller)
+
+    def _validate(self, request: prepare_pb2.GenerateRequest, request_id: str) -> tuple[GenerationRequest, int]:
+        """The validated, tokenized request and its ``n`` (in the executor). Raises RequestError when refused."""
+        n = validate_choices(request)
+        return validate_generate_request(request, request_id, self.tokenizer, self.router.model_limits()), n

@@ -1,0 +1,223 @@
+"""The OpenAI-compatible HTTP API of prepare: ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``GET /v1/models`` (and ``GET /health``), on FastAPI served by uvicorn on prepare's ``grpc.aio``
+event loop (``--http-port``).
+
+Each request body is mapped onto the gRPC API's ``GenerateRequest`` (``openai_protocol.py``) and
+goes through the same :class:`~stageserve.prepare.frontend.GenerationFrontend` as a gRPC call:
+one validation, one scheduler, the same readiness and draining. Streaming (``stream: true``) is
+server-sent events, ending with ``data: [DONE]``; ``stream_options.include_usage`` adds the usage
+chunk. A client that disconnects (streaming or not) aborts its request, which frees its KV blocks.
+
+Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``; the status follows
+the gRPC one: 400 ``INVALID_ARGUMENT`` (``param`` names the field), 404 an unknown model, 409
+``ALREADY_EXISTS``, 429 ``RESOURCE_EXHAUSTED`` with ``Retry-After``, 503 ``UNAVAILABLE`` (draining,
+or a pipeline service down), 504 ``DEADLINE_EXCEEDED``, 500 otherwise. An error after a stream has
+started is sent as one ``data: {"error": ...}`` event before ``[DONE]`` (as vLLM does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from pathlib import Path
+
+import grpc
+import pydantic
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from stageserve.prepare.errors import RequestError, invalid_argument
+from stageserve.prepare.frontend import GenerationFrontend, Submission
+from stageserve.prepare.openai_protocol import ChatCompletionRequest, CompletionRequest, chat_request, completion_request
+from stageserve.prepare.openai_responses import ResponseBuilder, sse
+from stageserve.prepare.validation import validate_request_id
+
+HTTP_PORT_SUFFIX = ".http-port"
+RETRY_AFTER_S = 1
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+# The field a validation message starts with: "max_tokens: ...", "stop[2]: ...", "messages.0.content: ...".
+_PARAM = re.compile(r"^([a-z_]+)[\w.\[\]-]*:")
+
+
+def http_port_file(port_file: Path) -> Path:
+    """Where the bound HTTP port is written for a service whose ``--port-file`` is ``port_file``."""
+    return port_file.with_suffix(HTTP_PORT_SUFFIX)
+
+
+def error_response(error: RequestError) -> JSONResponse:
+    """OpenAI's error body and HTTP status for ``error`` (``Retry-After`` on 429)."""
+    status, kind = _HTTP_STATUS.get(error.code, (500, "internal_error"))
+    match = _PARAM.match(error.message) if error.code == grpc.StatusCode.INVALID_ARGUMENT else None
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    return JSONResponse(status_code=status, headers=headers, content=_error_body(error, kind, match.group(1) if match else None))
+
+
+def _error_body(error: RequestError, kind: str, param: str | None) -> dict:
+    return {"error": {"message": error.message, "type": kind, "param": param, "code": error.code.name.lower()}}
+
+
+def _parse(model: type[pydantic.BaseModel], body: object) -> pydantic.BaseModel:
+    """``body`` as ``model``. Raises RequestError (``INVALID_ARGUMENT``) naming the first bad field."""
+    try:
+        return model.model_validate(body)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        if first["type"] == "extra_forbidden":
+            raise invalid_argument(f"{where}: is not supported by this server; remove it") from exc
+        raise invalid_argument(f"{where}: {first['msg']}") from exc
+
+
+def create_app(frontend: GenerationFrontend) -> FastAPI:
+    """The FastAPI application over ``frontend`` (which must run on the same event loop)."""
+    app = FastAPI(title="stageserve OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RequestError)
+    async def refused(_request: Request, error: RequestError) -> JSONResponse:
+        return error_response(error)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        model_name(frontend)  # raises UNAVAILABLE while draining or not connected
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        name = model_name(frontend)
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "stageserve"}]})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = _parse(ChatCompletionRequest, await _json(request))
+        return await _generate(frontend, request, body, chat_request, chat=True,
+                               top_logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = _parse(CompletionRequest, await _json(request))
+        return await _generate(frontend, request, body, completion_request, chat=False, top_logprobs=body.logprobs)
+
+    return app
+
+
+def model_name(frontend: GenerationFrontend) -> str:
+    """The served model's name. Raises RequestError (``UNAVAILABLE``) while draining or not connected."""
+    frontend.router.model_limits()  # the readiness check both APIs share
+    return frontend.router.load()[0].attach.model_name
+
+
+async def _json(request: Request) -> object:
+    try:
+        return await request.json()
+    except ValueError as exc:
+        raise invalid_argument(f"body: not valid JSON ({exc})") from exc
+
+
+async def _generate(frontend: GenerationFrontend, request: Request, body, to_grpc: Callable, chat: bool, top_logprobs: int | None):
+    """Serve one completion request, streamed or whole; a disconnect aborts it."""
+    served = model_name(frontend)
+    if body.model != served:
+        raise RequestError(grpc.StatusCode.NOT_FOUND, f"model: {body.model!r} is not served here; use {served!r} (see /v1/models)")
+    request_id = validate_request_id(request.headers.get("x-request-id") or uuid.uuid4().hex)
+    submission = await frontend.submit(to_grpc(body), request_id)
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, submission))
+    builder = ResponseBuilder(chat, request_id, served, len(submission.handles), top_logprobs, submission.num_prompt_tokens,
+                              frontend.tokenizer)
+    headers = {"x-request-id": request_id}
+    if body.stream:
+        return StreamingResponse(_stream(frontend, submission, builder, body.include_usage, watcher),
+                                 media_type="text/event-stream", headers=headers)
+    try:
+        async with aclosing(submission.events(frontend.waker)) as events:
+            async for index, event in events:
+                builder.add(index, event)
+    finally:
+        _end(submission, watcher)
+    return JSONResponse(builder.response(), headers=headers)
+
+
+async def _stream(frontend: GenerationFrontend, submission: Submission, builder: ResponseBuilder, include_usage: bool,
+                  watcher: asyncio.Task) -> AsyncIterator[str]:
+    """The SSE body: the opening chunks, one chunk per event, the usage chunk if asked, ``[DONE]``."""
+    try:
+        for chunk in builder.first_chunks():
+            yield sse(chunk)
+        async with aclosing(submission.events(frontend.waker)) as events:
+            async for index, event in events:
+                if (chunk := builder.chunk(index, event, include_usage)) is not None:
+                    yield sse(chunk)
+        if include_usage:
+            yield sse(builder.usage_chunk())
+    except RequestError as error:
+        _, kind = _HTTP_STATUS.get(error.code, (500, "internal_error"))
+        yield sse(_error_body(error, kind, None))
+    finally:
+        _end(submission, watcher)
+    yield sse("[DONE]")
+
+
+def _end(submission: Submission, watcher: asyncio.Task) -> None:
+    watcher.cancel()
+    submission.cancel()  # aborts the choices still running (after a disconnect); else a no-op
+    submission.client_gone()  # ignored by the observers of choices that ended
+
+
+async def _cancel_on_disconnect(request: Request, submission: Submission) -> None:
+    """Abort ``submission`` once the client disconnects (the body is read: the next message is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    submission.cancel()
+
+
+class HttpServer:
+    """uvicorn serving ``app`` on ``loop`` (prepare's gRPC event loop), on a socket bound at once.
+
+    Args:
+        app: the ASGI application.
+        host, port: where to listen; ``port`` 0 = ephemeral (:attr:`port` is the bound one).
+        loop: the running event loop to serve on (from another thread).
+        port_file: the service's ``--port-file``; the HTTP port goes to its sibling
+            (:func:`http_port_file`), written atomically.
+
+    Raises:
+        RuntimeError: the address cannot be bound (the message names it and the flag).
+    """
+
+    def __init__(self, app, host: str, port: int, loop: asyncio.AbstractEventLoop, port_file: Path | None = None) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._socket.bind((host, port))
+        except OSError as exc:
+            self._socket.close()
+            raise RuntimeError(f"--http-port: cannot listen on {host}:{port} ({exc}); choose a free port or 0") from exc
+        self.port = self._socket.getsockname()[1]
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
+        self._done = asyncio.run_coroutine_threadsafe(self._server.serve(sockets=[self._socket]), loop)
+        if port_file is not None:
+            target = http_port_file(port_file)
+            tmp = target.with_name(target.name + ".tmp")
+            tmp.write_text(str(self.port))
+            tmp.replace(target)
+
+    def stop(self, timeout_s: float) -> None:
+        """Stop accepting, let open responses end for up to ``timeout_s``, then close them (any thread but the loop's)."""
+        self._server.config.timeout_graceful_shutdown = timeout_s
+        self._server.should_exit = True
+        try:
+            self._done.result(timeout=timeout_s + 5.0)
+        except Exception:  # a loop already stopped, or a connection that would not close
+            self._done.cancel()

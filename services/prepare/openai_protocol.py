@@ -1,0 +1,179 @@
+"""The OpenAI API's request bodies (pydantic models) and their mapping onto ``GenerateRequest``.
+
+Only what stageserve serves is declared; any other field (``tools``, ``response_format``,
+``audio``, ...) is refused with a 400 naming it, never ignored, and so is a declared field with a
+value stageserve does not serve (``echo: true``, ``best_of > 1``, several prompts). A field sent
+as ``null`` counts as not sent, as in OpenAI's API. Field meanings follow OpenAI's API reference
+(``/v1/chat/completions``, ``/v1/completions``); besides them, vLLM's sampling extensions
+``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``
+and ``include_stop_str_in_output`` are accepted, with the gRPC API's meanings. Range checks are
+not made here: ``validation.py`` makes them for both APIs (and names the field in its message).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from stageserve.prepare.errors import invalid_argument
+from stageserve.v1 import prepare_pb2
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+"""``/v1/completions`` without ``max_tokens`` generates this many tokens at most (OpenAI's default)."""
+
+# OpenAI's top_logprobs / completions logprobs maximum is 20 (chat) and 5 (completions); prepare
+# allows 20 for both (sampling_rules.MAX_LOGPROBS) and refuses more there.
+
+
+class StrictModel(BaseModel):
+    """Refuses undeclared fields; a ``null`` field is dropped first (null = not sent)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    role: str
+    content: Union[str, list[TextPart]] = ""
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined)."""
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class SamplingFields(StrictModel):
+    """Fields both endpoints share."""
+
+    model: str
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] = Field(default_factory=dict)
+    max_tokens: int | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: Union[str, list[str]] = Field(default_factory=list)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str = ""
+    # vLLM's extensions
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+    include_stop_str_in_output: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+def _common_fields(body: SamplingFields, max_tokens: int | None) -> prepare_pb2.GenerateRequest:
+    """The ``GenerateRequest`` of the fields both endpoints share (prompt and logprobs left to the caller)."""
+    request = prepare_pb2.GenerateRequest(
+        top_k=_unsigned("top_k", body.top_k), min_p=body.min_p, ignore_eos=body.ignore_eos,
+        min_tokens=_unsigned("min_tokens", body.min_tokens),
+        include_stop_str_in_output=body.include_stop_str_in_output, stop_token_ids=body.stop_token_ids,
+        stop=[body.stop] if isinstance(body.stop, str) else body.stop,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, user=body.user,
+    )
+    for key, bias in body.logit_bias.items():
+        if not key.lstrip("-").isdigit():
+            raise invalid_argument(f"logit_bias: key {key!r} is not a token id; use token ids as keys")
+        request.logit_bias[int(key)] = bias
+    for field in ("temperature", "top_p", "repetition_penalty"):
+        if (value := getattr(body, field)) is not None:
+            setattr(request, field, value)
+    if max_tokens is not None:
+        request.max_tokens = _unsigned("max_tokens", max_tokens)
+    if body.n is not None:
+        request.n = _unsigned("n", body.n)
+    if body.seed is not None:
+        request.seed = body.seed & ((1 << 64) - 1)  # a negative seed keeps its bits
+    return request
+
+
+def chat_request(body: ChatCompletionRequest) -> prepare_pb2.GenerateRequest:
+    """``body`` as the gRPC API's ``GenerateRequest`` (messages rendered by the chat template).
+
+    Raises:
+        RequestError: ``INVALID_ARGUMENT`` for a value stageserve does not serve.
+    """
+    if body.max_tokens is not None and body.max_completion_tokens is not None and body.max_tokens != body.max_completion_tokens:
+        raise invalid_argument("max_completion_tokens: differs from max_tokens; set one of them")
+    request = _common_fields(body, body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens)
+    request.messages.extend(prepare_pb2.ChatMessage(role=m.role, content=m.text()) for m in body.messages)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid_argument("top_logprobs: needs logprobs: true")
+    # OpenAI returns the sampled token's logprob with logprobs alone; prepare returns top-n with
+    # the sampled one, so top_logprobs 0 still asks for one alternative and shows none.
+    if body.logprobs:
+        request.logprobs = max(1, _unsigned("top_logprobs", body.top_logprobs or 0))
+    return request
+
+
+def completion_request(body: CompletionRequest) -> prepare_pb2.GenerateRequest:
+    """``body`` as the gRPC API's ``GenerateRequest`` (the prompt tokenized as is).
+
+    Raises:
+        RequestError: ``INVALID_ARGUMENT`` for a value stageserve does not serve.
+    """
+    if body.echo:
+        raise invalid_argument("echo: true is not supported; leave it unset")
+    if body.suffix:
+        raise invalid_argument("suffix: is not supported (no fill-in-the-middle); leave it unset")
+    if body.best_of not in (None, 1):
+        raise invalid_argument("best_of: only 1 is supported; use n for several completions")
+    request = _common_fields(body, DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens)
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise invalid_argument(f"prompt: a list of {len(prompt)} prompts; send one prompt per request")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.prompt_token_ids.extend(prompt)
+    if body.logprobs is not None:
+        # The sampled token's logprob comes with any top-n; 0 asks for the sampled one alone.
+        request.logprobs = max(1, _unsigned("logprobs", body.logprobs))
+    return request
+
+
+def _unsigned(field: str, value: int) -> int:
+    if value < 0:
+        raise invalid_argument(f"{field}: {value} is negative; use a value >= 0")
+    return value

@@ -1,0 +1,148 @@
+"""OpenAI API response bodies built from a request's published events, for both endpoints.
+
+:class:`ResponseBuilder` turns ``(choice index, SequenceEvent)`` pairs into the JSON objects of
+OpenAI's API reference: ``chat.completion`` / ``chat.completion.chunk`` for ``/v1/chat/completions``,
+``text_completion`` for ``/v1/completions`` (streamed chunks have the same shape there). Logprobs
+are the pipeline's (``common.proto``'s ``TokenLogprob``: natural log, after penalties, before
+temperature); a token's text is its own decoding, and ``bytes`` its UTF-8 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from stageserve.v1 import common_pb2, reclaim_pb2
+
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",  # vLLM's word: the request was aborted
+}
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event carrying ``data`` (JSON unless it is the ``[DONE]`` mark)."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+@dataclass
+class _ChoiceState:
+    text: list[str] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # chat: content entries; text: (token, logprob, top) triples
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    text_offset: int = 0
+
+
+class ResponseBuilder:
+    """The response of one request with ``n`` choices, as chunks or whole.
+
+    Args:
+        chat: ``/v1/chat/completions`` (else ``/v1/completions``).
+        request_id: served id; the response id is ``chatcmpl-<id>`` / ``cmpl-<id>``.
+        model: the served model's name.
+        n: choices.
+        top_logprobs: alternatives to show per token; ``None`` = no logprobs.
+        prompt_tokens: for usage.
+        tokenizer: decodes single tokens for logprobs.
+    """
+
+    def __init__(self, chat: bool, request_id: str, model: str, n: int, top_logprobs: int | None, prompt_tokens: int,
+                 tokenizer) -> None:
+        self.chat = chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        self.model = model
+        self.created = int(time.time())
+        self.top_logprobs = top_logprobs
+        self.prompt_tokens = prompt_tokens
+        self._tokenizer = tokenizer
+        self._choices = [_ChoiceState() for _ in range(n)]
+
+    # ---- streaming ----------------------------------------------------------------------------
+    def first_chunks(self) -> list[dict]:
+        """Chat only: each choice's opening chunk with the assistant role (as OpenAI streams it)."""
+        if not self.chat:
+            return []
+        return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+                for i in range(len(self._choices))]
+
+    def chunk(self, index: int, event: reclaim_pb2.SequenceEvent, include_usage: bool) -> dict | None:
+        """The chunk of one event (``None`` when it carries no text and no finish); records it too."""
+        logprobs = self._record(index, event)
+        if not (event.text or event.finish_reason or logprobs):
+            return None
+        choice: dict = {"index": index, "logprobs": logprobs, "finish_reason": self._choices[index].finish_reason}
+        if self.chat:
+            choice["delta"] = {"content": event.text} if event.text else {}
+        else:
+            choice["text"] = event.text
+        chunk = self._chunk(choice)
+        if include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self) -> dict:
+        """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
+        return {**self._chunk(None), "choices": [], "usage": self.usage()}
+
+    # ---- whole --------------------------------------------------------------------------------
+    def add(self, index: int, event: reclaim_pb2.SequenceEvent) -> None:
+        """Record one event for :meth:`response`."""
+        self._record(index, event)
+
+    def response(self) -> dict:
+        """The non-streamed response."""
+        choices = []
+        for index, state in enumerate(self._choices):
+            text = "".join(state.text)
+            logprobs = None if self.top_logprobs is None else self._logprobs_object(state.logprobs)
+            choice = {"index": index, "logprobs": logprobs, "finish_reason": state.finish_reason}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
+                "model": self.model, "choices": choices, "usage": self.usage()}
+
+    def usage(self) -> dict:
+        completion = sum(state.completion_tokens for state in self._choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion, "total_tokens": self.prompt_tokens + completion}
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _chunk(self, choice: dict | None) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion", "created": self.created,
+                "model": self.model, "choices": [] if choice is None else [choice]}
+
+    def _record(self, index: int, event: reclaim_pb2.SequenceEvent) -> dict | None:
+        """Add ``event`` to choice ``index``; return its logprobs object (``None`` without logprobs)."""
+        state = self._choices[index]
+        state.text.append(event.text)
+        if event.finish_reason:
+            state.finish_reason = FINISH_REASONS.get(event.finish_reason, "stop")
+            state.completion_tokens = event.completion_tokens
+        if self.top_logprobs is None or not event.logprobs:
+            return None
+        entries = [self._entry(state, logprob) for logprob in event.logprobs]
+        state.logprobs.extend(entries)
+        return self._logprobs_object(entries)
+
+    def _entry(self, state: _ChoiceState, logprob: common_pb2.TokenLogprob):
+        top = list(zip(logprob.top_token_ids, logprob.top_logprobs))[: self.top_logprobs]
+        token = self._token(logprob.token_id)
+        if self.chat:
+            return {"token": token, "logprob": logprob.logprob, "bytes": list(token.encode()),
+                    "top_logprobs": [{"token": (t := self._token(i)), "logprob": lp, "bytes": list(t.encode())} for i, lp in top]}
+        offset, state.text_offset = state.text_offset, state.text_offset + len(token)
+        return token, logprob.logprob, {self._token(i): lp for i, lp in top}, offset
+
+    def _logprobs_object(self, entries: list) -> dict:
+        if self.chat:
+            return {"content": entries}
+        return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
+                "top_logprobs": [e[2] for e in entries], "text_offset": [e[3] for e in entries]}
+
+    def _token(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id])

@@ -1,0 +1,205 @@
+"""The OpenAI-compatible HTTP API end to end, with the official ``openai`` SDK, through three real
+service processes on loopback (prepare with ``--http-port 0``)."""
+
+from __future__ import annotations
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from stageserve.v1 import prepare_pb2, prepare_pb2_grpc
+
+from .conftest import launch
+from .test_generation_api import wait_kv_all_free
+
+# A small sequence table and queue, so that test_full_queue_is_rate_limited can fill them.
+MAX_NUM_SEQS = 4
+MAX_WAITING = 4  # at least n of test_n_choices: its choices wait together
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    pipeline = launch(tmp_path_factory, "openai-api", device_args=["--max-num-seqs", str(MAX_NUM_SEQS)],
+                      prepare_args=["--http-port", "0", "--max-waiting", str(MAX_WAITING)])
+    try:
+        yield pipeline
+    finally:
+        pipeline.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served) -> openai.OpenAI:
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{served.prepare.http_port}/v1", api_key="unused", max_retries=0) as sdk:
+        yield sdk
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def generation(served):
+    with grpc.insecure_channel(served.prepare.address) as channel:
+        yield prepare_pb2_grpc.GenerationStub(channel)
+
+
+def test_models_lists_the_served_model(client, generation):
+    models = client.models.list().data
+    assert [m.id for m in models] == [generation.GetModelInfo(prepare_pb2.GetModelInfoRequest()).model_name]
+
+
+def test_chat_completion(client, model):
+    reply = client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=24)
+    assert reply.object == "chat.completion" and len(reply.choices) == 1
+    assert "Paris" in reply.choices[0].message.content and reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.prompt_tokens > 0 and 0 < reply.usage.completion_tokens <= 24
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+
+def test_streamed_chat_with_usage_equals_the_whole_text(client, model):
+    whole = client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=32)
+    chunks = list(client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=32, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [whole.choices[0].finish_reason]
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == []
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+
+
+def test_text_completion(client, model):
+    reply = client.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=8)
+    assert reply.object == "text_completion" and "Paris" in reply.choices[0].text
+    assert reply.usage.completion_tokens <= 8
+    streamed = client.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=8, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == reply.choices[0].text
+
+
+def test_n_choices_differ_and_seed_reproduces_them(client, model):
+    kwargs = dict(model=model, messages=[{"role": "user", "content": "Write a word."}], n=3, temperature=1.0, max_tokens=12, seed=1234)
+    first, again = client.chat.completions.create(**kwargs), client.chat.completions.create(**kwargs)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    texts = [c.message.content for c in first.choices]
+    assert texts == [c.message.content for c in again.choices]  # seed reproduces every choice
+    assert len(set(texts)) > 1  # choices sample with seeds seed + i
+    assert 3 <= first.usage.completion_tokens <= 3 * 12  # summed over the choices
+    other = client.chat.completions.create(**{**kwargs, "seed": 99})
+    assert [c.message.content for c in other.choices] != texts
+
+
+def test_logprobs(client, model):
+    reply = client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    assert "".join(entry.token for entry in content) == reply.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0.0
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the sampled token is the most likely
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+    text = client.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=4, logprobs=2)
+    assert len(text.choices[0].logprobs.tokens) == 4 and all(len(top) == 2 for top in text.choices[0].logprobs.top_logprobs)
+
+
+def test_stop(client, model):
+    whole = client.completions.create(model=model, prompt="1, 2, 3, 4, 5,", temperature=0, max_tokens=12)
+    assert " 7" in whole.choices[0].text
+    stopped = client.completions.create(model=model, prompt="1, 2, 3, 4, 5,", temperature=0, max_tokens=12, stop=[" 7"])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == whole.choices[0].text.split(" 7")[0]
+
+
+def test_penalties_and_logit_bias_change_the_tokens(client, model, generation):
+    base = dict(model=model, prompt="apple apple apple apple", temperature=0, max_tokens=8)
+    plain = client.completions.create(**base).choices[0].text
+    assert client.completions.create(**base, frequency_penalty=2.0).choices[0].text != plain
+    assert client.completions.create(**base, presence_penalty=2.0).choices[0].text != plain
+    first_id = generation.Tokenize(prepare_pb2.TokenizeRequest(prompt=plain)).token_ids[0]
+    biased = client.completions.create(**base, logit_bias={str(first_id): -100}, logprobs=1)
+    assert biased.choices[0].logprobs.tokens[0] != plain and biased.choices[0].text != plain
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"logit_bias": {"5": 500}}, "logit_bias"),
+    ({"n": 0}, "n"),
+    ({"max_tokens": 100000}, "max_tokens"),
+    ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
+    ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+])
+def test_invalid_or_unsupported_parameter_is_a_bad_request_naming_it(client, model, fields, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=CHAT, **fields)
+    assert refused.value.status_code == 400
+    assert refused.value.body["param"] == param and param in refused.value.body["message"]
+    assert refused.value.body["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_not_found(client):
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.chat.completions.create(model="gpt-4o", messages=CHAT)
+
+
+def test_closing_a_stream_midway_frees_its_kv(client, model, generation):
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count to a hundred."}],
+                                            max_tokens=200, stream=True, extra_body={"ignore_eos": True})
+    chunks = [next(stream) for _ in range(4)]
+    assert chunks[-1].choices[0].delta.content  # generating
+    assert kv_used(generation) > 0
+    stream.close()
+    wait_kv_all_free(generation)
+
+
+def test_full_queue_is_rate_limited(client, model, generation):
+    long = dict(model=model, messages=[{"role": "user", "content": "Count to a hundred."}], max_tokens=200, stream=True,
+                extra_body={"ignore_eos": True})
+    streams = []
+    try:
+        for _ in range(MAX_NUM_SEQS):  # running: each has produced a token
+            streams.append(client.chat.completions.create(**long))
+            next(streams[-1]), next(streams[-1])
+        for _ in range(MAX_WAITING):  # accepted (the response has started) and waiting
+            streams.append(client.chat.completions.create(**long))
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.chat.completions.create(**long)
+        assert refused.value.response.headers["retry-after"] == "1"
+        assert "queue" in refused.value.body["message"]
+    finally:
+        for stream in streams:
+            stream.close()
+    wait_kv_all_free(generation)
+
+
+def test_grpc_and_http_give_the_same_text(client, model, generation):
+    grpc_reply = generation.Generate(prepare_pb2.GenerateRequest(
+        messages=[prepare_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in CHAT], temperature=0.0, max_tokens=40))
+    http_reply = client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=40)
+    assert http_reply.choices[0].message.content == grpc_reply.text
+    assert http_reply.usage.completion_tokens == grpc_reply.usage.completion_tokens
+
+
+def test_grpc_n_returns_every_choice(generation):
+    reply = generation.Generate(prepare_pb2.GenerateRequest(prompt="Once upon a time", n=3, seed=7, max_tokens=6))
+    assert [c.index for c in reply.choices] == [0, 1, 2] and reply.text == reply.choices[0].text
+    assert reply.usage.completion_tokens == sum(len(c.token_ids) for c in reply.choices)
+    chunks = list(generation.GenerateStream(prepare_pb2.GenerateRequest(prompt="Once upon a time", n=3, seed=7, max_tokens=6)))
+    for choice in reply.choices:
+        assert "".join(c.text for c in chunks if c.index == choice.index) == choice.text
+
+
+def test_health_and_bad_json(served):
+    base = f"http://127.0.0.1:{served.prepare.http_port}"
+    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+    refused = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "body"
+
+
+def kv_used(generation) -> int:
+    info = generation.GetModelInfo(prepare_pb2.GetModelInfoRequest())
+    return info.kv_blocks_total - info.kv_blocks_free

@@ -1,0 +1,47 @@
+"""The OpenAI request bodies as the gRPC API's GenerateRequest, and what is refused before validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from stageserve.prepare.errors import RequestError
+from stageserve.prepare.openai_api import _parse
+from stageserve.prepare.openai_protocol import ChatCompletionRequest, CompletionRequest, chat_request, completion_request
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]}
+
+
+def test_chat_body_maps_every_sampling_field():
+    body = _parse(ChatCompletionRequest, {**CHAT, "temperature": 0.5, "top_p": 0.9, "n": 2, "seed": -1, "stop": "\n",
+                                          "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"7": -3},
+                                          "logprobs": True, "top_logprobs": 4, "max_completion_tokens": 9, "user": "u1", "tools": None})
+    request = chat_request(body)
+    assert [(m.role, m.content) for m in request.messages] == [("user", "Hi there")]
+    assert (request.temperature, request.top_p, request.n, request.max_tokens, request.logprobs) == (0.5, pytest.approx(0.9), 2, 9, 4)
+    assert request.seed == (1 << 64) - 1 and list(request.stop) == ["\n"] and dict(request.logit_bias) == {7: -3.0}
+    assert (request.presence_penalty, request.frequency_penalty, request.user) == (0.5, -0.5, "u1")
+    assert not request.HasField("repetition_penalty")  # unset fields keep the gRPC API's defaults
+
+
+def test_completion_defaults_to_openais_max_tokens_and_takes_token_ids():
+    request = completion_request(_parse(CompletionRequest, {"model": "m", "prompt": [[1, 2, 3]], "logprobs": 0}))
+    assert list(request.prompt_token_ids) == [1, 2, 3] and request.max_tokens == 16 and request.logprobs == 1
+
+
+@pytest.mark.parametrize("body, message", [
+    ({**CHAT, "tools": [{"type": "function"}]}, "tools: is not supported"),
+    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format: is not supported"),
+    ({**CHAT, "top_logprobs": 2}, "top_logprobs: needs logprobs: true"),
+    ({**CHAT, "max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens: differs"),
+    ({**CHAT, "logit_bias": {"the": 1}}, "logit_bias: key 'the' is not a token id"),
+    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages.0.content"),
+    ({"model": "m", "prompt": "x", "echo": True}, "echo: true is not supported"),
+    ({"model": "m", "prompt": "x", "best_of": 2}, "best_of: only 1"),
+    ({"model": "m", "prompt": ["a", "b"]}, "prompt: a list of 2 prompts"),
+    ({"model": "m", "prompt": "x", "n": -1}, "n: -1 is negative"),
+])
+def test_unsupported_values_are_refused_naming_the_field(body, message):
+    model, convert = (ChatCompletionRequest, chat_request) if "messages" in body else (CompletionRequest, completion_request)
+    with pytest.raises(RequestError, match="^" + message.replace("(", r"\(")) as refused:
+        convert(_parse(model, body))
+    assert refused.value.code.name == "INVALID_ARGUMENT"
