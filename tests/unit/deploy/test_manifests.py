@@ -306,9 +306,13 @@ def test_service_targets_the_grpc_port_of_its_pods(overlay, role):
     pod_labels = pods["spec"]["template"]["metadata"]["labels"]
     services = [s for s in find(manifests, "Service") if selects({"matchLabels": s["spec"]["selector"]}, pod_labels)]
     assert len(services) == 1, f"{role}: {len(services)} Services select its pods"
-    (service_port,) = services[0]["spec"]["ports"]
+    ports = {port["name"]: port for port in services[0]["spec"]["ports"]}
+    assert set(ports) == ({"grpc", "http"} if role == "prepare" else {"grpc"})  # prepare also serves the OpenAI API
+    service_port = ports["grpc"]
     assert service_port["targetPort"] in ("grpc", container_cli_args(manifests, role).port)
     assert service_port["port"] == container_cli_args(manifests, role).port
+    if role == "prepare":
+        assert ports["http"]["targetPort"] == "http" and container_port(only_container(pods), "http") == ports["http"]["port"]
     if role == "device":
         assert services[0]["spec"]["clusterIP"] == "None", "device pods are found through a headless Service"
         assert pods["kind"] == "StatefulSet" and pods["spec"]["serviceName"] == services[0]["metadata"]["name"]
