@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = 50052
 DEFAULT_METRICS_PORT = 9102
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+WEIGHT_FORMATS = ("auto", "dequantize", "int8", "int4")  # the same as stageserve.device.quant.WEIGHT_FORMATS, which imports torch
 CPU_DEFAULT_KV_BYTES = 512 * 1024**2
 ACCELERATOR_DEFAULT_KV_FRACTION = 0.85
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -46,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_service_arguments(parser, DEFAULT_PORT, DEFAULT_METRICS_PORT)
     parser.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help="weights and activations; auto = bfloat16 on cuda/npu and on CPUs with avx512_bf16 or amx_bf16, else float32")
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto",
+                        help="cpu backend: auto = a GGUF's Q4_0/Q4_1 linears on int4 kernels and Q8_0 on int8 ones, everything else in --dtype; "
+                             "dequantize = every weight in --dtype; int8/int4 = every linear in that format (default %(default)s)")
     parser.add_argument("--backend", choices=("cpu", "cuda", "npu", "sim"), default="cpu",
                         help="where steps run; sim = simulated device: no weights, each step takes --sim-step-ms without computing (default %(default)s)")
     parser.add_argument("--sim-step-ms", type=float, default=5.0, metavar="MS", help="--backend sim: device time of every step (default %(default)s)")
@@ -233,17 +237,19 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
     else:
         backend = backend or create_backend(args.backend, args.threads)
         log.info("loading %s as %s on %s", model_path, dtype_name, backend.device)
-        model = LlamaModel.from_path(model_path, dtype, backend.device, cpu_kernels_allowed=not args.no_cpu_kernels, amx_allowed=not args.no_amx_linears)
+        model = LlamaModel.from_path(model_path, dtype, backend.device, cpu_kernels_allowed=not args.no_cpu_kernels, amx_allowed=not args.no_amx_linears,
+                                     weight_format=args.weights)
         config = model.config
         log.info("layers run %s%s", "with the fused CPU kernels" if model.cpu_kernels else "in plain torch ops",
                  ", decode-sized linears on AMX" if model.amx_linears else "")
+        saved_bytes = _log_weight_memory(model, dtype)
 
     if args.kv_cache_memory is not None:
         kv_bytes = args.kv_cache_memory
     elif args.kv_cache_fraction is not None or args.backend not in ("cpu", "sim"):
         kv_bytes = kv_memory_budget(backend.device, args.kv_cache_fraction or ACCELERATOR_DEFAULT_KV_FRACTION)
-    else:
-        kv_bytes = CPU_DEFAULT_KV_BYTES
+    else:  # what quantized weights save against one dense copy goes to the KV pool
+        kv_bytes = CPU_DEFAULT_KV_BYTES + (saved_bytes if model is not None else 0)
     num_blocks = num_blocks_for_memory(config, args.block_size, dtype, kv_bytes)
     if num_blocks < 1:
         raise RuntimeError(f"--kv-cache-memory/--kv-cache-fraction: {kv_bytes} bytes hold no KV block of {args.block_size} tokens; give more memory")
@@ -298,6 +304,25 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
         instance_id=uuid.uuid4().hex,
     )
     return DeviceCore(facts, limits, table, executor, outbox, check_sampling)
+
+
+def _log_weight_memory(model, dtype) -> int:
+    """Log the linears' formats, the weights' bytes against one dense copy in ``dtype``, and resident memory; the bytes saved (>= 0)."""
+    dense = model.dense_weight_bytes(dtype)
+    held = model.weight_bytes()
+    formats = ", ".join(f"{count} {name}" for name, count in sorted(model.linear_formats.items()))
+    log.info("linears: %s; weights hold %.1f MiB (one dense %s copy: %.1f MiB, %.2fx); resident memory %.1f MiB",
+             formats, held / 2**20, str(dtype).removeprefix("torch."), dense / 2**20, held / dense, _resident_bytes() / 2**20)
+    return max(0, dense - held)
+
+
+def _resident_bytes() -> int:
+    """This process's resident set size (VmRSS of /proc/self/status; 0 where that is not readable)."""
+    try:
+        line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0
+    return int(line.split()[1]) * 1024
 
 
 def _both(first, then):
