@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where steps run; sim = simulated device: no weights, each step takes --sim-step-ms without computing (default %(default)s)")
     parser.add_argument("--sim-step-ms", type=float, default=5.0, metavar="MS", help="--backend sim: device time of every step (default %(default)s)")
     parser.add_argument("--sim-token-us", type=float, default=0.0, metavar="US", help="--backend sim: added device time per token a step carries (default %(default)s)")
+    parser.add_argument("--no-dense-copy", action="store_true",
+                        help="quantized weights: keep no dense copy for inputs of more than 4 rows, dequantize per call instead (least memory; steps of many rows run several times slower)")
     parser.add_argument("--dispatch", choices=("async", "sync"), default="async", help="async: submit without waiting; sync: wait each step before the next (for comparison)")
     parser.add_argument("--pipeline-depth", type=int, default=2, metavar="N", help="output slots = steps in flight at most (default %(default)s)")
     kv = parser.add_mutually_exclusive_group()
@@ -238,7 +240,7 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
         backend = backend or create_backend(args.backend, args.threads)
         log.info("loading %s as %s on %s", model_path, dtype_name, backend.device)
         model = LlamaModel.from_path(model_path, dtype, backend.device, cpu_kernels_allowed=not args.no_cpu_kernels, amx_allowed=not args.no_amx_linears,
-                                     weight_format=args.weights)
+                                     weight_format=args.weights, dense_copy=not args.no_dense_copy)
         config = model.config
         log.info("layers run %s%s", "with the fused CPU kernels" if model.cpu_kernels else "in plain torch ops",
                  ", decode-sized linears on AMX" if model.amx_linears else "")

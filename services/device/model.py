@@ -260,28 +260,38 @@ class Linear:
     for inputs of at most ``AMX_MAX_ROWS`` rows, a decode step's: ``cpu_kernels.amx_linear`` runs them
     ~20 % faster than oneDNN, at the cost of a second copy of the weight. ``gated``: the weight is
     SwiGLU's ``[gate; up]``, packed for ``swiglu``, which then runs on ``cpu_kernels.amx_swiglu``.
+    ``one_copy``: where the AMX copy is made, keep no other: larger inputs run on it 64 rows at a time
+    (the dense companion of a quantized linear, see ``quant.QuantizedLinear``).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, amx: bool = False, gated: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, amx: bool = False, gated: bool = False, one_copy: bool = False) -> None:
         """``weight`` [out, in] and ``bias`` [out] already on their device, same dtype."""
         self.bias, self.gated = bias, gated
         self.amx_weight = None
         if amx and cpu_kernels.amx_ready(weight, gated) and not (gated and bias is not None):  # amx_swiglu takes no bias
             self.amx_weight = (cpu_kernels.amx_pack_gated if gated else cpu_kernels.amx_pack)(weight)
-        self.packed = _can_pack(weight)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if self.packed else weight
+        self.amx_only = one_copy and self.amx_weight is not None
+        self.packed = _can_pack(weight) and not self.amx_only
+        self.weight = None if self.amx_only else torch.ops.mkldnn._reorder_linear_weight(weight) if self.packed else weight
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this linear holds (for memory accounting)."""
         return [t for t in (self.weight, self.amx_weight, self.bias) if t is not None]
 
     def _on_amx(self, x: torch.Tensor) -> bool:
-        return self.amx_weight is not None and x.dim() == 2 and x.shape[0] <= cpu_kernels.AMX_MAX_ROWS
+        return self.amx_weight is not None and x.dim() == 2 and (x.shape[0] <= cpu_kernels.AMX_MAX_ROWS or self.amx_only)
+
+    def _amx_rows(self, op, x: torch.Tensor, *extra) -> torch.Tensor:
+        """``op(x, amx_weight, *extra)`` over ``x`` [T, in] in slices of at most ``AMX_MAX_ROWS`` rows."""
+        rows = cpu_kernels.AMX_MAX_ROWS
+        if x.shape[0] <= rows:
+            return op(x, self.amx_weight, *extra)
+        return torch.cat([op(x[i : i + rows], self.amx_weight, *extra) for i in range(0, x.shape[0], rows)])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [..., in] -> [..., out], in ``x``'s dtype."""
         if not self.gated and self._on_amx(x):
-            return cpu_kernels.amx_linear(x, self.amx_weight, self.bias)
+            return self._amx_rows(cpu_kernels.amx_linear, x, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -289,7 +299,7 @@ class Linear:
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of this ``[gate; up]`` projection of ``x`` [T, in] -> [T, out / 2] (CPU kernels only)."""
         if self._on_amx(x):
-            return cpu_kernels.amx_swiglu(x, self.amx_weight)
+            return self._amx_rows(cpu_kernels.amx_swiglu, x)
         return cpu_kernels.silu_and_mul(self(x))
 
 
@@ -317,7 +327,7 @@ class LlamaModel:
 
     def __init__(
         self, config: ModelConfig, weights: dict[str, torch.Tensor | QuantizedWeight], device: torch.device | str, cpu_kernels_allowed: bool = True,
-        amx_allowed: bool = True, weight_format: str = "dequantize",
+        amx_allowed: bool = True, weight_format: str = "dequantize", dense_copy: bool = True,
     ) -> None:
         """Take HF-named ``weights`` (as ``load_weights`` returns them, any float dtype) onto ``device``.
 
@@ -328,9 +338,11 @@ class LlamaModel:
         ``amx_allowed=False`` keeps them on oneDNN, without the AMX copy of the weights); ``False``
         keeps the pure-torch path (for comparison). ``weight_format`` (``quant.WEIGHT_FORMATS``):
         which linears run on weight-only int4/int8 kernels (CPU only; see `quant.kernel_weight`);
-        ``self.linear_formats`` counts the linears by the format they run in.
+        ``self.linear_formats`` counts the linears by the format they run in. ``dense_copy``: a
+        quantized linear also keeps one dense copy (AMX-packed where the CPU has AMX, else oneDNN's)
+        for inputs of more rows than its kernel wins at; ``False`` dequantizes per call instead.
         """
-        self.config, self.device = config, torch.device(device)
+        self.config, self.device, self.dense_copy = config, torch.device(device), dense_copy
         self.dtype = weights["model.norm.weight"].dtype
         self.cpu_kernels = (
             cpu_kernels_allowed
@@ -376,12 +388,14 @@ class LlamaModel:
         """One linear over ``parts`` stacked along the output features: on a weight-only kernel where
         ``weight_format`` and the parts allow it (CPU only), else dense in the activation dtype."""
         kernel = quant.kernel_weight(parts, weight_format) if self.device.type == "cpu" else None
-        if kernel is not None:
-            self.linear_formats[quant.format_name(kernel)] += 1
-            return QuantizedLinear(kernel, bias, self.dtype)
-        dense = torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]).to(self.device, self.dtype)
-        self.linear_formats[str(self.dtype).removeprefix("torch.")] += 1
-        return Linear(dense, bias, amx=amx, gated=gated)
+        dense = None
+        if kernel is None or self.dense_copy:
+            dense = torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]).to(self.device, self.dtype)
+        if kernel is None:
+            self.linear_formats[str(self.dtype).removeprefix("torch.")] += 1
+            return Linear(dense, bias, amx=amx, gated=gated)
+        self.linear_formats[quant.format_name(kernel)] += 1
+        return QuantizedLinear(kernel, bias, self.dtype, dense=None if dense is None else Linear(dense, bias, amx=amx, gated=gated, one_copy=True))
 
     def weight_bytes(self) -> int:
         """Bytes the model's weights hold on its device (every copy: oneDNN-packed, AMX-packed, quantized)."""
@@ -410,11 +424,11 @@ class LlamaModel:
     @classmethod
     def from_path(
         cls, path: Path, dtype: torch.dtype, device: torch.device | str, cpu_kernels_allowed: bool = True, amx_allowed: bool = True,
-        weight_format: str = "dequantize",
+        weight_format: str = "dequantize", dense_copy: bool = True,
     ) -> LlamaModel:
-        """Load a GGUF file or HF directory (see ``load_weights``; raises ``ModelLoadError``); ``weight_format`` as in ``__init__``."""
+        """Load a GGUF file or HF directory (see ``load_weights``; raises ``ModelLoadError``); the options as in ``__init__``."""
         config, weights = load_weights(path, dtype, keep_quantized=weight_format != "dequantize")
-        return cls(config, weights, device, cpu_kernels_allowed, amx_allowed, weight_format)
+        return cls(config, weights, device, cpu_kernels_allowed, amx_allowed, weight_format, dense_copy)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:

@@ -19,8 +19,8 @@ and are repacked once, at load, into the layout of a kernel torch ships:
 
 Both kernels read their weight once per call but do a fixed amount of work per input row (no
 reuse across rows), so they win only for few rows; `QuantizedLinear` runs inputs of more rows on a
-bfloat16 weight dequantized for that call (see `dense_weight`), and where the caller keeps a dense
-copy, on that. The row limits are measured (docs/backends.md).
+dense copy where the model keeps one, else on a weight dequantized for that call (`dense_weight`).
+The row limits are measured (docs/backends.md).
 """
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ Q = gguf.GGMLQuantizationType
 GROUP = 32  # GGUF's block length along K, and the int4 kernel's group size
 INT4_ROW_BLOCK = 64  # the int4 CPU kernel packs rows in blocks of 64 ([N / 64, K, 32] bytes)
 KEPT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # GGUF block types that map onto a kernel here
-# Inputs of more rows than these run on a weight dequantized for the call (docs/backends.md: measured).
-INT4_MAX_ROWS = 8
-INT8_MAX_ROWS = 8
+# Inputs of more rows than these run dense (docs/backends.md#quantized-weights---weights: measured, CPU
+# time of a model's 120 linears on one thread, weights cold: int4 10.7 / 15.9 / 17.0 / 33.3 ms at 1 / 2 / 4 / 8
+# rows against 19.6 / 20.1 / 22.4 / 20.1 ms for the bfloat16 AMX kernel).
+INT4_MAX_ROWS = 4
+INT8_MAX_ROWS = 4
 _BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}
 
 
@@ -187,19 +189,19 @@ def format_name(weight: Int4Weight | Int8Weight) -> str:
 class QuantizedLinear:
     """``y = x @ w.T + bias`` with ``w`` held as int4 or int8 for torch's weight-only CPU kernels.
 
-    Inputs of at most ``max_rows`` rows (default: `INT4_MAX_ROWS` / `INT8_MAX_ROWS`, measured) run on
-    the quantized kernel; larger ones on a weight dequantized to the activation dtype for that call
-    (`dense_weight`): nothing but the quantized weight is kept.
+    Inputs of at most ``max_rows`` rows (default `INT4_MAX_ROWS` / `INT8_MAX_ROWS`, measured) run on
+    the quantized kernel; larger ones on ``dense`` (a ``model.Linear`` over the dequantized weight)
+    when given, else on a weight dequantized for that call (`dense_weight`, the memory-lean choice).
     """
 
-    def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype, max_rows: int | None = None) -> None:
+    def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype, max_rows: int | None = None, dense=None) -> None:
         """``weight`` in a kernel format, ``bias`` [N] of ``dtype`` or ``None``; ``dtype`` is the activations'.
 
         Raises:
             ValueError: an int4 weight whose N is not a multiple of 64 or K not of 32 (see `int4_fits`).
         """
         self.int4 = isinstance(weight, Int4Weight)
-        self.bias, self.dtype = bias, dtype
+        self.bias, self.dtype, self.dense = bias, dtype, dense
         self.max_rows = max_rows if max_rows is not None else INT4_MAX_ROWS if self.int4 else INT8_MAX_ROWS
         self.out_features, self.in_features = weight.q.shape
         if self.int4:
@@ -212,7 +214,7 @@ class QuantizedLinear:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this linear holds (for memory accounting)."""
-        return [t for t in (self.packed, self.scale, self.bias) if t is not None]
+        return [t for t in (self.packed, self.scale, self.bias) if t is not None] + (self.dense.tensors() if self.dense is not None else [])
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [T] int64 of an int8 weight, dequantized: [T, in] of ``dtype`` (a tied embedding table)."""
@@ -221,7 +223,7 @@ class QuantizedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, in] of ``dtype`` -> [T, out]."""
         if x.shape[0] > self.max_rows:
-            return F.linear(x, self.dense_weight(), self.bias)
+            return self.dense(x) if self.dense is not None else F.linear(x, self.dense_weight(), self.bias)
         if self.int4:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale)
         else:
@@ -232,6 +234,8 @@ class QuantizedLinear:
         """``silu(gate) * up`` of this ``[gate; up]`` projection of ``x`` [T, in] -> [T, out / 2] (CPU kernels)."""
         from stageserve.device import cpu_kernels
 
+        if x.shape[0] > self.max_rows and self.dense is not None:
+            return self.dense.swiglu(x)
         return cpu_kernels.silu_and_mul(self(x))
 
     def dense_weight(self) -> torch.Tensor:
