@@ -49,8 +49,9 @@ def resident_bytes(pid: int) -> int:
     return int(line.split()[1]) * 1024
 
 
-def compare_weights(common: Common, llama_server: Path, streams: int, weights: list[str]) -> str:
-    """stageserve with each of ``weights`` (``--weights`` values) against llama-server at 1 and ``streams`` streams; Markdown table."""
+def compare_weights(common: Common, llama_server: Path | None, streams: int, weights: list[str]) -> str:
+    """stageserve with each of ``weights`` (``--weights`` values) against llama-server (``None``: without it) at 1 and
+    ``streams`` streams; Markdown table."""
     workload = _workload(common, local_tokenize(common.model_path))
     results: dict[int, dict[str, list[RunResult]]] = {}
     memory: dict[str, int] = {}
@@ -59,7 +60,8 @@ def compare_weights(common: Common, llama_server: Path, streams: int, weights: l
         try:
             for fmt in weights:
                 sides.append(ServicesSide(f"stageserve {fmt}", Path(tmp) / fmt, common.model_path, [*common.model_device_args(), "--weights", fmt]))
-            sides.append(LlamaServerSide(llama_server, Path(tmp), common, streams))
+            if llama_server is not None:
+                sides.append(LlamaServerSide(llama_server, Path(tmp), common, streams))
             for count in (1, streams):
                 load = Load(streams=count, requests=max(count, 4))
                 results[count] = _alternate(sides, workload, load, common.repeats, Load(streams=count, requests=count), common.progress)
@@ -77,7 +79,7 @@ def compare_weights(common: Common, llama_server: Path, streams: int, weights: l
     for name in results[1]:
         cells = []
         for count in (1, streams):
-            mine, theirs = results[count][name], results[count][LLAMA]
+            mine, theirs = results[count][name], results[count].get(LLAMA, [])
             reports = [r.report for r in mine]
             cells += [_fmt(_median([r["itl_ms"]["p50"] for r in reports]), 2), _fmt(_median([r["itl_ms"]["p99"] for r in reports]), 2),
                       _fmt(_median([r["output_tokens_per_s"] for r in reports]))]

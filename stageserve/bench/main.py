@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     peers.add_argument("--streams", type=int, default=32, dest="compare_streams", help="concurrent streams (default %(default)s)")
     weights = _comparison(sub, "compare-weights", "quantized against bfloat16 weights against llama.cpp's llama-server: ITL, tokens/s, memory")
     weights.add_argument("--streams", type=int, default=32, dest="compare_streams", help="concurrent streams besides 1 (default %(default)s; llama-server gets --parallel N)")
-    weights.add_argument("--llama-server", type=Path, default=None, metavar="PATH", help="the llama-server program (default: llama-server on PATH)")
+    weights.add_argument("--llama-server", type=Path, default=None, metavar="PATH", help="the llama-server program (default: llama-server on PATH; without one, stageserve's sides only)")
     weights.add_argument("--weights", nargs="+", default=["auto", "dequantize"], dest="compare_weights", help="stageserve device --weights values to run (default auto dequantize)")
     sweep = _comparison(sub, "sweep", "tokens/s and p99 ITL against concurrency for stageserve and the peers, with a PNG plot")
     sweep.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], dest="compare_streams", help="concurrency values (default 1..64)")
@@ -141,6 +141,6 @@ def _run_comparison(args: argparse.Namespace) -> str:
 
         binary = args.llama_server or shutil.which("llama-server")
         if binary is None:
-            raise FileNotFoundError("no llama-server on PATH; give --llama-server PATH")
-        return compare_weights(common, Path(binary), args.compare_streams, args.compare_weights)
+            print("no llama-server on PATH (give --llama-server PATH): comparing stageserve's weight formats only", file=sys.stderr)
+        return compare_weights(common, None if binary is None else Path(binary), args.compare_streams, args.compare_weights)
     return compare.sweep(common, args.compare_streams, args.llama_max_requests, args.plot)
