@@ -314,14 +314,14 @@ def _log_weight_memory(model, dtype) -> int:
     held = model.weight_bytes()
     formats = ", ".join(f"{count} {name}" for name, count in sorted(model.linear_formats.items()))
     log.info("linears: %s; weights hold %.1f MiB (one dense %s copy: %.1f MiB, %.2fx); resident memory %.1f MiB",
-             formats, held / 2**20, str(dtype).removeprefix("torch."), dense / 2**20, held / dense, _resident_bytes() / 2**20)
+             formats, held / 2**20, str(dtype).removeprefix("torch."), dense / 2**20, held / dense, resident_bytes() / 2**20)
     return max(0, dense - held)
 
 
-def _resident_bytes() -> int:
-    """This process's resident set size (VmRSS of /proc/self/status; 0 where that is not readable)."""
+def resident_bytes(pid: int | str = "self") -> int:
+    """Resident set size of process ``pid`` (default this one) in bytes: VmRSS of /proc/PID/status; 0 where that is not readable."""
     try:
-        line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmRSS:"))
+        line = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmRSS:"))
     except (OSError, StopIteration):
         return 0
     return int(line.split()[1]) * 1024

@@ -26,13 +26,10 @@ The row limits are measured (docs/backends.md).
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import gguf
 import torch
 import torch.nn.functional as F
-
-log = logging.getLogger(__name__)
 
 Q = gguf.GGMLQuantizationType
 GROUP = 32  # GGUF's block length along K, and the int4 kernel's group size
@@ -64,7 +61,7 @@ class QuantizedWeight:
         return self.blocks.shape[0], self.blocks.shape[1] * GROUP
 
     def dequantize(self) -> torch.Tensor:
-        """The weight as float32 ``[rows, K]`` (exact: every stored value is representable)."""
+        """The weight as float32 ``[rows, K]``, computed in float32 as ggml does."""
         blocks = self.blocks.reshape(-1, self.blocks.shape[-1])
         if self.qtype == Q.Q8_0:
             return (blocks[:, 2:].view(torch.int8).float() * _f16_column(blocks, 0)).view(self.shape)

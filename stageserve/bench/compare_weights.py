@@ -17,6 +17,7 @@ from stageserve.bench.llama_server import CompletionTransport, LlamaServer
 from stageserve.bench.loadgen import Load, run_load
 from stageserve.bench.metrics import build_report
 from stageserve.bench.workload import Workload
+from stageserve.device.main import resident_bytes
 
 LLAMA = "llama-server"
 
@@ -38,15 +39,6 @@ class LlamaServerSide:
 
     def close(self) -> None:
         self.server.stop()
-
-
-def resident_bytes(pid: int) -> int:
-    """``VmRSS`` of process ``pid`` in bytes (0 if it cannot be read)."""
-    try:
-        line = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmRSS:"))
-    except (OSError, StopIteration):
-        return 0
-    return int(line.split()[1]) * 1024
 
 
 def compare_weights(common: Common, llama_server: Path | None, streams: int, weights: list[str]) -> str:
