@@ -119,3 +119,22 @@ def test_k_quant_tensors_are_dequantized_with_a_log_line(tmp_path, caplog):
     assert isinstance(weights["model.layers.0.mlp.gate_proj.weight"], QuantizedWeight)
     assert weights["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32
     assert "Q6_K dequantized to float32" in caplog.text
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_dense_companion_runs_any_row_count_on_its_one_amx_copy(gated):
+    """``Linear(one_copy=True)`` (a quantized linear's dense copy) holds only the AMX copy and runs
+    inputs of more than 64 rows on it 64 at a time, as oneDNN would compute them."""
+    from stageserve.device import cpu_kernels
+    from stageserve.device.model import Linear
+
+    weight = (torch.randn(2 * 256 if gated else 256, 128) * 0.05).bfloat16()
+    if not cpu_kernels.amx_ready(weight, gated):
+        pytest.skip("no AMX-BF16 on this CPU (or no CPU kernels): the companion is oneDNN's packed linear")
+    linear = Linear(weight, amx=True, gated=gated, one_copy=True)
+    assert linear.weight is None and linear.amx_weight is not None
+    x = torch.randn(150, 128).bfloat16()
+    dense = x.float() @ weight.float().T
+    expected = torch.nn.functional.silu(dense[:, :256]) * dense[:, 256:] if gated else dense
+    got = (linear.swiglu(x) if gated else linear(x)).float()
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
