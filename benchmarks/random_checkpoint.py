@@ -11,6 +11,8 @@ Usage::
     python benchmarks/random_checkpoint.py --out shape-dir --config-only
     # there: add random weights (bfloat16 safetensors)
     python benchmarks/random_checkpoint.py --like shape-dir --out model-dir
+    # a larger model of the same family (SmolLM2-360M's shape)
+    python benchmarks/random_checkpoint.py --out big-dir --set hidden_size=960 intermediate_size=2560 num_hidden_layers=32 num_attention_heads=15 num_key_value_heads=5
 """
 
 from __future__ import annotations
@@ -29,12 +31,16 @@ def main() -> None:
     parser.add_argument("--like", type=Path, default=None, help="a .gguf file or HF directory to copy config and tokenizer from (default: the embedded model)")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--config-only", action="store_true", help="write config and tokenizer files, no weights")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=INT", help="config fields to change, e.g. hidden_size=960 num_hidden_layers=32 (a larger model of the same family)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.like is None:
         args.like = embedded_model_path()
     source = transformers_source(args.like)
     config = AutoConfig.from_pretrained(**source, local_files_only=True)
+    for item in args.set:
+        key, _, value = item.partition("=")
+        setattr(config, key, int(value))
     AutoTokenizer.from_pretrained(**source, local_files_only=True).save_pretrained(args.out)
     if args.config_only:
         config.save_pretrained(args.out)

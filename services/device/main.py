@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = 50052
 DEFAULT_METRICS_PORT = 9102
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+WEIGHT_FORMATS = ("auto", "dequantize", "int8", "int4")  # the same as stageserve.device.quant.WEIGHT_FORMATS, which imports torch
 CPU_DEFAULT_KV_BYTES = 512 * 1024**2
 ACCELERATOR_DEFAULT_KV_FRACTION = 0.85
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -46,10 +47,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_service_arguments(parser, DEFAULT_PORT, DEFAULT_METRICS_PORT)
     parser.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help="weights and activations; auto = bfloat16 on cuda/npu and on CPUs with avx512_bf16 or amx_bf16, else float32")
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto",
+                        help="cpu backend: auto = a GGUF's Q4_0/Q4_1 linears on int4 kernels and Q8_0 on int8 ones, everything else in --dtype; "
+                             "dequantize = every weight in --dtype; int8/int4 = every linear in that format (default %(default)s)")
     parser.add_argument("--backend", choices=("cpu", "cuda", "npu", "sim"), default="cpu",
                         help="where steps run; sim = simulated device: no weights, each step takes --sim-step-ms without computing (default %(default)s)")
     parser.add_argument("--sim-step-ms", type=float, default=5.0, metavar="MS", help="--backend sim: device time of every step (default %(default)s)")
     parser.add_argument("--sim-token-us", type=float, default=0.0, metavar="US", help="--backend sim: added device time per token a step carries (default %(default)s)")
+    parser.add_argument("--no-dense-copy", action="store_true",
+                        help="quantized weights: keep no dense copy for inputs of more than 4 rows, dequantize per call instead (least memory; steps of many rows run several times slower)")
     parser.add_argument("--dispatch", choices=("async", "sync"), default="async", help="async: submit without waiting; sync: wait each step before the next (for comparison)")
     parser.add_argument("--pipeline-depth", type=int, default=2, metavar="N", help="output slots = steps in flight at most (default %(default)s)")
     kv = parser.add_mutually_exclusive_group()
@@ -233,7 +239,8 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
     dtype_name = resolve_dtype(args.dtype, "cpu" if args.backend == "sim" else args.backend)
     dtype = getattr(torch, dtype_name)
     backend, model, config = _load_model(args, model_path, dtype, backend)
-    kv_bytes = _kv_bytes(args, backend.device)
+    saved_bytes = _log_weight_memory(model, dtype) if model is not None else 0
+    kv_bytes = _kv_bytes(args, backend.device, saved_bytes)
     num_blocks = num_blocks_for_memory(config, args.block_size, dtype, kv_bytes)
     if num_blocks < 1:
         raise RuntimeError(f"--kv-cache-memory/--kv-cache-fraction: {kv_bytes} bytes hold no KV block of {args.block_size} tokens; give more memory")
@@ -288,22 +295,24 @@ def _load_model(args: argparse.Namespace, model_path: Path, dtype, backend):
         return SimBackend(), None, load_config(model_path)
     backend = backend or create_backend(args.backend, args.threads)
     log.info("loading %s as %s on %s", model_path, str(dtype).removeprefix("torch."), backend.device)
-    model = LlamaModel.from_path(model_path, dtype, backend.device, cpu_kernels_allowed=not args.no_cpu_kernels, amx_allowed=not args.no_amx_linears)
+    model = LlamaModel.from_path(model_path, dtype, backend.device, cpu_kernels_allowed=not args.no_cpu_kernels, amx_allowed=not args.no_amx_linears,
+                                 weight_format=args.weights, dense_copy=not args.no_dense_copy)
     log.info("layers run %s%s", "with the fused CPU kernels" if model.cpu_kernels else "in plain torch ops",
              ", decode-sized linears on AMX" if model.amx_linears else "")
     return backend, model, model.config
 
 
-def _kv_bytes(args: argparse.Namespace, device) -> int:
+def _kv_bytes(args: argparse.Namespace, device, saved_bytes: int = 0) -> int:
     """Bytes for the KV pool: ``--kv-cache-memory``, else ``--kv-cache-fraction`` of the free
-    accelerator memory (a default fraction on cuda/npu), else a fixed default on the cpu and the sim."""
+    accelerator memory (a default fraction on cuda/npu), else a fixed default on the cpu and the sim
+    plus ``saved_bytes``, what quantized weights save against one dense copy."""
     from stageserve.device.kv_cache import kv_memory_budget
 
     if args.kv_cache_memory is not None:
         return args.kv_cache_memory
     if args.kv_cache_fraction is not None or args.backend not in ("cpu", "sim"):
         return kv_memory_budget(device, args.kv_cache_fraction or ACCELERATOR_DEFAULT_KV_FRACTION)
-    return CPU_DEFAULT_KV_BYTES
+    return CPU_DEFAULT_KV_BYTES + saved_bytes
 
 
 def _attach_reply(args: argparse.Namespace, model_path: Path, config, limits, backend_name: str, dtype_name: str):
@@ -325,6 +334,25 @@ def _attach_reply(args: argparse.Namespace, model_path: Path, config, limits, ba
         dispatch=args.dispatch,
         instance_id=uuid.uuid4().hex,
     )
+
+
+def _log_weight_memory(model, dtype) -> int:
+    """Log the linears' formats, the weights' bytes against one dense copy in ``dtype``, and resident memory; the bytes saved (>= 0)."""
+    dense = model.dense_weight_bytes(dtype)
+    held = model.weight_bytes()
+    formats = ", ".join(f"{count} {name}" for name, count in sorted(model.linear_formats.items()))
+    log.info("linears: %s; weights hold %.1f MiB (one dense %s copy: %.1f MiB, %.2fx); resident memory %.1f MiB",
+             formats, held / 2**20, str(dtype).removeprefix("torch."), dense / 2**20, held / dense, resident_bytes() / 2**20)
+    return max(0, dense - held)
+
+
+def resident_bytes(pid: int | str = "self") -> int:
+    """Resident set size of process ``pid`` (default this one) in bytes: VmRSS of /proc/PID/status; 0 where that is not readable."""
+    try:
+        line = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0
+    return int(line.split()[1]) * 1024
 
 
 def _both(first, then):

@@ -13,6 +13,7 @@ RMSNorm (Zhang & Sennrich 2019), rotary position embeddings with rotate-half pai
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -20,10 +21,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from stageserve.device import cpu_kernels
+from stageserve.device import cpu_kernels, quant
 from stageserve.device.kv_cache import PagedKVCache
 from stageserve.device.model_config import ModelConfig
-from stageserve.device.weights import load_weights
+from stageserve.device.quant import QuantizedLinear, QuantizedWeight
+from stageserve.device.weights import expected_shapes, load_weights
 
 
 class BatchRow(NamedTuple):
@@ -258,24 +260,38 @@ class Linear:
     for inputs of at most ``AMX_MAX_ROWS`` rows, a decode step's: ``cpu_kernels.amx_linear`` runs them
     ~20 % faster than oneDNN, at the cost of a second copy of the weight. ``gated``: the weight is
     SwiGLU's ``[gate; up]``, packed for ``swiglu``, which then runs on ``cpu_kernels.amx_swiglu``.
+    ``one_copy``: where the AMX copy is made, keep no other: larger inputs run on it 64 rows at a time
+    (the dense companion of a quantized linear, see ``quant.QuantizedLinear``).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, amx: bool = False, gated: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, amx: bool = False, gated: bool = False, one_copy: bool = False) -> None:
         """``weight`` [out, in] and ``bias`` [out] already on their device, same dtype."""
         self.bias, self.gated = bias, gated
         self.amx_weight = None
         if amx and cpu_kernels.amx_ready(weight, gated) and not (gated and bias is not None):  # amx_swiglu takes no bias
             self.amx_weight = (cpu_kernels.amx_pack_gated if gated else cpu_kernels.amx_pack)(weight)
-        self.packed = _can_pack(weight)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if self.packed else weight
+        self.amx_only = one_copy and self.amx_weight is not None
+        self.packed = _can_pack(weight) and not self.amx_only
+        self.weight = None if self.amx_only else torch.ops.mkldnn._reorder_linear_weight(weight) if self.packed else weight
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this linear holds (for memory accounting)."""
+        return [t for t in (self.weight, self.amx_weight, self.bias) if t is not None]
 
     def _on_amx(self, x: torch.Tensor) -> bool:
-        return self.amx_weight is not None and x.dim() == 2 and x.shape[0] <= cpu_kernels.AMX_MAX_ROWS
+        return self.amx_weight is not None and x.dim() == 2 and (x.shape[0] <= cpu_kernels.AMX_MAX_ROWS or self.amx_only)
+
+    def _amx_rows(self, op, x: torch.Tensor, *extra) -> torch.Tensor:
+        """``op(x, amx_weight, *extra)`` over ``x`` [T, in] in slices of at most ``AMX_MAX_ROWS`` rows."""
+        rows = cpu_kernels.AMX_MAX_ROWS
+        if x.shape[0] <= rows:
+            return op(x, self.amx_weight, *extra)
+        return torch.cat([op(x[i : i + rows], self.amx_weight, *extra) for i in range(0, x.shape[0], rows)])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [..., in] -> [..., out], in ``x``'s dtype."""
         if not self.gated and self._on_amx(x):
-            return cpu_kernels.amx_linear(x, self.amx_weight, self.bias)
+            return self._amx_rows(cpu_kernels.amx_linear, x, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -283,7 +299,7 @@ class Linear:
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of this ``[gate; up]`` projection of ``x`` [T, in] -> [T, out / 2] (CPU kernels only)."""
         if self._on_amx(x):
-            return cpu_kernels.amx_swiglu(x, self.amx_weight)
+            return self._amx_rows(cpu_kernels.amx_swiglu, x)
         return cpu_kernels.silu_and_mul(self(x))
 
 
@@ -310,62 +326,109 @@ class LlamaModel:
     """The decoder's weights on one device and its forward pass (no autograd, no nn.Module hooks)."""
 
     def __init__(
-        self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device | str, cpu_kernels_allowed: bool = True, amx_allowed: bool = True
+        self, config: ModelConfig, weights: dict[str, torch.Tensor | QuantizedWeight], device: torch.device | str, cpu_kernels_allowed: bool = True,
+        amx_allowed: bool = True, weight_format: str = "dequantize", dense_copy: bool = True,
     ) -> None:
         """Take HF-named ``weights`` (as ``load_weights`` returns them, any float dtype) onto ``device``.
 
-        The activation dtype is the weights' dtype. ``cpu_kernels_allowed``: on a CPU, run the layers
-        with the fused C++ ops of ``cpu_kernels`` where they support this CPU, dtype and head shape
-        (``self.cpu_kernels`` says whether they do), and with them the bfloat16 linears of decode-sized
-        inputs on AMX where the CPU has it (``self.amx_linears``; ``amx_allowed=False`` keeps them on
-        oneDNN, without the AMX copy of the weights); ``False`` keeps the pure-torch path (for comparison).
+        The activation dtype is the dtype of the float weights (the norms). ``cpu_kernels_allowed``: on
+        a CPU, run the layers with the fused C++ ops of ``cpu_kernels`` where they support this CPU,
+        dtype and head shape (``self.cpu_kernels`` says whether they do), and with them the bfloat16
+        linears of decode-sized inputs on AMX where the CPU has it (``self.amx_linears``;
+        ``amx_allowed=False`` keeps them on oneDNN, without the AMX copy of the weights); ``False``
+        keeps the pure-torch path (for comparison). ``weight_format`` (``quant.WEIGHT_FORMATS``):
+        which linears run on weight-only int4/int8 kernels (CPU only; see `quant.kernel_weight`);
+        ``self.linear_formats`` counts the linears by the format they run in. ``dense_copy``: a
+        quantized linear also keeps one dense copy (AMX-packed where the CPU has AMX, else oneDNN's)
+        for inputs of more rows than its kernel wins at; ``False`` dequantizes per call instead.
         """
-        self.config, self.device = config, torch.device(device)
-
-        def w(name: str) -> torch.Tensor:
-            return weights[name].to(self.device)
-
-        def cat(*names: str) -> torch.Tensor:
-            return torch.cat([weights[n] for n in names]).to(self.device)
-
-        self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
-        self.dtype = self.embed.dtype
+        self.config, self.device, self.dense_copy = config, torch.device(device), dense_copy
+        self.dtype = weights["model.norm.weight"].dtype
         self.cpu_kernels = (
             cpu_kernels_allowed
             and self.device.type == "cpu"
             and cpu_kernels.available(self.dtype, config.head_dim, config.num_heads // config.num_kv_heads)
         )
         amx = self.cpu_kernels and amx_allowed  # decode-sized bf16 linears on AMX where the CPU has it (see Linear)
-        # A tied head is packed separately from the embedding table on CPU (one more vocab x hidden copy).
-        self.lm_head = Linear(self.embed if config.tie_word_embeddings else w("lm_head.weight"), amx=amx)
+        self.linear_formats: Counter[str] = Counter()
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(self.device)
+
+        def linear(names: tuple[str, ...], bias_names: tuple[str, ...] = (), gated: bool = False) -> Linear | QuantizedLinear:
+            bias = torch.cat([weights[n] for n in bias_names]).to(self.device) if bias_names else None
+            return self._linear([weights[n] for n in names], bias, weight_format, amx, gated)
+
+        tied = config.tie_word_embeddings
+        self.lm_head = linear(("model.embed_tokens.weight" if tied else "lm_head.weight",))
+        embed = weights["model.embed_tokens.weight"]
+        if tied and isinstance(self.lm_head, QuantizedLinear) and not self.lm_head.int4:
+            self.embed = self.lm_head  # the tied table is looked up in the head's int8 rows: one copy
+        else:  # a tied head is packed separately from the embedding table on CPU (one more vocab x hidden copy)
+            self.embed = (embed.dequantize() if isinstance(embed, QuantizedWeight) else embed).to(self.device, self.dtype)  # [vocab, hidden]
         self.norm = w("model.norm.weight")
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             attn, mlp = p + "self_attn.", p + "mlp."
+            qkv = tuple(attn + f"{x}_proj." for x in "qkv")
             self.layers.append(LayerWeights(
                 input_norm=w(p + "input_layernorm.weight"),
-                qkv=Linear(
-                    cat(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
-                    cat(attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias") if config.attention_bias else None,
-                    amx=amx,
-                ),
-                o=Linear(w(attn + "o_proj.weight"), w(attn + "o_proj.bias") if attn + "o_proj.bias" in weights else None, amx=amx),
+                qkv=linear(tuple(n + "weight" for n in qkv), tuple(n + "bias" for n in qkv) if config.attention_bias else ()),
+                o=linear((attn + "o_proj.weight",), (attn + "o_proj.bias",) if attn + "o_proj.bias" in weights else ()),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(cat(mlp + "gate_proj.weight", mlp + "up_proj.weight"), amx=amx, gated=True),
-                down=Linear(w(mlp + "down_proj.weight"), amx=amx),
+                gate_up=linear((mlp + "gate_proj.weight", mlp + "up_proj.weight"), gated=True),
+                down=linear((mlp + "down_proj.weight",)),
             ))
-        self.amx_linears = any(lin.amx_weight is not None for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        self.amx_linears = any(getattr(lin, "amx_weight", None) is not None for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.cos, self.signed_sin = rope_tables(config, self.dtype, self.device)
         self.scale = config.head_dim**-0.5
 
+    def _linear(self, parts: list[torch.Tensor | QuantizedWeight], bias: torch.Tensor | None, weight_format: str, amx: bool, gated: bool) -> Linear | QuantizedLinear:
+        """One linear over ``parts`` stacked along the output features: on a weight-only kernel where
+        ``weight_format`` and the parts allow it (CPU only), else dense in the activation dtype."""
+        kernel = quant.kernel_weight(parts, weight_format) if self.device.type == "cpu" else None
+        dense = None
+        if kernel is None or self.dense_copy:
+            dense = torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]).to(self.device, self.dtype)
+        if kernel is None:
+            self.linear_formats[str(self.dtype).removeprefix("torch.")] += 1
+            return Linear(dense, bias, amx=amx, gated=gated)
+        self.linear_formats[quant.format_name(kernel)] += 1
+        return QuantizedLinear(kernel, bias, self.dtype, dense=None if dense is None else Linear(dense, bias, amx=amx, gated=gated, one_copy=True))
+
+    def weight_bytes(self) -> int:
+        """Bytes the model's weights hold on its device (every copy: oneDNN-packed, AMX-packed, quantized)."""
+        held: dict[int, int] = {}
+
+        def add(t: torch.Tensor) -> None:
+            if t.is_mkldnn:  # oneDNN's packed layout has no torch storage; its logical size is close (blocking pads little)
+                held[id(t)] = t.numel() * t.element_size()
+            else:
+                held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+        linears = [self.lm_head] + [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        for lin in linears:
+            for t in lin.tensors():
+                add(t)
+        for t in [self.norm, *(layer.input_norm for layer in self.layers), *(layer.post_norm for layer in self.layers)]:
+            add(t)
+        if isinstance(self.embed, torch.Tensor):
+            add(self.embed)
+        return sum(held.values())
+
+    def dense_weight_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one copy of every weight in ``dtype`` (what the dequantizing path loads, before any packing)."""
+        return sum(math.prod(shape) for shape in expected_shapes(self.config).values()) * dtype.itemsize
+
     @classmethod
     def from_path(
-        cls, path: Path, dtype: torch.dtype, device: torch.device | str, cpu_kernels_allowed: bool = True, amx_allowed: bool = True
+        cls, path: Path, dtype: torch.dtype, device: torch.device | str, cpu_kernels_allowed: bool = True, amx_allowed: bool = True,
+        weight_format: str = "dequantize", dense_copy: bool = True,
     ) -> LlamaModel:
-        """Load a GGUF file or HF directory (see ``load_weights``; raises ``ModelLoadError``)."""
-        config, weights = load_weights(path, dtype)
-        return cls(config, weights, device, cpu_kernels_allowed, amx_allowed)
+        """Load a GGUF file or HF directory (see ``load_weights``; raises ``ModelLoadError``); the options as in ``__init__``."""
+        config, weights = load_weights(path, dtype, keep_quantized=weight_format != "dequantize")
+        return cls(config, weights, device, cpu_kernels_allowed, amx_allowed, weight_format, dense_copy)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
@@ -376,7 +439,7 @@ class LlamaModel:
         block tables name.
         """
         c = self.config
-        x = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
+        x = self.embed.embedding(batch.input_ids) if isinstance(self.embed, QuantizedLinear) else F.embedding(batch.input_ids, self.embed)  # [T, hidden]
         x = self._layers_fused(x, batch, kv_cache) if self.cpu_kernels else self._layers_torch(x, batch, kv_cache)
         x = F.rms_norm(x[batch.sample_indices], (c.hidden_size,), self.norm, c.rms_norm_eps)  # [S, hidden]
         return self.lm_head(x)

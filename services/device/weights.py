@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import mmap
 import struct
@@ -21,6 +22,9 @@ from gguf.quants import dequantize
 from safetensors import safe_open
 
 from stageserve.device.model_config import ModelConfig, ModelLoadError, config_from_gguf, config_from_hf
+from stageserve.device.quant import KEPT_TYPES, QuantizedWeight, from_gguf_bytes
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ModelLoadError", "expected_shapes", "load_config", "load_weights"]
 
@@ -46,13 +50,15 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def load_weights(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_weights(path: Path, dtype: torch.dtype, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight]]:
     """Read a model's config and weights as CPU tensors of ``dtype`` under HF names.
 
     ``path`` is a ``.gguf`` file (F32/F16/BF16/Q8_0/Q4_0/Q4_1/K-quants, dequantized with
     ``gguf.quants.dequantize``) or an HF directory (``config.json`` plus one or more
     ``*.safetensors``). Every tensor of ``expected_shapes(config)`` is present with that shape;
-    ``model.layers.{i}.self_attn.o_proj.bias`` may also be present.
+    ``model.layers.{i}.self_attn.o_proj.bias`` may also be present. ``keep_quantized``: a GGUF's 2-D
+    Q4_0/Q4_1/Q8_0 tensors come back as they are stored (`QuantizedWeight`, Q/K rows already
+    un-permuted) instead of dequantized; other block types (K-quants) are dequantized, and logged.
 
     Raises:
         ModelLoadError: unsupported architecture, missing or misshapen tensor, or a corrupt or
@@ -62,7 +68,7 @@ def load_weights(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str,
     if path.is_dir():
         config, weights = _load_hf_dir(path, dtype)
     elif path.is_file():
-        config, weights = _load_gguf(path, dtype)
+        config, weights = _load_gguf(path, dtype, keep_quantized)
     else:
         raise ModelLoadError(f"{path}: no such file or directory")
     _check_shapes(config, weights, path)
@@ -207,7 +213,7 @@ def _read_gguf_header(buffer: mmap.mmap, path: Path) -> tuple[dict[str, Any], li
     return fields, infos
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight]]:
     if path.stat().st_size == 0:
         raise ModelLoadError(f"{path}: empty file")
     with open(path, "rb") as file:
@@ -221,51 +227,48 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
         raise
     except (struct.error, ValueError, KeyError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"{path}: corrupt or truncated GGUF header ({type(exc).__name__}: {exc})") from exc
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    dequantized_blocks: set[str] = set()
     for info in infos:
-        tensor = _dequantize(torch.frombuffer(buffer, dtype=torch.uint8, count=info.nbytes, offset=info.offset), info, path)
+        raw = torch.frombuffer(buffer, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
+        kept = keep_quantized and info.qtype in KEPT_TYPES and len(info.shape) == 2
+        tensor = from_gguf_bytes(raw, info.qtype, info.shape) if kept else _dequantize(raw, info, path)
         if info.name == "rope_freqs.weight":
             config = dataclasses.replace(config, rope_freq_factors=tuple(tensor.tolist()))
             continue
         hf_name = _hf_name(info.name)
         if hf_name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {info.name!r} for architecture {config.architecture!r}")
+        if keep_quantized and not kept and info.qtype not in _FLOAT_TYPES:
+            dequantized_blocks.add(info.qtype.name)
         if config.architecture == "llama" and (".attn_q." in info.name or ".attn_k." in info.name):
-            tensor = _unpermute_rope_rows(tensor, config.num_heads if ".attn_q." in info.name else config.num_kv_heads)
-        weights[hf_name] = tensor.to(dtype, copy=True)
+            heads = config.num_heads if ".attn_q." in info.name else config.num_kv_heads
+            tensor = QuantizedWeight(tensor.qtype, _unpermute_rope_rows(tensor.blocks, heads)) if kept else _unpermute_rope_rows(tensor, heads)
+        weights[hf_name] = tensor if kept else tensor.to(dtype, copy=True)
+    if dequantized_blocks:
+        log.info("%s: tensors of type %s dequantized to %s at load: no weight-only kernel here takes that block format",
+                 path.name, ", ".join(sorted(dequantized_blocks)), str(dtype).removeprefix("torch."))
     return config, weights
+
+
+_FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
 
 
 def _dequantize(raw: torch.Tensor, info: _GGUFTensor, path: Path) -> torch.Tensor:
     """GGUF tensor bytes (uint8 [nbytes]) -> float tensor of ``info.shape``.
 
-    Block formats follow ggml-quants.c: Q8_0 = f16 scale d + 32 int8 (x = d*q); Q4_0 = d + 32
-    nibbles (x = d*(q-8)); Q4_1 = d, f16 min m + 32 nibbles (x = d*q + m); nibble j of a block sits
-    in byte j%16, low half for j<16. These run vectorised in torch (multi-threaded); other types
-    go through ``gguf.quants.dequantize`` (numpy).
+    Q8_0/Q4_0/Q4_1 decode vectorised in torch (multi-threaded, ``QuantizedWeight.dequantize``);
+    other block types go through ``gguf.quants.dequantize`` (numpy).
     """
     t, shape = gguf.GGMLQuantizationType, info.shape
-    if info.qtype in (t.F32, t.F16, t.BF16):
+    if info.qtype in _FLOAT_TYPES:
         return raw.view({t.F32: torch.float32, t.F16: torch.float16, t.BF16: torch.bfloat16}[info.qtype]).view(shape)
-    if info.qtype == t.Q8_0:
-        blocks = raw.view(-1, 34)
-        return (blocks[:, 2:].view(torch.int8).float() * _f16_column(blocks, 0)).view(shape)
-    if info.qtype in (t.Q4_0, t.Q4_1):
-        blocks = raw.view(-1, 18 if info.qtype == t.Q4_0 else 20)
-        qs = blocks[:, -16:]
-        q = torch.cat((qs & 0x0F, qs >> 4), dim=1).float()  # [blocks, 32]
-        if info.qtype == t.Q4_0:
-            return ((q - 8.0) * _f16_column(blocks, 0)).view(shape)
-        return torch.addcmul(_f16_column(blocks, 2), q, _f16_column(blocks, 0)).view(shape)
+    if info.qtype in KEPT_TYPES:
+        return from_gguf_bytes(raw, info.qtype, (math.prod(shape[:-1]), shape[-1])).dequantize().view(shape)
     try:
         return torch.from_numpy(dequantize(raw.numpy(), info.qtype).astype(np.float32, copy=False)).view(shape)
     except (ValueError, NotImplementedError) as exc:
         raise ModelLoadError(f"{path}: tensor {info.name!r} of type {info.qtype.name} cannot be dequantized: {exc}") from exc
-
-
-def _f16_column(blocks: torch.Tensor, byte: int) -> torch.Tensor:
-    """The float16 stored at ``byte`` of each block (uint8 [blocks, bytes]) as float32 [blocks, 1]."""
-    return blocks[:, byte : byte + 2].contiguous().view(torch.float16).float()
 
 
 def _hf_name(gguf_name: str) -> str | None:

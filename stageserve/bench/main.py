@@ -8,6 +8,7 @@ themselves, on the embedded model unless ``--model`` says otherwise:
 - ``stageserve bench compare-dispatch``: async versus sync dispatch (sim device and real model);
 - ``stageserve bench compare-split``: three services versus the same code in one process;
 - ``stageserve bench compare-peers``: versus transformers and llama-cpp-python (``stageserve[bench]``);
+- ``stageserve bench compare-weights``: quantized against bfloat16 weights against llama.cpp's ``llama-server``;
 - ``stageserve bench sweep``: tokens/s and p99 ITL against concurrency, with a PNG plot;
 - ``stageserve bench compare-prefix-cache``: prefix caching on against off (shared system prompt,
   multi-turn chat, no shared prefix).
@@ -49,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     split.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32], dest="compare_streams", help="stream counts (default 1 8 32)")
     peers = _comparison(sub, "compare-peers", "versus transformers (static batch) and llama-cpp-python (one at a time)")
     peers.add_argument("--streams", type=int, default=32, dest="compare_streams", help="concurrent streams (default %(default)s)")
+    weights = _comparison(sub, "compare-weights", "quantized against bfloat16 weights against llama.cpp's llama-server: ITL, tokens/s, memory")
+    weights.add_argument("--streams", type=int, default=32, dest="compare_streams", help="concurrent streams besides 1 (default %(default)s; llama-server gets --parallel N)")
+    weights.add_argument("--llama-server", type=Path, default=None, metavar="PATH", help="the llama-server program (default: llama-server on PATH; without one, stageserve's sides only)")
+    weights.add_argument("--weights", nargs="+", default=["auto", "dequantize"], dest="compare_weights", help="stageserve device --weights values to run (default auto dequantize)")
     sweep = _comparison(sub, "sweep", "tokens/s and p99 ITL against concurrency for stageserve and the peers, with a PNG plot")
     sweep.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], dest="compare_streams", help="concurrency values (default 1..64)")
     sweep.add_argument("--llama-max-requests", type=int, default=4, metavar="N",
@@ -158,4 +163,13 @@ def _run_comparison(args: argparse.Namespace) -> str:
         return compare_prefix_cache(common, args.compare_streams, args.system_tokens)
     if args.comparison == "compare-peers":
         return compare.compare_peers(common, args.compare_streams)
+    if args.comparison == "compare-weights":
+        import shutil
+
+        from stageserve.bench.compare_weights import compare_weights
+
+        binary = args.llama_server or shutil.which("llama-server")
+        if binary is None:
+            print("no llama-server on PATH (give --llama-server PATH): comparing stageserve's weight formats only", file=sys.stderr)
+        return compare_weights(common, None if binary is None else Path(binary), args.compare_streams, args.compare_weights)
     return compare.sweep(common, args.compare_streams, args.llama_max_requests, args.plot)

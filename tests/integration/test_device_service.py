@@ -145,12 +145,12 @@ def reclaim(stub):
 
 @pytest.fixture(scope="module")
 def reference_tokens():
-    """The first three greedy tokens after PROMPT from the same model in this process."""
+    """The first three greedy tokens after PROMPT from the same model in this process, with the device's default ``--weights auto``."""
     from stageserve.device.kv_cache import PagedKVCache
     from stageserve.device.model import LlamaModel, build_forward_batch
     from stageserve.model_files import embedded_model_path
 
-    model = LlamaModel.from_path(embedded_model_path(), torch.float32, "cpu")
+    model = LlamaModel.from_path(embedded_model_path(), torch.float32, "cpu", weight_format="auto")
     ids, tokens = list(PROMPT), []
     for _ in range(3):
         kv = PagedKVCache(model.config, 1, 16, torch.float32, "cpu")

@@ -24,7 +24,21 @@ def _llamacpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_tiny_gguf(path: Path, arch: str = "llama") -> dict[str, np.ndarray]:
+def write_gguf(path: Path, types: dict[str, gguf.GGMLQuantizationType] | None = None, ffn: int = FFN) -> dict[str, np.ndarray]:
+    """A one-layer llama GGUF like ``_write_tiny_gguf``'s with the tensor types in ``types`` changed
+    (gguf name: type; K-quants get random blocks) and an MLP width of ``ffn``; the expected values."""
+    return _write_tiny_gguf(path, types=types or {}, ffn=ffn)
+
+
+def _random_blocks(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes for a type gguf-py cannot quantize (K-quants), with every float16 scale set to a small finite value."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(int(np.prod(shape)) // block, size), dtype=np.uint8)
+    blocks[:, -2:] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)  # Q6_K's d is its last two bytes
+    return blocks.reshape(shape[0], -1)
+
+
+def _write_tiny_gguf(path: Path, arch: str = "llama", types: dict | None = None, ffn: int = FFN) -> dict[str, np.ndarray]:
     """Write a one-layer llama GGUF whose tensors use F32/F16/BF16/Q8_0/Q4_0/Q4_1.
 
     Returns the HF-named float32 values the loader must produce (quantization error included).
@@ -34,7 +48,7 @@ def _write_tiny_gguf(path: Path, arch: str = "llama") -> dict[str, np.ndarray]:
     writer.add_block_count(1)
     writer.add_context_length(128)
     writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
+    writer.add_feed_forward_length(ffn)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_rope_dimension_count(HEAD_DIM)
@@ -50,10 +64,11 @@ def _write_tiny_gguf(path: Path, arch: str = "llama") -> dict[str, np.ndarray]:
         "blk.0.attn_k.weight": ("model.layers.0.self_attn.k_proj.weight", (KV_HEADS * HEAD_DIM, HIDDEN), Q.Q4_1),
         "blk.0.attn_v.weight": ("model.layers.0.self_attn.v_proj.weight", (KV_HEADS * HEAD_DIM, HIDDEN), Q.F16),
         "blk.0.attn_output.weight": ("model.layers.0.self_attn.o_proj.weight", (HIDDEN, HEADS * HEAD_DIM), Q.BF16),
-        "blk.0.ffn_gate.weight": ("model.layers.0.mlp.gate_proj.weight", (FFN, HIDDEN), Q.Q8_0),
-        "blk.0.ffn_up.weight": ("model.layers.0.mlp.up_proj.weight", (FFN, HIDDEN), Q.Q4_1),
-        "blk.0.ffn_down.weight": ("model.layers.0.mlp.down_proj.weight", (HIDDEN, FFN), Q.Q4_0),
+        "blk.0.ffn_gate.weight": ("model.layers.0.mlp.gate_proj.weight", (ffn, HIDDEN), Q.Q8_0),
+        "blk.0.ffn_up.weight": ("model.layers.0.mlp.up_proj.weight", (ffn, HIDDEN), Q.Q4_1),
+        "blk.0.ffn_down.weight": ("model.layers.0.mlp.down_proj.weight", (HIDDEN, ffn), Q.Q4_0),
     }
+    plan = {name: (hf_name, shape, (types or {}).get(name, qtype)) for name, (hf_name, shape, qtype) in plan.items()}
     expected = {}
     for name, (hf_name, shape, qtype) in plan.items():
         value = rng.standard_normal(shape).astype(np.float32)
@@ -66,7 +81,7 @@ def _write_tiny_gguf(path: Path, arch: str = "llama") -> dict[str, np.ndarray]:
             writer.add_tensor(name, stored)
             expected[hf_name] = value
             continue
-        packed = quantize(stored, qtype)
+        packed = _random_blocks(shape, qtype, rng) if qtype in (Q.Q6_K, Q.Q4_K) else quantize(stored, qtype)
         writer.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=qtype)
         roundtrip = dequantize(packed, qtype).reshape(shape)
         if name == "blk.0.attn_q.weight":  # un-permute the reference the same way HF does

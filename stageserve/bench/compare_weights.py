@@ -1,0 +1,86 @@
+"""`compare_weights`: the three services with quantized weights against the same with bfloat16 weights
+against llama.cpp's ``llama-server`` (``--parallel N``), same GGUF, same prompt token ids.
+
+All three servers are up together and run alternately (``--repeats``), at 1 stream and at N; the
+table gives medians of ITL p50/p99 and output tokens/s, the per-repeat ratios against llama-server,
+and each server's resident memory (``VmRSS`` of the device process, and of llama-server) after the runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+
+from stageserve.bench.compare import Common, RunResult, ServicesSide, _alternate, _config, _fmt, _median, _ratio, _save, _workload, local_tokenize
+from stageserve.bench.llama_server import CompletionTransport, LlamaServer
+from stageserve.bench.loadgen import Load, run_load
+from stageserve.bench.metrics import build_report
+from stageserve.bench.workload import Workload
+from stageserve.device.main import resident_bytes
+
+LLAMA = "llama-server"
+
+
+class LlamaServerSide:
+    """A running `LlamaServer` as a comparison side (the interface of `ServicesSide`)."""
+
+    def __init__(self, binary: Path, workdir: Path, common: Common, parallel: int) -> None:
+        self.name = LLAMA
+        tokens_per_slot = common.input_len + common.output_len + 16
+        self.server = LlamaServer(binary, common.model_path, parallel, tokens_per_slot, workdir / "llama-server.log")
+
+    def run(self, workload: Workload, load: Load, progress: bool = True) -> RunResult:
+        records = asyncio.run(run_load(lambda: CompletionTransport(self.server.port), workload, load, progress))
+        return RunResult(build_report(records, _config(self.name, workload, load)))
+
+    def resident_bytes(self) -> int:
+        return resident_bytes(self.server.pid)
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+def compare_weights(common: Common, llama_server: Path | None, streams: int, weights: list[str]) -> str:
+    """stageserve with each of ``weights`` (``--weights`` values) against llama-server (``None``: without it) at 1 and
+    ``streams`` streams; Markdown table."""
+    workload = _workload(common, local_tokenize(common.model_path))
+    results: dict[int, dict[str, list[RunResult]]] = {}
+    memory: dict[str, int] = {}
+    with tempfile.TemporaryDirectory(prefix="stageserve-bench-") as tmp:
+        sides: list = []
+        try:
+            for fmt in weights:
+                sides.append(ServicesSide(f"stageserve {fmt}", Path(tmp) / fmt, common.model_path, [*common.model_device_args(), "--weights", fmt]))
+            if llama_server is not None:
+                sides.append(LlamaServerSide(llama_server, Path(tmp), common, streams))
+            for count in (1, streams):
+                load = Load(streams=count, requests=max(count, 4))
+                results[count] = _alternate(sides, workload, load, common.repeats, Load(streams=count, requests=count), common.progress)
+            for side in sides:
+                memory[side.name] = side.resident_bytes() if isinstance(side, LlamaServerSide) else resident_bytes(side.pipeline.device.pid)
+        finally:
+            for side in sides:
+                side.close()
+    _save(common, "compare-weights", {"results": results, "resident_bytes": memory})
+    lines = [f"{common.dtype} activations, input {common.input_len} tokens, {common.output_len} output tokens, greedy, ignore_eos; "
+             f"requests = max(streams, 4); median of {common.repeats} (ratios: median of the per-repeat ratios)\n",
+             f"| system | 1 stream: ITL p50 (ms) | ITL p99 (ms) | tok/s | ITL p50 / llama-server | {streams} streams: ITL p50 (ms) | ITL p99 (ms) "
+             f"| tok/s | tok/s / llama-server | resident MiB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name in results[1]:
+        cells = []
+        for count in (1, streams):
+            mine, theirs = results[count][name], results[count].get(LLAMA, [])
+            reports = [r.report for r in mine]
+            cells += [_fmt(_median([r["itl_ms"]["p50"] for r in reports]), 2), _fmt(_median([r["itl_ms"]["p99"] for r in reports]), 2),
+                      _fmt(_median([r["output_tokens_per_s"] for r in reports]))]
+            key = ("itl_ms", "p50") if count == 1 else ("output_tokens_per_s", None)
+            cells.append(_fmt(_median([_ratio(_pick(a.report, key), _pick(b.report, key)) for a, b in zip(mine, theirs)]), 2) + "x")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {memory.get(name, 0) / 2**20:.0f} |")
+    return "\n".join(lines)
+
+
+def _pick(report: dict, key: tuple[str, str | None]) -> float | None:
+    value = report[key[0]]
+    return value if key[1] is None else value[key[1]]

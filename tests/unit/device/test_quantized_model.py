@@ -1,0 +1,93 @@
+"""The embedded Q4_1 model served as it is stored (``--weights auto``: int4 layers, int8 tied head)
+against its dequantized bfloat16 run.
+
+Bound at a greedy divergence (documented in docs/backends.md): the two runs differ only by where
+they round (bf16 weights against bf16 group scales, the head's per-row int8 requantization), so
+where their greedy tokens part, both tokens are a near tie in both runs: within ``TIE_LOGITS`` of
+each other; and no logit of any step up to there differs by more than ``MAX_LOGIT_DIFF``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from stageserve.device.kv_cache import PagedKVCache
+from stageserve.device.model import LlamaModel, build_forward_batch
+from stageserve.model_files import embedded_model_path
+from stageserve.tokenizer import load_tokenizer
+from tests.unit.device.test_model_reference import PROMPT, greedy
+
+TIE_LOGITS = 1.0
+MAX_LOGIT_DIFF = 2.0
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,", "Water boils at"]
+PASSAGE = (
+    "The river rises in the hills to the north of the town and runs south through farmland for about forty miles "
+    "before it reaches the sea. In the spring, when the snow melts, it often floods the low fields near its banks, "
+    "and the farmers have built long earth walls to hold the water back. The town grew up around a stone bridge that "
+    "was built more than six hundred years ago, and the bridge is still used by cars and people every day. "
+    "Visitors come in the summer to walk along the river, to fish, and to see the old mill, which has been turned into a museum."
+)
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, LlamaModel]:
+    path = embedded_model_path()
+    # auto without its dense copy: every linear's values come from the quantized weight (kernel or per-call dequantization)
+    return {fmt: LlamaModel.from_path(path, torch.bfloat16, "cpu", weight_format=fmt, dense_copy=False) for fmt in ("dequantize", "auto")}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(embedded_model_path())
+
+
+def test_auto_keeps_the_q4_layers_int4_and_the_q8_head_int8_in_under_half_the_memory(models):
+    """Without the dense copy (``--no-dense-copy``); with it, the AMX/oneDNN copy adds one dense copy."""
+    quantized, dense = models["auto"], models["dequantize"]
+    assert quantized.linear_formats == {"int4": 120, "int8": 1}
+    assert dense.linear_formats == {"bfloat16": 121}
+    assert quantized.weight_bytes() <= 0.5 * quantized.dense_weight_bytes(torch.bfloat16)
+    assert quantized.weight_bytes() < 0.25 * dense.weight_bytes()  # the bf16 path also holds oneDNN and AMX copies
+
+
+@pytest.mark.parametrize("index", range(len(PROMPTS) + 1))
+def test_greedy_tokens_agree_with_bfloat16_or_part_at_a_near_tie(models, tokenizer, index):
+    prompt = PROMPT if index == 0 else tokenizer.encode(PROMPTS[index - 1])
+    (tokens_bf16, logits_bf16), (tokens_int4, logits_int4) = (greedy(models[fmt], prompt, 32) for fmt in ("dequantize", "auto"))
+    part = next((i for i, (a, b) in enumerate(zip(tokens_bf16, tokens_int4)) if a != b), None)
+    upto = 32 if part is None else part + 1
+    assert (logits_bf16[:upto].float() - logits_int4[:upto].float()).abs().max() <= MAX_LOGIT_DIFF
+    if part is not None:
+        a, b = tokens_bf16[part], tokens_int4[part]
+        for logits in (logits_bf16[part].float(), logits_int4[part].float()):
+            assert abs(logits[a] - logits[b]) <= TIE_LOGITS, (part, a, b)
+
+
+def _perplexity(model: LlamaModel, ids: list[int], chunk: int = 4) -> float:
+    """exp(mean negative log-likelihood) of ``ids`` under ``model``, fed ``chunk`` tokens a step with
+    every position's logits (chunks of 4 rows run the int4 kernel, as decode steps do)."""
+    block_size = 16
+    blocks = -(-len(ids) // block_size)
+    cache = PagedKVCache(model.config, blocks + 1, block_size, model.dtype, "cpu")
+    table = list(range(1, blocks + 1))
+    nll = 0.0
+    for start in range(0, len(ids) - 1, chunk):
+        piece = ids[start : min(start + chunk, len(ids) - 1)]
+        batch = build_forward_batch([(piece, start, table, True)], block_size, "cpu")
+        batch.sample_indices = torch.arange(len(piece))
+        logprobs = model.forward(batch, cache).float().log_softmax(-1)
+        nll -= logprobs[torch.arange(len(piece)), torch.tensor(ids[start + 1 : start + 1 + len(piece)])].sum().item()
+    return math.exp(nll / (len(ids) - 1))
+
+
+def test_perplexity_on_a_fixed_passage_is_within_two_percent_of_bfloat16(models, tokenizer):
+    ids = tokenizer.encode(PASSAGE)
+    dense, quantized = (_perplexity(models[fmt], ids) for fmt in ("dequantize", "auto"))
+    assert 1 < dense < 50  # the model reads English
+    assert abs(quantized / dense - 1) <= 0.02, (quantized, dense)
