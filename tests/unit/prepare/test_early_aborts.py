@@ -29,3 +29,10 @@ def test_early_aborts_expire_and_are_bounded():
     assert len(aborts) == 3 and not aborts.take("c", "a")  # the oldest went first
     clock.now += 10
     assert len(aborts) == 0 and not aborts.take("c", "d")
+
+
+def test_a_late_abort_does_not_end_the_next_request_of_that_id():
+    aborts = EarlyAborts(ttl_s=10, clock=Clock())
+    assert not aborts.take("c", "r1")  # r1 registers, runs, finishes
+    aborts.remember("c", "r1")         # an Abort after it finished (idempotent): not kept
+    assert not aborts.take("c", "r1")  # the id reused at once runs
