@@ -15,12 +15,12 @@ there will look at:
 Same ordering idea as "least outstanding requests" balancing, weighted by the resource that
 actually bounds admission (the KV pool, as in vLLM's scheduler).
 
-**Cache affinity** (prefix caching): a device whose prefix cache holds part of the prompt goes
-first, longest hit first, if it has KV headroom left and at most :data:`AFFINITY_MAX_EXTRA_REQUESTS`
-more outstanding (waiting + running) requests than the least busy device; the others follow in
-load order. So the turns of a conversation stay where their KV is, while a burst of requests with
-one shared prefix still spreads once one device is loaded (as SGLang's cache-aware router balances
-prefix matches against load).
+**Cache affinity** (prefix caching): when some device's prefix cache holds part of the prompt,
+devices with KV headroom left go first, ordered by outstanding (waiting + running) requests less
+one request per :data:`HIT_TOKENS_PER_REQUEST` prompt tokens their cache holds; ties keep the
+load order. So the turns of a long conversation stay where their KV is, while a short shared
+prefix (a chat template's system line) only breaks ties, and a burst of requests with one shared
+prefix still spreads (as SGLang's cache-aware router balances prefix matches against load).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class DeviceLoad:
         return self.kv_blocks_available - self.waiting_kv_blocks
 
 
-AFFINITY_MAX_EXTRA_REQUESTS = 4  # outstanding requests a cache hit may cost over the least busy device
+HIT_TOKENS_PER_REQUEST = 256  # cached prompt tokens worth one more outstanding request on a device
 
 
 def placement_order(loads: Sequence[DeviceLoad], hit_tokens: Sequence[int] = ()) -> list[int]:
@@ -73,11 +73,8 @@ def placement_order(loads: Sequence[DeviceLoad], hit_tokens: Sequence[int] = ())
     by_load = sorted(range(len(loads)), key=lambda i: (-loads[i].kv_headroom, loads[i].waiting, loads[i].running))
     if not any(hit_tokens):
         return by_load
-    least_busy = min(load.waiting + load.running for load in loads)
-    affine = sorted((i for i in by_load if hit_tokens[i] > 0 and loads[i].kv_headroom > 0
-                     and loads[i].waiting + loads[i].running <= least_busy + AFFINITY_MAX_EXTRA_REQUESTS),
-                    key=lambda i: -hit_tokens[i])
-    return affine + [i for i in by_load if i not in affine]
+    return sorted(by_load, key=lambda i: (loads[i].kv_headroom <= 0,
+                                          loads[i].waiting + loads[i].running - hit_tokens[i] / HIT_TOKENS_PER_REQUEST))
 
 
 def sum_loads(loads: Sequence[DeviceLoad]) -> DeviceLoad | None:

@@ -276,9 +276,10 @@ def _load(running: int = 0, waiting: int = 0, available: int = 100) -> DeviceLoa
     return DeviceLoad(device_pb2.AttachReply(), running, waiting, available, 100, available)
 
 
-def test_placement_prefers_the_device_holding_the_prefix_unless_clearly_busier():
-    assert placement_order([_load(), _load(running=1)], [0, 32]) == [1, 0]
-    assert placement_order([_load(), _load(running=1), _load(running=2)], [16, 0, 48]) == [2, 0, 1]
-    assert placement_order([_load(), _load(running=9)], [0, 32]) == [0, 1]  # too busy: load wins
-    assert placement_order([_load(), _load(available=0)], [0, 32]) == [0, 1]  # no KV headroom
+def test_placement_weighs_the_cached_prefix_against_load():
+    assert placement_order([_load(), _load()], [0, 32]) == [1, 0]  # equal loads: the hit decides
+    assert placement_order([_load(), _load(running=1)], [0, 32]) == [0, 1]  # a short hit does not outweigh a request
+    assert placement_order([_load(), _load(running=3), _load(running=1)], [0, 1500, 0]) == [1, 0, 2]  # a long one does
+    assert placement_order([_load(), _load(running=9)], [0, 1500]) == [0, 1]  # too busy: load wins
+    assert placement_order([_load(), _load(available=0)], [0, 1500]) == [0, 1]  # no KV headroom
     assert placement_order([_load(running=1), _load()], [0, 0]) == [1, 0]
