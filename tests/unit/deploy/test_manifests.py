@@ -301,9 +301,13 @@ def test_service_targets_the_grpc_port_of_its_pods(overlay, role):
     pod_labels = pods["spec"]["template"]["metadata"]["labels"]
     services = [s for s in find(manifests, "Service") if selects({"matchLabels": s["spec"]["selector"]}, pod_labels)]
     assert len(services) == 1, f"{role}: {len(services)} Services select its pods"
-    (service_port,) = services[0]["spec"]["ports"]
-    assert service_port["targetPort"] in ("grpc", container_cli_args(manifests, role).port)
-    assert service_port["port"] == container_cli_args(manifests, role).port
+    ports = {port["name"]: port for port in services[0]["spec"]["ports"]}
+    args = container_cli_args(manifests, role)
+    assert set(ports) == ({"grpc", "http"} if role == "prepare" else {"grpc"})  # prepare: also the OpenAI-compatible API
+    assert ports["grpc"]["targetPort"] in ("grpc", args.port) and ports["grpc"]["port"] == args.port
+    if role == "prepare":
+        assert ports["http"]["targetPort"] == "http" and ports["http"]["port"] == args.http_port
+        assert container_port(only_container(pods), "http") == args.http_port
     if role == "device":
         assert services[0]["spec"]["clusterIP"] == "None", "device pods are found through a headless Service"
         assert pods["kind"] == "StatefulSet" and pods["spec"]["serviceName"] == services[0]["metadata"]["name"]
@@ -432,6 +436,7 @@ def test_network_policy_lets_only_prepare_be_reached_from_outside(overlay):
     }
     may_reach = {
         ("prepare", "grpc"): set(sources),
+        ("prepare", "http"): set(sources),
         ("reclaim", "grpc"): {"prepare"},
         ("device", "grpc"): {"prepare", "reclaim"},
         **{(role, "metrics"): {"prometheus"} for role in ROLES},
