@@ -114,13 +114,16 @@ def test_stop(client, model):
 
 
 def test_penalties_and_logit_bias_change_the_tokens(client, model, generation):
-    base = dict(model=model, prompt="apple apple apple apple", temperature=0, max_tokens=8)
-    plain = client.completions.create(**base).choices[0].text
-    assert client.completions.create(**base, frequency_penalty=2.0).choices[0].text != plain
-    assert client.completions.create(**base, presence_penalty=2.0).choices[0].text != plain
-    first_id = generation.Tokenize(prepare_pb2.TokenizeRequest(prompt=plain)).token_ids[0]
-    biased = client.completions.create(**base, logit_bias={str(first_id): -100}, logprobs=1)
-    assert biased.choices[0].logprobs.tokens[0] != plain and biased.choices[0].text != plain
+    prompt = "1 1 1 1 1 1 1 1"  # greedy goes on repeating " 1": the penalties then count it
+    base = dict(model=model, prompt=prompt, temperature=0, max_tokens=8)
+    plain = generation.Generate(prepare_pb2.GenerateRequest(prompt=prompt, temperature=0.0, max_tokens=8))
+    assert client.completions.create(**base).choices[0].text == plain.text
+    assert client.completions.create(**base, frequency_penalty=2.0).choices[0].text != plain.text
+    assert client.completions.create(**base, presence_penalty=2.0).choices[0].text != plain.text
+    first = plain.token_ids[0]
+    biased = generation.Generate(prepare_pb2.GenerateRequest(prompt=prompt, temperature=0.0, max_tokens=8, logit_bias={first: -100.0}))
+    assert biased.token_ids[0] != first
+    assert client.completions.create(**base, logit_bias={str(first): -100}).choices[0].text == biased.text
 
 
 @pytest.mark.parametrize("fields, param", [

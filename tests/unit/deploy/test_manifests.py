@@ -307,12 +307,12 @@ def test_service_targets_the_grpc_port_of_its_pods(overlay, role):
     services = [s for s in find(manifests, "Service") if selects({"matchLabels": s["spec"]["selector"]}, pod_labels)]
     assert len(services) == 1, f"{role}: {len(services)} Services select its pods"
     ports = {port["name"]: port for port in services[0]["spec"]["ports"]}
-    assert set(ports) == ({"grpc", "http"} if role == "prepare" else {"grpc"})  # prepare also serves the OpenAI API
-    service_port = ports["grpc"]
-    assert service_port["targetPort"] in ("grpc", container_cli_args(manifests, role).port)
-    assert service_port["port"] == container_cli_args(manifests, role).port
+    args = container_cli_args(manifests, role)
+    assert set(ports) == ({"grpc", "http"} if role == "prepare" else {"grpc"})  # prepare: also the OpenAI-compatible API
+    assert ports["grpc"]["targetPort"] in ("grpc", args.port) and ports["grpc"]["port"] == args.port
     if role == "prepare":
-        assert ports["http"]["targetPort"] == "http" and container_port(only_container(pods), "http") == ports["http"]["port"]
+        assert ports["http"]["targetPort"] == "http" and ports["http"]["port"] == args.http_port
+        assert container_port(only_container(pods), "http") == args.http_port
     if role == "device":
         assert services[0]["spec"]["clusterIP"] == "None", "device pods are found through a headless Service"
         assert pods["kind"] == "StatefulSet" and pods["spec"]["serviceName"] == services[0]["metadata"]["name"]
@@ -441,6 +441,7 @@ def test_network_policy_lets_only_prepare_be_reached_from_outside(overlay):
     }
     may_reach = {
         ("prepare", "grpc"): set(sources),
+        ("prepare", "http"): set(sources),
         ("reclaim", "grpc"): {"prepare"},
         ("device", "grpc"): {"prepare", "reclaim"},
         **{(role, "metrics"): {"prometheus"} for role in ROLES},
