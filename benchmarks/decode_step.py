@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.model import LlamaModel, build_forward_batch
+from stageserve.device.forward_batch import build_forward_batch
+from stageserve.device.model import LlamaModel
 from stageserve.device.sampler import argmax_rows
 from stageserve.device.weights import load_weights
 from stageserve.model_files import embedded_model_path, transformers_source

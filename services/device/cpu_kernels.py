@@ -155,7 +155,7 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tenso
     """RoPE on the q and k heads of ``qkv`` and the new keys and values stored into the KV pool.
 
     ``qkv`` ``[T, (H + 2K) * D]`` (rows contiguous); ``cos``/``signed_sin`` ``[positions, D]``
-    (``model.rope_tables``); ``positions`` and ``slot_mapping`` ``[T]`` int64; ``kv`` one layer's
+    (``rope.rope_tables``); ``positions`` and ``slot_mapping`` ``[T]`` int64; ``kv`` one layer's
     pool ``[2K, num_blocks, block_size, D]``, written at ``slot_mapping``. Returns the rotated q and k
     heads ``[T, H + K, D]``. fp32 inside, rounded once. Raises ``RuntimeError`` for shapes or dtypes
     that do not fit, or a position or slot outside the tables, before anything is written.

@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama, SmolLM, Qwen2) for batched serving over a paged KV cache.
 
 One forward pass takes a flattened batch mixing prefill chunks and single-token decode rows
-(``ForwardBatch``, built once per step by ``build_forward_batch``) and returns the logits of the rows
+(``forward_batch.ForwardBatch``, built once per step by ``forward_batch.build_forward_batch``) and returns the logits of the rows
 that sample. The layers are device-generic torch (the same code runs on cpu, cuda and npu tensors),
 except that on x86-64 CPUs with AVX-512 they go through the fused C++ ops of ``cpu_kernels``.
 
@@ -16,233 +16,17 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from stageserve.device import cpu_kernels, quant
+from stageserve.device.forward_batch import ForwardBatch
 from stageserve.device.kv_cache import PagedKVCache
 from stageserve.device.model_config import ModelConfig
 from stageserve.device.quant import QuantizedLinear, QuantizedWeight
+from stageserve.device.rope import apply_rope, rope_tables
 from stageserve.device.weights import expected_shapes, load_weights
-
-
-class BatchRow(NamedTuple):
-    """One sequence's part of a step.
-
-    ``token_ids`` are the new tokens (a prefill chunk, or one token when decoding); ``start_pos``
-    counts the sequence's tokens already in the KV cache; ``block_table`` lists the KV block ids
-    the sequence owns, covering at least ``start_pos + len(token_ids)`` tokens; ``sample`` asks for
-    the logits of the row's last token.
-    """
-
-    token_ids: list[int]
-    start_pos: int
-    block_table: list[int]
-    sample: bool
-
-
-@dataclass
-class PrefillSegment:
-    """Attention inputs of one row with more than one new token.
-
-    The row's tokens are ``ForwardBatch`` tokens ``[start, start + length)``. A row that starts a
-    sequence (nothing cached yet) attends to its own new keys with a causal mask and has
-    ``context_slots``/``mask`` ``None``; a later chunk reads its whole context back from the cache.
-    """
-
-    start: int
-    length: int
-    context_slots: torch.Tensor | None  # [context] int64 flat KV slots of tokens 0..context-1
-    mask: torch.Tensor | None  # [length, context] bool, True where attention is allowed
-
-
-@dataclass
-class ForwardBatch:
-    """Inputs of one forward pass, shared by all layers.
-
-    Tokens are ordered with the ``num_decode`` single-token rows first (so decode attention is one
-    batched call over ``[0, num_decode)``), then each prefill row's chunk. ``sample_indices`` keeps
-    the caller's row order, so logits row ``i`` belongs to the ``i``-th row that asked to sample.
-    """
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64 flat KV slot (block_id * block_size + offset) each new K/V is written to
-    num_decode: int
-    decode_blocks: torch.Tensor | None  # [num_decode, W] int64 block tables of the decode rows, cut to the longest context's W blocks, padded
-    decode_mask: torch.Tensor | None  # [num_decode, W * block_size] bool, True for the row's real context tokens
-    prefills: list[PrefillSegment]
-    sample_indices: torch.Tensor  # [S] int64 index into T of each sampling row's last token
-
-    def to(self, device: torch.device | str) -> ForwardBatch:
-        """A copy with every tensor on ``device`` (non-blocking where the source is pinned)."""
-
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=True)
-
-        return ForwardBatch(
-            input_ids=move(self.input_ids),
-            positions=move(self.positions),
-            slot_mapping=move(self.slot_mapping),
-            num_decode=self.num_decode,
-            decode_blocks=move(self.decode_blocks),
-            decode_mask=move(self.decode_mask),
-            prefills=[PrefillSegment(p.start, p.length, move(p.context_slots), move(p.mask)) for p in self.prefills],
-            sample_indices=move(self.sample_indices),
-        )
-
-
-def build_forward_batch(rows: list[BatchRow] | list[tuple], block_size: int, device: torch.device | str) -> ForwardBatch:
-    """Build the step's ``ForwardBatch`` on the host from ``(token_ids, start_pos, block_table, sample)`` rows, then move it to ``device``.
-
-    Raises ``ValueError`` for a row with no new tokens or a block table too short for its context.
-    """
-    rows = [BatchRow(*row) for row in rows]
-    for i, row in enumerate(rows):
-        if not row.token_ids:
-            raise ValueError(f"row {i} has no new tokens")
-        if len(row.block_table) * block_size < row.start_pos + len(row.token_ids):
-            raise ValueError(f"row {i}: block table of {len(row.block_table)} blocks cannot hold {row.start_pos + len(row.token_ids)} tokens")
-    order = [i for i, r in enumerate(rows) if len(r.token_ids) == 1] + [i for i, r in enumerate(rows) if len(r.token_ids) > 1]
-    num_decode = sum(len(r.token_ids) == 1 for r in rows)
-
-    input_ids: list[int] = []
-    positions: list[torch.Tensor] = []
-    slot_mapping: list[torch.Tensor] = []
-    last_token = [0] * len(rows)
-    decode_blocks = decode_mask = None
-    if num_decode:
-        decode = [rows[i] for i in order[:num_decode]]
-        context = [r.start_pos + 1 for r in decode]
-        width = -(-max(context) // block_size)
-        decode_blocks = _pad_tables([r.block_table[:width] for r in decode], width)  # [Bd, W]
-        position = torch.tensor(context) - 1  # [Bd]
-        decode_mask = torch.arange(width * block_size) <= position[:, None]  # [Bd, W * block_size]
-        input_ids += [r.token_ids[0] for r in decode]
-        positions.append(position)
-        slot_mapping.append(decode_blocks.gather(1, (position // block_size)[:, None]).view(-1) * block_size + position % block_size)
-        for t, i in enumerate(order[:num_decode]):
-            last_token[i] = t
-    prefills = []
-    for i in order[num_decode:]:
-        row, start = rows[i], len(input_ids)
-        n, context = len(row.token_ids), row.start_pos + len(row.token_ids)
-        j = torch.arange(context)
-        slots = torch.tensor(row.block_table)[j // block_size] * block_size + j % block_size  # [context]
-        pos = j[row.start_pos :]  # [n]
-        fresh = row.start_pos == 0
-        prefills.append(PrefillSegment(start, n, None if fresh else slots, None if fresh else j <= pos[:, None]))
-        input_ids += row.token_ids
-        positions.append(pos)
-        slot_mapping.append(slots[row.start_pos :])
-        last_token[i] = start + n - 1
-    batch = ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        positions=torch.cat(positions),
-        slot_mapping=torch.cat(slot_mapping),
-        num_decode=num_decode,
-        decode_blocks=decode_blocks,
-        decode_mask=decode_mask,
-        prefills=prefills,
-        sample_indices=torch.tensor([last_token[i] for i, r in enumerate(rows) if r.sample], dtype=torch.int64),
-    )
-    return batch if torch.device(device).type == "cpu" else batch.to(device)
-
-
-def _pad_tables(tables: list[list[int]], width: int) -> torch.Tensor:
-    """Block tables of at most ``width`` blocks -> [rows, width] int64, padded with block 0 (read only under a mask)."""
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
-
-
-# ---- rotary embeddings ------------------------------------------------------------------------
-
-
-def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float, int]:
-    """Inverse frequencies ``[head_dim // 2]`` float32, the cos/sin scale, and the table length.
-
-    Base RoPE: ``theta ** (-2i / d)`` (Su et al. 2021). Scaling variants follow transformers'
-    ``modeling_rope_utils``: ``linear`` (divide by ``factor``, kaiokendev), ``llama3`` (Meta's
-    smooth low/high-frequency blend, ``_compute_llama3_parameters``), ``yarn`` (Peng et al. 2023,
-    ``_compute_yarn_parameters``, incl. its attention factor). ``dynamic`` NTK is applied as one
-    static table for ``max_position_embeddings * factor`` positions with the NTK-enlarged base,
-    as vLLM does, because a paged cache cannot re-rotate keys already stored when a sequence grows.
-    llama.cpp's ``rope_freqs`` (``config.rope_freq_factors``) divide the frequencies.
-    """
-    dim, base, length = config.head_dim, config.rope_theta, config.max_position_embeddings
-    scaling = config.rope_scaling or {"rope_type": "default"}
-    kind, attention_factor = scaling["rope_type"], 1.0
-    if kind == "dynamic":
-        factor = scaling["factor"]
-        length = int(length * factor)
-        base = base * (factor * factor - (factor - 1)) ** (dim / (dim - 2))
-    exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = 1.0 / (base**exponent)
-    if kind == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    elif kind == "llama3":
-        inv_freq = _llama3_inv_freq(inv_freq, scaling)
-    elif kind == "yarn":
-        inv_freq, attention_factor = _yarn_inv_freq(base**exponent, scaling, config)
-    if config.rope_freq_factors is not None:
-        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
-    return inv_freq, attention_factor, length
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
-    factor, low, high, old_len = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-    return torch.where(medium, smoothed, scaled)
-
-
-def _yarn_inv_freq(pos_freqs: torch.Tensor, s: dict, config: ModelConfig) -> tuple[torch.Tensor, float]:
-    dim, base = config.head_dim, config.rope_theta
-    old_len = s.get("original_max_position_embeddings") or config.max_position_embeddings
-    factor = s.get("factor") or config.max_position_embeddings / old_len
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention_factor = s.get("attention_factor")
-    if attention_factor is None:
-        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
-        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(s.get("beta_fast") or 32), correction_dim(s.get("beta_slow") or 1)
-    if s.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
-    extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv_freq, float(attention_factor)
-
-
-def rope_tables(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos`` and signed ``sin`` tables ``[positions, head_dim]`` of ``dtype``.
-
-    Angles are computed in float32 (as transformers does) and cast. The sine table's first half is
-    negated so ``rotate_half(x) * sin == x.roll(head_dim // 2, -1) * signed_sin``: one roll instead
-    of a split, a negation and a concatenation per layer.
-    """
-    inv_freq, attention_factor, length = rope_inv_freq(config)
-    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)  # [P, D/2]
-    cos, sin = angles.cos() * attention_factor, angles.sin() * attention_factor
-    return torch.cat((cos, cos), -1).to(device, dtype), torch.cat((-sin, sin), -1).to(device, dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, D]`` by per-token ``cos``/``signed_sin`` ``[T, 1, D]``."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
-
 
 # ---- model ------------------------------------------------------------------------------------
 

@@ -23,7 +23,8 @@ import torch
 from stageserve.device.backends import to_device
 from stageserve.device.executor import SlotBuffers
 from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.model import ForwardBatch, LlamaModel, build_forward_batch
+from stageserve.device.forward_batch import ForwardBatch, build_forward_batch
+from stageserve.device.model import LlamaModel
 from stageserve.device.sampler import sample
 from stageserve.device.sequence_table import SequenceTable, StagedStarts
 from stageserve.device.step_plan import AdmittedStep

@@ -13,7 +13,9 @@ import torch
 
 from stageserve.device import cpu_kernels
 from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.model import ForwardBatch, LlamaModel, apply_rope, build_forward_batch, rope_tables
+from stageserve.device.forward_batch import ForwardBatch, build_forward_batch
+from stageserve.device.model import LlamaModel
+from stageserve.device.rope import apply_rope, rope_tables
 from stageserve.device.weights import load_weights
 from stageserve.model_files import embedded_model_path
 

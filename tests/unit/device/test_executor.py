@@ -261,7 +261,7 @@ def test_async_and_sync_dispatch_give_identical_tokens(real_model):
     assert len(async_ids) == 6 and all(len(ids) == 2 for ids in async_ids)
     # The greedy row matches a plain greedy loop of the model (placeholders resolved on the device).
     from stageserve.device.kv_cache import PagedKVCache
-    from stageserve.device.model import build_forward_batch
+    from stageserve.device.forward_batch import build_forward_batch
 
     ids, reference = list(EMBEDDED_PROMPTS[0]), []
     kv = PagedKVCache(real_model.config, 1, 16, torch.float32, "cpu")
