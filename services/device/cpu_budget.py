@@ -1,4 +1,4 @@
-"""How many CPUs the device may really use, and how torch's OpenMP threads wait on them.
+"""How many CPUs the device may really use.
 
 The host's core count is the wrong default for the compute threads: a container sees every core
 of its node but may run only on those of its CPU affinity (``sched_getaffinity``: cpusets,
@@ -11,12 +11,9 @@ running, every region of every step.
 (gRPC server, completion thread, ``SIDE_THREADS_CPUS``: ~5 % of a core measured for gRPC, see
 docs/benchmarks.md; rounded so that a CPU that is mostly free still gets a thread).
 
-:func:`set_openmp_wait_policy` makes torch's OpenMP workers spin for a short while at a barrier
-before they sleep (``GOMP_SPINCOUNT``, libgomp; ``KMP_BLOCKTIME`` for Intel's runtime) instead of
-libgomp's default 300,000 spins: a worker that waits for a descheduled sibling then yields its
-core to the process that descheduled it (prepare, reclaim, a noisy neighbour) instead of burning
-it. Both variables are read when the OpenMP runtime loads, so this runs before torch is imported;
-a value the operator set is kept.
+torch's OpenMP barrier spin (libgomp's ``GOMP_SPINCOUNT``) is left at the runtime's default: a
+shorter spin measured slower on a quiet machine (docs/benchmarks.md), and its gain under contention
+is not measured yet. An operator can still set it in the device's environment.
 """
 
 from __future__ import annotations
@@ -26,8 +23,6 @@ import os
 from pathlib import Path
 
 SIDE_THREADS_CPUS = 0.25
-OPENMP_SPIN_COUNT = "10000"  # ~10-30 µs of spinning on a 2-3 GHz core before a worker sleeps
-OPENMP_BLOCKTIME_MS = "0"
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
@@ -63,9 +58,3 @@ def default_compute_threads(cpus: float | None = None) -> int:
     2 CPUs -> 2, 1.5 (a quota) -> 1, 8 -> 8, 0.5 -> 1."""
     cpus = usable_cpus() if cpus is None else cpus
     return max(1, math.floor(cpus - SIDE_THREADS_CPUS + 0.5))
-
-
-def set_openmp_wait_policy(environ: dict[str, str] | os._Environ = os.environ) -> None:
-    """Short spin, then sleep, at OpenMP barriers (see the module docstring); values already set are kept."""
-    environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_COUNT)
-    environ.setdefault("KMP_BLOCKTIME", OPENMP_BLOCKTIME_MS)

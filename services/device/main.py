@@ -85,12 +85,10 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
 
-    if args.backend == "cpu":  # before torch loads its OpenMP runtime (cpu_budget.py)
-        from stageserve.device.cpu_budget import default_compute_threads, set_openmp_wait_policy
+    if args.backend == "cpu" and args.threads is None:  # the CPUs it may use, not the host's (cpu_budget.py)
+        from stageserve.device.cpu_budget import default_compute_threads
 
-        set_openmp_wait_policy()
-        if args.threads is None:
-            args.threads = default_compute_threads()
+        args.threads = default_compute_threads()
     import torch  # noqa: F401 - heavy imports only past --help
     from prometheus_client import CollectorRegistry
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from stageserve.device.cpu_budget import cgroup_cpu_quota, default_compute_threads, set_openmp_wait_policy, usable_cpus
+from stageserve.device.cpu_budget import cgroup_cpu_quota, default_compute_threads, usable_cpus
 
 
 def test_cgroup_v2_quota(tmp_path: Path):
@@ -35,9 +35,3 @@ def test_usable_cpus_is_the_affinity_capped_by_the_quota(tmp_path: Path):
 @pytest.mark.parametrize("cpus, threads", [(0.5, 1), (1, 1), (1.5, 1), (2, 2), (4, 4), (8, 8), (2.7, 2), (2.8, 3)])
 def test_default_compute_threads(cpus, threads):
     assert default_compute_threads(cpus) == threads
-
-
-def test_openmp_wait_policy_keeps_what_the_operator_set():
-    environ = {"GOMP_SPINCOUNT": "300000"}
-    set_openmp_wait_policy(environ)
-    assert environ == {"GOMP_SPINCOUNT": "300000", "KMP_BLOCKTIME": "0"}
