@@ -9,7 +9,7 @@ traffic only). In that folder ``.venv`` is this interpreter's virtual environmen
 starts with its ``bin``, as after ``make install``.
 
 Ports: the documents use the documented defaults, ``127.0.0.1`` or ``localhost`` with 50051
-(prepare), 50052 (device), 50053 (reclaim), 9101-9103 (their metrics); each is replaced by the
+(prepare), 50052 (device), 50053 (reclaim), 9101-9103 (their metrics), 8000 (prepare's HTTP API); each is replaced by the
 ephemeral port of the service started here, so the test never collides with a deployment on the
 default ports. A command that dials a service names its address (``--target 127.0.0.1:50051``).
 
@@ -46,7 +46,8 @@ DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUNNERS = {"bash": ["bash", "-euo", "pipefail", "-c"], "python": [sys.executable, "-c"]}
 MARKER = re.compile(r"^<!--\s*docs-test:\s*(skip|expect-output)\b\s*(.*?)\s*-->$")
 DEFAULT_PORTS = {"50051": ("prepare", "port"), "50052": ("device", "port"), "50053": ("reclaim", "port"),
-                 "9101": ("prepare", "metrics_port"), "9102": ("device", "metrics_port"), "9103": ("reclaim", "metrics_port")}
+                 "9101": ("prepare", "metrics_port"), "9102": ("device", "metrics_port"), "9103": ("reclaim", "metrics_port"),
+                 "8000": ("prepare", "http_port")}
 ADDRESS = re.compile(r"\b(127\.0\.0\.1|localhost):(" + "|".join(DEFAULT_PORTS) + r")\b")
 BLOCK_TIMEOUT_S = 300
 
@@ -124,7 +125,7 @@ class Deployments:
             self.stop()
             self._document = document
             # bfloat16 where the CPU has it (the README's default): the documents' answers need no float32 match.
-            self._pipeline = launch(self._factory, f"docs-{document.stem}", device_args=["--dtype", "auto"])
+            self._pipeline = launch(self._factory, f"docs-{document.stem}", device_args=["--dtype", "auto"], prepare_args=["--http-port", "0"])
             self.folder = self._factory.mktemp(f"docs-{document.stem}-cwd")
             (self.folder / ".venv").symlink_to(sys.prefix, target_is_directory=True)
         assert self._pipeline is not None and self.folder is not None
