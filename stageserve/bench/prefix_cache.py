@@ -74,7 +74,6 @@ def compare_prefix_cache(common: Common, streams: int, system_tokens: int = 1500
     shared = Workload(_shared_prefix_prompts(system_tokens, 24, 64, common.seed), shape, common.seed)
     loads = {"1 stream": Load(streams=1, requests=6), f"{streams} streams": Load(streams=streams, requests=2 * streams)}
     raw: dict[str, Any] = {}
-    lines = []
     with tempfile.TemporaryDirectory(prefix="stageserve-bench-") as tmp:
         sides = []
         try:
@@ -101,7 +100,12 @@ def compare_prefix_cache(common: Common, streams: int, system_tokens: int = 1500
             for side in sides:
                 side.close()
     _save(common, "compare-prefix-cache", raw)
-    lines.append(f"{common.dtype}, {output_len} output tokens per request (greedy, ignore_eos), median of {repeats} interleaved rounds\n")
+    return _tables(raw, common, turns)
+
+
+def _tables(raw: dict[str, Any], common: Common, turns: int) -> str:
+    """The Markdown of one comparison's results (medians over rounds; ratios the median of per-round ratios)."""
+    lines = [f"{common.dtype}, {common.output_len} output tokens per request (greedy, ignore_eos), median of {common.repeats} interleaved rounds\n"]
     lines.append("| workload | TTFT p50 on (ms) | TTFT p50 off (ms) | off/on TTFT | tok/s on | tok/s off | on/off tok/s |")
     lines.append("|---|---:|---:|---:|---:|---:|---:|")
     for label, by_side in raw.items():
