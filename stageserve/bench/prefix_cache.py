@@ -6,8 +6,9 @@ started once and run alternately (``--repeats`` rounds), figures the medians.
   tokens/s.
 - **multi-turn chat**: a conversation of ``turns`` turns, each resending the whole conversation so
   far (the previous turns' prompts and replies as token ids, then a new question); TTFT per turn.
-- **no shared prefix**: prompts of random token ids (no block in common); output tokens/s, the
-  cost of hashing and looking up blocks that never hit.
+- **no shared prefix**: prompts of random token ids (no block in common), new ones for every run
+  of every side (a repeated prompt would hit); output tokens/s, the cost of hashing and looking up
+  blocks that never hit.
 
 Prompts are token ids, so lengths are exact and a resent conversation is a true prefix.
 """
@@ -71,10 +72,8 @@ def compare_prefix_cache(common: Common, streams: int, system_tokens: int = 1500
     output_len, repeats = common.output_len, common.repeats
     shape = Shape(output_len=output_len)
     shared = Workload(_shared_prefix_prompts(system_tokens, 24, 64, common.seed), shape, common.seed)
-    distinct = Workload(_distinct_prompts(common.input_len, 256, common.seed), shape, common.seed)
     loads = {"1 stream": Load(streams=1, requests=6), f"{streams} streams": Load(streams=streams, requests=2 * streams)}
     raw: dict[str, Any] = {}
-    lines = []
     with tempfile.TemporaryDirectory(prefix="stageserve-bench-") as tmp:
         sides = []
         try:
@@ -84,11 +83,15 @@ def compare_prefix_cache(common: Common, streams: int, system_tokens: int = 1500
             for side in sides:  # warm-up: the first prefill of a shape builds the kernels' plans
                 side.run(shared, Load(streams=2, requests=2), progress=False)
             results: dict[str, dict[str, list]] = {}
-            for _ in range(repeats):
+            for round_ in range(repeats):
                 for label, load in [*[(f"shared prompt, {k}", v) for k, v in loads.items()], (f"no shared prefix, {streams} streams", None)]:
-                    for side in sides:
-                        workload, run_load = (shared, load) if load else (distinct, Load(streams=streams, requests=2 * streams))
-                        results.setdefault(label, {}).setdefault(side.name, []).append(side.run(workload, run_load, progress=False).report)
+                    for k, side in enumerate(sides):
+                        if load is None:  # fresh prompts: a prompt another run sent would hit
+                            seed = common.seed + 100 * round_ + k
+                            workload, load_now = Workload(_distinct_prompts(common.input_len, 2 * streams, seed), shape, seed), Load(streams=streams, requests=2 * streams)
+                        else:
+                            workload, load_now = shared, load
+                        results.setdefault(label, {}).setdefault(side.name, []).append(side.run(workload, load_now, progress=False).report)
                 for side in sides:
                     ttfts = asyncio.run(_chat(side.pipeline.prepare.address, turns, 200, 40, output_len, common.seed + len(results.get("chat", {}).get(side.name, []))))
                     results.setdefault("chat", {}).setdefault(side.name, []).append(ttfts)
@@ -97,7 +100,12 @@ def compare_prefix_cache(common: Common, streams: int, system_tokens: int = 1500
             for side in sides:
                 side.close()
     _save(common, "compare-prefix-cache", raw)
-    lines.append(f"{common.dtype}, {output_len} output tokens per request (greedy, ignore_eos), median of {repeats} interleaved rounds\n")
+    return _tables(raw, common, turns)
+
+
+def _tables(raw: dict[str, Any], common: Common, turns: int) -> str:
+    """The Markdown of one comparison's results (medians over rounds; ratios the median of per-round ratios)."""
+    lines = [f"{common.dtype}, {common.output_len} output tokens per request (greedy, ignore_eos), median of {common.repeats} interleaved rounds\n"]
     lines.append("| workload | TTFT p50 on (ms) | TTFT p50 off (ms) | off/on TTFT | tok/s on | tok/s off | on/off tok/s |")
     lines.append("|---|---:|---:|---:|---:|---:|---:|")
     for label, by_side in raw.items():
