@@ -283,6 +283,8 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
 
 def _load_model(args: argparse.Namespace, model_path: Path, dtype, backend):
     """(backend, model, model config) for ``--backend``: the sim has no model, only the config."""
+    import torch
+
     from stageserve.device.backends import create_backend
     from stageserve.device.model import LlamaModel
     from stageserve.device.sim import SimBackend
@@ -293,8 +295,13 @@ def _load_model(args: argparse.Namespace, model_path: Path, dtype, backend):
         return SimBackend(), None, load_config(model_path)
     backend = backend or create_backend(args.backend, args.threads)
     log.info("loading %s as %s on %s", model_path, str(dtype).removeprefix("torch."), backend.device)
+    weight_format = args.weights
+    if weight_format == "auto" and dtype != torch.bfloat16:
+        # torch's int4/int8 CPU kernels are fast with bfloat16 input only (float32: ~9 ms per 576x576 int4 row, measured)
+        log.info("--weights auto: %s activations keep every weight dense (the quantized kernels need bfloat16)", str(dtype).removeprefix("torch."))
+        weight_format = "dequantize"
     model = LlamaModel.from_path(model_path, dtype, backend.device, cpu_kernels_allowed=not args.no_cpu_kernels, amx_allowed=not args.no_amx_linears,
-                                 weight_format=args.weights, dense_copy=not args.no_dense_copy)
+                                 weight_format=weight_format, dense_copy=not args.no_dense_copy)
     log.info("layers run %s%s", "with the fused CPU kernels" if model.cpu_kernels else "in plain torch ops",
              ", decode-sized linears on AMX" if model.amx_linears else "")
     return backend, model, model.config
