@@ -73,7 +73,7 @@ def one_round(model: Path, log_dir: Path, in_flight: bool) -> Round:
     launcher = pexpect.spawn(
         sys.executable,
         ["-m", "stageserve", "up", "--model", str(model), "--dtype", "float32", "--port", "0", "--device-port", "0",
-         "--reclaim-port", "0", "--metrics-port-base", "off", "--log-dir", str(log_dir), "--drain-timeout", str(DRAIN_TIMEOUT_S)],
+         "--reclaim-port", "0", "--http-port", "0", "--metrics-port-base", "off", "--log-dir", str(log_dir), "--drain-timeout", str(DRAIN_TIMEOUT_S)],
         encoding="utf-8", timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     try:
