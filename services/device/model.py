@@ -172,14 +172,16 @@ class LlamaModel:
         """One linear over ``parts`` stacked along the output features: on a weight-only kernel where
         ``weight_format`` and the parts allow it (CPU only), else dense in the activation dtype."""
         kernel = quant.kernel_weight(parts, weight_format) if self.device.type == "cpu" else None
-        dense = None
-        if kernel is None or self.dense_copy:
-            dense = torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]).to(self.device, self.dtype)
         if kernel is None:
             self.linear_formats[str(self.dtype).removeprefix("torch.")] += 1
+            dense = torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]).to(self.device, self.dtype)
             return Linear(dense, bias, amx=amx, gated=gated)
         self.linear_formats[quant.format_name(kernel)] += 1
-        return QuantizedLinear(kernel, bias, self.dtype, dense=None if dense is None else Linear(dense, bias, amx=amx, gated=gated, one_copy=True))
+
+        def dense_copy(weight: torch.Tensor) -> Linear:
+            return Linear(weight, bias, amx=amx, gated=gated, one_copy=True)
+
+        return QuantizedLinear(kernel, bias, self.dtype, dense_copy=dense_copy if self.dense_copy else None)
 
     def weight_bytes(self) -> int:
         """Bytes the model's weights hold on its device (every copy: oneDNN-packed, AMX-packed, quantized)."""

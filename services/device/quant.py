@@ -26,6 +26,8 @@ The row limits are measured (docs/backends.md).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import gguf
 import torch
@@ -187,18 +189,21 @@ class QuantizedLinear:
     """``y = x @ w.T + bias`` with ``w`` held as int4 or int8 for torch's weight-only CPU kernels.
 
     Inputs of at most ``max_rows`` rows (default `INT4_MAX_ROWS` / `INT8_MAX_ROWS`, measured) run on
-    the quantized kernel; larger ones on ``dense`` (a ``model.Linear`` over the dequantized weight)
-    when given, else on a weight dequantized for that call (`dense_weight`, the memory-lean choice).
+    the quantized kernel; larger ones on a dense copy when ``dense_copy`` makes one, else on a weight
+    dequantized for that call (`dense_weight`, the memory-lean choice). Either way the dense weight
+    holds the quantized values (`dense_weight`), so every row count computes with the same weights.
     """
 
-    def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype, max_rows: int | None = None, dense=None) -> None:
+    def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype, max_rows: int | None = None,
+                 dense_copy: Callable[[torch.Tensor], Any] | None = None) -> None:
         """``weight`` in a kernel format, ``bias`` [N] of ``dtype`` or ``None``; ``dtype`` is the activations'.
+        ``dense_copy``: builds the dense linear (e.g. ``model.Linear``) from the dequantized weight [N, K].
 
         Raises:
             ValueError: an int4 weight whose N is not a multiple of 64 or K not of 32 (see `int4_fits`).
         """
         self.int4 = isinstance(weight, Int4Weight)
-        self.bias, self.dtype, self.dense = bias, dtype, dense
+        self.bias, self.dtype = bias, dtype
         self.max_rows = max_rows if max_rows is not None else INT4_MAX_ROWS if self.int4 else INT8_MAX_ROWS
         self.out_features, self.in_features = weight.q.shape
         if self.int4:
@@ -208,6 +213,7 @@ class QuantizedLinear:
             self.scale = torch.stack((weight.scale.t(), weight.zero.t()), -1).to(dtype).contiguous()  # [K / 32, N, 2]: scale, zero
         else:
             self.packed, self.scale = weight.q.contiguous(), weight.scale.to(dtype)  # int8 [N, K], [N]
+        self.dense = None if dense_copy is None else dense_copy(self.dense_weight())
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this linear holds (for memory accounting)."""
