@@ -1,24 +1,81 @@
-"""Server reflection that carries the proto comments, so the API documents itself through grpcurl.
+"""Server reflection, ``grpc.reflection.v1`` and ``v1alpha``, carrying the proto comments, so the API
+documents itself through grpcurl (`enable_reflection`).
 
-grpcio-reflection answers with each file as ``FileDescriptor.CopyToProto`` writes it, and the
+Comments. grpcio-reflection answers with each file as ``FileDescriptor.CopyToProto`` writes it, and the
 descriptors the generated ``*_pb2`` modules register hold no source info: ``grpcurl describe``
 would show fields without their comments (that ``max_tokens`` defaults to 256, that temperature 0
 is greedy). ``scripts/gen_protos.sh`` also writes ``stageserve/v1/descriptors.binpb``, the same
 files as a ``FileDescriptorSet`` with their source info; :class:`SourceInfoPool` hands
 grpcio-reflection the process's default pool with those files' ``CopyToProto`` answering from that
 set, comments included. Files outside it (health, reflection itself) are served as before.
+
+v1 beside v1alpha: newer tools ask for v1 only, and ``grpcio-reflection`` serves only
+``grpc.reflection.v1alpha.ServerReflection``. The v1 protocol is the same file under another
+package (``grpc/reflection/v1/reflection.proto``: same messages, same field numbers, so the same
+bytes on the wire). So v1 is served by the same servicer class, its messages parsed and written
+with the v1alpha classes, under the v1 service name; the v1 file is registered in the descriptor
+pool (built from the v1alpha one, package renamed), so reflection describes it like any other
+service.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import cache
 from importlib import resources
 from typing import Any
 
+import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
+from grpc_reflection.v1alpha import _async, reflection, reflection_pb2
 
 DESCRIPTOR_SET = "descriptors.binpb"  # in the stageserve.v1 package, next to the generated stubs
+V1_PACKAGE = "grpc.reflection.v1"
+V1_SERVICE_NAME = f"{V1_PACKAGE}.ServerReflection"
+_V1ALPHA_PACKAGE = "grpc.reflection.v1alpha"
+
+
+def enable_reflection(service_names: Sequence[str], server: grpc.Server | grpc.aio.Server) -> None:
+    """Serve reflection v1alpha and v1 on ``server`` (sync or ``grpc.aio``), listing ``service_names``
+    and both reflection services, stageserve's files with their comments (`SourceInfoPool`).
+
+    Raises:
+        FileNotFoundError: the package lacks the descriptor set (run ``make protos``).
+    """
+    names = [*service_names, reflection.SERVICE_NAME, V1_SERVICE_NAME]
+    pool = SourceInfoPool()
+    reflection.enable_server_reflection(names, server, pool)
+    _register_v1_file(descriptor_pool.Default())
+    servicer_class = _async.ReflectionServicer if isinstance(server, grpc.aio.Server) else reflection.ReflectionServicer
+    servicer = servicer_class(names, pool=pool)
+    handler = grpc.method_handlers_generic_handler(V1_SERVICE_NAME, {
+        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+            servicer.ServerReflectionInfo,
+            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+        ),
+    })
+    server.add_generic_rpc_handlers((handler,))
+
+
+def _register_v1_file(pool: descriptor_pool.DescriptorPool) -> None:
+    """Add ``grpc/reflection/v1/reflection.proto`` to ``pool`` (once), made from the v1alpha file."""
+    try:
+        pool.FindServiceByName(V1_SERVICE_NAME)
+        return
+    except KeyError:
+        pass
+    proto = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(proto)
+    proto.name, proto.package = "grpc/reflection/v1/reflection.proto", V1_PACKAGE
+    old, new = f".{_V1ALPHA_PACKAGE}.", f".{V1_PACKAGE}."
+    for message in proto.message_type:
+        for field in message.field:
+            if field.HasField("type_name"):
+                field.type_name = field.type_name.replace(old, new)
+    for method in proto.service[0].method:
+        method.input_type, method.output_type = method.input_type.replace(old, new), method.output_type.replace(old, new)
+    pool.AddSerializedFile(proto.SerializeToString())
 
 
 @cache

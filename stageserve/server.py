@@ -36,12 +36,10 @@ from typing import Any, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from stageserve.logs import LOG_FORMATS, JsonFormatter, TextFormatter
 from stageserve.profiling import ADMIN_SERVICE_NAME, ProfileServicer
-from stageserve.reflection import SourceInfoPool
-from stageserve.reflection_v1 import V1_SERVICE_NAME, enable_reflection_v1
+from stageserve.reflection import enable_reflection
 from stageserve.tracing import Tracer
 from stageserve.v1 import admin_pb2_grpc
 
@@ -117,10 +115,7 @@ class ServiceServer:
     def start(self, reflected_services: list[str]) -> None:
         """Start serving: liveness SERVING, readiness NOT_SERVING, reflection for the given services."""
         admin = [ADMIN_SERVICE_NAME] if self._tracer is not None else []
-        reflected = [*reflected_services, *admin, health.SERVICE_NAME, reflection.SERVICE_NAME, V1_SERVICE_NAME]
-        pool = SourceInfoPool()
-        self._call(reflection.enable_server_reflection, reflected, self.server, pool)
-        self._call(enable_reflection_v1, reflected, self.server, pool)
+        self._call(enable_reflection, [*reflected_services, *admin, health.SERVICE_NAME], self.server)
         self._call(self.health.set, "", health_pb2.HealthCheckResponse.SERVING)
         self._call(self.health.set, self.service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._call(self.server.start)
