@@ -3,7 +3,8 @@
 The server is started with ``--parallel N`` (N slots, continuous batching) and a context of
 ``N * tokens_per_slot``; requests go to its native ``POST /completion`` with the prompt as token
 ids (the workload's own ids, so both systems read the same prompt tokens), greedy,
-``ignore_eos``, ``return_tokens`` and ``stream``, and every server-sent event is timed on arrival
+``ignore_eos``, ``return_tokens`` and ``stream`` (``cache_prompt`` off unless asked: a load's prompts
+are distinct, and the multi-turn chat turns it on), and every server-sent event is timed on arrival
 (one event per token). The client is the standard library's ``http.client``, one blocking
 connection per request on a worker thread, so the timing does not depend on an extra package.
 """
@@ -95,16 +96,17 @@ class LlamaServer:
 
 
 class CompletionTransport:
-    """A load-generator transport (see `stageserve.bench.loadgen.Transport`) onto llama-server's streaming ``/completion``."""
+    """A load-generator transport (see `stageserve.bench.loadgen.Transport`) onto llama-server's streaming ``/completion``;
+    ``cache_prompt``: let the server reuse the KV of a slot's previous prompt (llama-server's prompt cache)."""
 
-    def __init__(self, port: int) -> None:
-        self._port = port
+    def __init__(self, port: int, cache_prompt: bool = False) -> None:
+        self._port, self._cache_prompt = port, cache_prompt
 
     async def stream(self, request: prepare_pb2.GenerateRequest) -> AsyncIterator[tuple[float, prepare_pb2.GenerateStreamResponse]]:
         if not request.prompt_token_ids:
             raise ValueError("the llama-server side needs prompts as token ids: give --input-len")
         body = {"prompt": list(request.prompt_token_ids), "n_predict": request.max_tokens, "stream": True, "temperature": request.temperature,
-                "top_k": 1 if request.temperature == 0 else 40, "ignore_eos": request.ignore_eos, "cache_prompt": False, "return_tokens": True}
+                "top_k": 1 if request.temperature == 0 else 40, "ignore_eos": request.ignore_eos, "cache_prompt": self._cache_prompt, "return_tokens": True}
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         threading.Thread(target=self._read, args=(body, loop, events), daemon=True).start()
         while (item := await events.get()) is not None:

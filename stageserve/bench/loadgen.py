@@ -151,9 +151,14 @@ async def run_load(make_transport: Callable[[], Transport], workload: Workload, 
     try:
         return await drive(transport, workload, load, Progress(load) if progress else None)
     finally:
-        close = getattr(transport, "close", None)
-        if close is not None:
-            await close()
+        await close_transport(transport)
+
+
+async def close_transport(transport: Transport) -> None:
+    """Close ``transport`` if it holds something to close (a channel; llama-server's has one connection per request)."""
+    close = getattr(transport, "close", None)
+    if close is not None:
+        await close()
 
 
 async def drive(transport: Transport, workload: Workload, load: Load, progress: Progress | None = None) -> list[RequestRecord]:

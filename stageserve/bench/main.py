@@ -11,7 +11,7 @@ themselves, on the embedded model unless ``--model`` says otherwise:
 - ``stageserve bench compare-weights``: quantized against bfloat16 weights against llama.cpp's ``llama-server``;
 - ``stageserve bench sweep``: tokens/s and p99 ITL against concurrency, with a PNG plot;
 - ``stageserve bench compare-prefix-cache``: prefix caching on against off (shared system prompt,
-  multi-turn chat, no shared prefix).
+  multi-turn chat against llama-server too, no shared prefix).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+LLAMA_SERVER_HELP = "the llama-server program (default: llama-server on PATH; without one, stageserve's sides only)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     peers.add_argument("--streams", type=int, default=32, dest="compare_streams", help="concurrent streams (default %(default)s)")
     weights = _comparison(sub, "compare-weights", "quantized against bfloat16 weights against llama.cpp's llama-server: ITL, tokens/s, memory")
     weights.add_argument("--streams", type=int, default=32, dest="compare_streams", help="concurrent streams besides 1 (default %(default)s; llama-server gets --parallel N)")
-    weights.add_argument("--llama-server", type=Path, default=None, metavar="PATH", help="the llama-server program (default: llama-server on PATH; without one, stageserve's sides only)")
+    weights.add_argument("--llama-server", type=Path, default=None, metavar="PATH", help=LLAMA_SERVER_HELP)
     weights.add_argument("--weights", nargs="+", default=["auto", "dequantize"], dest="compare_weights", help="stageserve device --weights values to run (default auto dequantize)")
     sweep = _comparison(sub, "sweep", "tokens/s and p99 ITL against concurrency for stageserve and the peers, with a PNG plot")
     sweep.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], dest="compare_streams", help="concurrency values (default 1..64)")
@@ -61,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prefix = _comparison(sub, "compare-prefix-cache", "prefix caching on against off: shared system prompt, multi-turn chat, no shared prefix")
     prefix.add_argument("--streams", type=int, default=16, dest="compare_streams", help="concurrent streams of the loaded runs (default %(default)s)")
     prefix.add_argument("--system-tokens", type=int, default=1500, metavar="TOKENS", help="shared system prompt length (default %(default)s)")
+    prefix.add_argument("--llama-server", type=Path, default=None, metavar="PATH", help=LLAMA_SERVER_HELP + " (the multi-turn chat)")
     sweep.add_argument("--plot", type=Path, default=Path("docs/benchmarks-concurrency.png"), help="PNG path (default %(default)s)")
 
 
@@ -145,6 +148,16 @@ def _transport(args: argparse.Namespace):
     return GrpcTransport(args.target)
 
 
+def llama_server_program(given: Path | None) -> Path | None:
+    """``--llama-server``, else ``llama-server`` on PATH, else ``None`` (said on stderr: the comparison runs without it)."""
+    import shutil
+
+    binary = given or shutil.which("llama-server")
+    if binary is None:
+        print("no llama-server on PATH (give --llama-server PATH): comparing stageserve's sides only", file=sys.stderr)
+    return None if binary is None else Path(binary)
+
+
 def _run_comparison(args: argparse.Namespace) -> str:
     from stageserve.bench import compare
     from stageserve.model_files import resolve_model_path
@@ -160,16 +173,11 @@ def _run_comparison(args: argparse.Namespace) -> str:
     if args.comparison == "compare-prefix-cache":
         from stageserve.bench.prefix_cache import compare_prefix_cache
 
-        return compare_prefix_cache(common, args.compare_streams, args.system_tokens)
+        return compare_prefix_cache(common, args.compare_streams, args.system_tokens, llama_server_program(args.llama_server))
     if args.comparison == "compare-peers":
         return compare.compare_peers(common, args.compare_streams)
     if args.comparison == "compare-weights":
-        import shutil
-
         from stageserve.bench.compare_weights import compare_weights
 
-        binary = args.llama_server or shutil.which("llama-server")
-        if binary is None:
-            print("no llama-server on PATH (give --llama-server PATH): comparing stageserve's weight formats only", file=sys.stderr)
-        return compare_weights(common, None if binary is None else Path(binary), args.compare_streams, args.compare_weights)
+        return compare_weights(common, llama_server_program(args.llama_server), args.compare_streams, args.compare_weights)
     return compare.sweep(common, args.compare_streams, args.llama_max_requests, args.plot)
