@@ -7,8 +7,9 @@ of them; the medians and their ratios are printed (and ``--json`` written).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/contention.py --repeats 3
 
-"before": ``--threads`` torch's default (the host's cores) and libgomp's default barrier spin
-(``GOMP_SPINCOUNT=300000``); "after": the defaults of ``stageserve device`` now. "busy": a
+"before": ``--threads`` the host's cores, fixed (``--no-adaptive-threads``), and libgomp's default
+barrier spin (``GOMP_SPINCOUNT=300000``); "after": the defaults of ``stageserve device`` now
+(threads from ``cpu_budget.py``, adapted to the CPUs it gets by ``thread_governor.py``). "busy": a
 ``while True: pass`` process runs during the measurement (stopped by pid after it).
 """
 
@@ -51,7 +52,7 @@ def main() -> int:
         (workdir / name).mkdir()
     try:
         os.environ["GOMP_SPINCOUNT"] = "300000"  # libgomp's default, as before
-        pipelines["before"] = start_pipeline(workdir / "before", device_args=["--threads", str(os.cpu_count())],
+        pipelines["before"] = start_pipeline(workdir / "before", device_args=["--threads", str(os.cpu_count()), "--no-adaptive-threads"],
                                              log_dir=workdir / "before")
         del os.environ["GOMP_SPINCOUNT"]
         pipelines["after"] = start_pipeline(workdir / "after", log_dir=workdir / "after")

@@ -34,6 +34,8 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from stageserve.device.thread_governor import ComputeThreadGovernor
+
 BACKENDS = ("cpu", "cuda", "npu")
 T = TypeVar("T")
 
@@ -107,17 +109,20 @@ class CpuBackend(Backend):
         on_caller: run steps on the thread that calls `serve_while` (the process's main thread, for
             speed: see the module docstring) instead of on a thread of the backend's own. Steps
             launched while no thread is inside `serve_while` wait in the queue.
+        adaptive_threads: fewer intra-op threads while other work holds the CPUs
+            (`stageserve.device.thread_governor`); needs ``threads`` > 1.
     """
 
     name = "cpu"
     # How often an idle caller-side loop returns to Python, so the main thread runs signal handlers.
     _IDLE_WAKE_S = 0.2
 
-    def __init__(self, threads: int | None = None, on_caller: bool = False) -> None:
+    def __init__(self, threads: int | None = None, on_caller: bool = False, adaptive_threads: bool = False) -> None:
         self.device = torch.device("cpu")
         if threads:
             torch.set_num_threads(threads)
         self._threads = threads
+        self._governor = ComputeThreadGovernor(threads) if adaptive_threads and threads and threads > 1 else None
         self._queue: queue.SimpleQueue[tuple[Callable[[], None], Future[None]] | None] = queue.SimpleQueue()
         self._thread = None if on_caller else threading.Thread(target=self._loop, name="device-compute", daemon=True)
         if self._thread is not None:
@@ -179,13 +184,12 @@ class CpuBackend(Backend):
             self._run(*item)
             del item  # do not keep the step's inputs alive until the next step arrives
 
-    @staticmethod
-    def _run(run: Callable[[], None], future: Future[None]) -> None:
+    def _run(self, run: Callable[[], None], future: Future[None]) -> None:
         if not future.set_running_or_notify_cancel():
             return
         try:
             with torch.inference_mode():
-                run()
+                run() if self._governor is None else self._governor.run(run)
         except BaseException as exc:  # noqa: BLE001 - every failure belongs to its step
             future.set_exception(exc)
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
@@ -285,19 +289,20 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def create_backend(name: str, threads: int | None = None, on_caller: bool = False) -> Backend:
+def create_backend(name: str, threads: int | None = None, on_caller: bool = False, adaptive_threads: bool = False) -> Backend:
     """Create the backend ``name`` (one of `BACKENDS`).
 
     Args:
         threads: torch intra-op threads (``cpu``; also the host threads of accelerator backends).
         on_caller: ``cpu`` only: steps run on the thread inside `Backend.serve_while` (see `CpuBackend`).
+        adaptive_threads: ``cpu`` only: see `CpuBackend`.
 
     Raises:
         ValueError: unknown name.
         RuntimeError: the device is not available (message names the flag and what is missing).
     """
     if name == "cpu":
-        return CpuBackend(threads, on_caller)
+        return CpuBackend(threads, on_caller, adaptive_threads)
     if name in ("cuda", "npu"):
         if threads:
             torch.set_num_threads(threads)

@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-step-tokens", type=int, default=2048, metavar="TOKENS", help="tokens one step may carry (default %(default)s)")
     parser.add_argument("--threads", type=int, default=None, metavar="N", help="torch intra-op threads (default: cpu backend: the CPUs of the process's affinity and cgroup "
                              "quota, less a quarter CPU for its gRPC and completion threads, rounded; else torch's choice)")
+    parser.add_argument("--adaptive-threads", action=argparse.BooleanOptionalAction, default=True,
+                        help="cpu backend: run on fewer of the --threads while other work holds the CPUs, on all again once it is gone "
+                             "(default on; see docs/backends.md)")
     parser.add_argument("--no-cpu-kernels", action="store_true", help="cpu backend: run the layers in plain torch ops instead of the fused C++ kernels (for comparison)")
     parser.add_argument("--no-amx-linears", action="store_true",
                         help="cpu backend: keep decode-sized bf16 linears on oneDNN instead of AMX, which holds a second copy of the weights")
@@ -122,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     # thread alive, 37 ms without).
     from stageserve.device.backends import create_backend
 
-    backend = create_backend("cpu", args.threads, on_caller=True)
+    backend = create_backend("cpu", args.threads, on_caller=True, adaptive_threads=args.adaptive_threads)
     core = backend.serve_while(lambda: _load(args, model_path, server, tracer, metrics, backend))
     if isinstance(core, int):
         return core

@@ -92,8 +92,10 @@ def _comparison(sub, name: str, help_text: str) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run the load generator or the chosen comparison; 0 on success, 1 if requests failed, 2 on bad flags."""
     import os
+    import signal
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # a comparison's finally blocks then stop the servers it started
     try:
         if args.comparison:
             print(_run_comparison(args))
@@ -102,6 +104,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _exit_on_sigterm(_signum, _frame) -> None:
+    raise SystemExit(143)
 
 
 def _run_load(args: argparse.Namespace) -> int:
@@ -173,7 +179,7 @@ def _run_comparison(args: argparse.Namespace) -> str:
     if args.comparison == "compare-prefix-cache":
         from stageserve.bench.prefix_cache import compare_prefix_cache
 
-        return compare_prefix_cache(common, args.compare_streams, args.system_tokens, llama_server_program(args.llama_server))
+        return compare_prefix_cache(common, args.compare_streams, args.system_tokens, llama_server=llama_server_program(args.llama_server))
     if args.comparison == "compare-peers":
         return compare.compare_peers(common, args.compare_streams)
     if args.comparison == "compare-weights":
