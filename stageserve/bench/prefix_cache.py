@@ -94,7 +94,7 @@ def compare_prefix_cache(common: Common, streams: int, system_tokens: int = 1500
             results: dict[str, dict[str, list]] = {}
             for round_ in range(repeats):
                 for label, load in [*[(f"shared prompt, {k}", v) for k, v in loads.items()], (f"no shared prefix, {streams} streams", None)]:
-                    for k, side in enumerate(sides):
+                    for k, side in enumerate(sides if round_ % 2 == 0 else sides[::-1]):  # no side always first
                         if load is None:  # fresh prompts: a prompt another run sent would hit
                             seed = common.seed + 100 * round_ + k
                             workload, load_now = Workload(_distinct_prompts(common.input_len, 2 * streams, seed), shape, seed), Load(streams=streams, requests=2 * streams)
