@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 
+from stageserve.security.tls import TlsFiles, dial
 from stageserve.v1 import common_pb2, prepare_pb2, prepare_pb2_grpc
 
 
@@ -37,9 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def open_channel(target: str, tls_ca: Path | None = None) -> grpc.Channel:
     """A channel to prepare: TLS trusting ``tls_ca`` when given, else plaintext."""
-    if tls_ca is None:
-        return grpc.insecure_channel(target)
-    return grpc.secure_channel(target, grpc.ssl_channel_credentials(tls_ca.read_bytes()))
+    return dial(target, TlsFiles(None, None, tls_ca) if tls_ca else None)
 
 
 def key_metadata(api_key: str) -> list[tuple[str, str]] | None:

@@ -31,8 +31,8 @@ from stageserve.prepare.early_aborts import caller_of
 from stageserve.prepare.error_details import abort_rpc
 from stageserve.prepare.errors import RequestError
 from stageserve.prepare.frontend import GenerationFrontend, Submission
-from stageserve.prepare.router import DeviceFigures
 from stageserve.prepare.limits import check_tokenize_bounds
+from stageserve.prepare.router import DeviceFigures
 from stageserve.prepare.validation import tokenize_prompt, validate_request_id
 from stageserve.security.guard import current_principal
 from stageserve.v1 import prepare_pb2, prepare_pb2_grpc, reclaim_pb2
