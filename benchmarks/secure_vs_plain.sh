@@ -37,10 +37,9 @@ done
 PLAIN_TARGET=(--target 127.0.0.1:51051)
 SECURE_TARGET=(--target 127.0.0.1:52051 --tls-ca "$OUT/tls/ca.crt" --api-key "$KEY")
 LOAD=(--streams "$STREAMS" --requests "$REQUESTS" --output-len "$OUTPUT_LEN" --no-progress)
-for target in PLAIN_TARGET SECURE_TARGET; do  # warm-up
-    declare -n args=$target
-    stageserve bench "${args[@]}" --streams 2 --requests 4 --output-len 8 --no-progress > /dev/null
-done
+WARM_UP=(--streams 2 --requests 4 --output-len 8 --no-progress)
+stageserve bench "${PLAIN_TARGET[@]}" "${WARM_UP[@]}" > /dev/null
+stageserve bench "${SECURE_TARGET[@]}" "${WARM_UP[@]}" > /dev/null
 for i in $(seq "$REPEATS"); do
     stageserve bench "${PLAIN_TARGET[@]}" "${LOAD[@]}" --json "$OUT/plain-$i.json" > /dev/null
     stageserve bench "${SECURE_TARGET[@]}" "${LOAD[@]}" --json "$OUT/secure-$i.json" > /dev/null
