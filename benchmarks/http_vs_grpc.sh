@@ -23,26 +23,4 @@ for i in $(seq "$REPEATS"); do
     stageserve bench --target 127.0.0.1:51051 "${LOAD[@]}" --json "$OUT/grpc-$i.json" > /dev/null
     stageserve bench --openai http://127.0.0.1:18000/v1 "${LOAD[@]}" --json "$OUT/http-$i.json" > /dev/null
 done
-python3 - "$OUT" <<'EOF'
-import json, statistics, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-def runs(api):
-    return [json.loads(p.read_text()) for p in sorted(out.glob(f"{api}-*.json"))]
-def median(reports, *keys):
-    values = []
-    for report in reports:
-        for key in keys:
-            report = report[key]
-        values.append(report)
-    return statistics.median(values)
-grpc, http = runs("grpc"), runs("http")
-print(f"{len(grpc)} runs each; medians; raw reports in {out}")
-print(f"{'':24}{'gRPC':>10}{'HTTP':>10}{'HTTP/gRPC':>11}")
-for label, keys in (("output tokens/s", ("output_tokens_per_s",)), ("TTFT p50 ms", ("ttft_ms", "p50")),
-                    ("TTFT p99 ms", ("ttft_ms", "p99")), ("e2e p50 ms", ("e2e_ms", "p50"))):
-    g, h = median(grpc, *keys), median(http, *keys)
-    print(f"{label:24}{g:>10.1f}{h:>10.1f}{h / g:>11.3f}")
-failed = sum(r["requests"]["failed"] for r in grpc + http)
-print(f"failed requests: {failed}")
-EOF
+python3 "$(dirname "$0")/side_by_side.py" "$OUT" grpc http

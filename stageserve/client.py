@@ -2,17 +2,21 @@
 
 Prints text as it arrives on stdout, then usage and timing on stderr: time to first token (TTFT),
 mean inter-token latency (ITL) and tokens/s. On a gRPC error it prints the status code name and
-message and exits with 1.
+message and exits with 1. ``--tls-ca`` connects over TLS (trusting that CA); ``--api-key`` (or the
+``STAGESERVE_API_KEY`` environment variable) is sent as ``authorization: Bearer KEY``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
 import grpc
 
+from stageserve.security.tls import TlsFiles, dial
 from stageserve.v1 import common_pb2, prepare_pb2, prepare_pb2_grpc
 
 
@@ -27,6 +31,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=_seed, default=None, help="0 to 2**64-1; same seed + prompt = same text")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    parser.add_argument("--tls-ca", type=Path, default=None, metavar="PEM", help="connect over TLS, trusting this CA bundle")
+    parser.add_argument("--api-key", default=os.environ.get("STAGESERVE_API_KEY", ""),
+                        help="API key, sent as 'authorization: Bearer KEY' (default: $STAGESERVE_API_KEY)")
+
+
+def open_channel(target: str, tls_ca: Path | None = None) -> grpc.Channel:
+    """A channel to prepare: TLS trusting ``tls_ca`` when given, else plaintext."""
+    return dial(target, TlsFiles(None, None, tls_ca) if tls_ca else None)
+
+
+def key_metadata(api_key: str) -> list[tuple[str, str]] | None:
+    """The call metadata that carries ``api_key`` (``None`` without one)."""
+    return [("authorization", f"Bearer {api_key}")] if api_key else None
 
 
 def _seed(text: str) -> int:
@@ -50,15 +67,16 @@ def build_request(args: argparse.Namespace) -> prepare_pb2.GenerateRequest:
     return request
 
 
-def stream(target: str, request: prepare_pb2.GenerateRequest, timeout_s: float | None = None) -> int:
+def stream(target: str, request: prepare_pb2.GenerateRequest, timeout_s: float | None = None, tls_ca: Path | None = None,
+           api_key: str = "") -> int:
     """Stream ``request`` to stdout; print usage and timing to stderr. Returns the exit code."""
     start = time.perf_counter()
     arrivals: list[float] = []
     last = None
-    with grpc.insecure_channel(target) as channel:
+    with open_channel(target, tls_ca) as channel:
         stub = prepare_pb2_grpc.GenerationStub(channel)
         try:
-            for chunk in stub.GenerateStream(request, timeout=timeout_s):
+            for chunk in stub.GenerateStream(request, timeout=timeout_s, metadata=key_metadata(api_key)):
                 now = time.perf_counter()
                 arrivals.extend([now] * len(chunk.token_ids))
                 sys.stdout.write(chunk.text)
@@ -81,14 +99,14 @@ def stream(target: str, request: prepare_pb2.GenerateRequest, timeout_s: float |
     return 0
 
 
-def stream_chat(target: str, message: str) -> int:
+def stream_chat(target: str, message: str, tls_ca: Path | None = None, api_key: str = "") -> int:
     """Stream a greedy chat answer to one user message (what ``make run`` shows)."""
     request = prepare_pb2.GenerateRequest(messages=[prepare_pb2.ChatMessage(role="user", content=message)], temperature=0.0)
-    return stream(target, request)
+    return stream(target, request, tls_ca=tls_ca, api_key=api_key)
 
 
 def run(args: argparse.Namespace) -> int:
     if bool(args.prompt) == bool(args.chat):
         print("error: give either a prompt or --chat TEXT (one of them)", file=sys.stderr)
         return 2
-    return stream(args.target, build_request(args), args.timeout)
+    return stream(args.target, build_request(args), args.timeout, args.tls_ca, args.api_key)

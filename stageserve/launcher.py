@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stageserve.metrics_http import metrics_port_file
+from stageserve.security.tls import TlsFiles, dial
 
 SERVICE_NAMES = {
     "prepare": "stageserve.v1.Generation",
@@ -56,10 +57,13 @@ class ServiceProcess:
         workdir: folder for the port file.
         port: port to bind (0 = ephemeral).
         log_path: file that receives the process's stdout and stderr; None = inherit ours.
+        tls: the TLS files the launcher checks readiness with (the service's ``--tls-*``); None = plaintext.
     """
 
-    def __init__(self, role: str, args: list[str], workdir: Path, port: int = 0, log_path: Path | None = None) -> None:
+    def __init__(self, role: str, args: list[str], workdir: Path, port: int = 0, log_path: Path | None = None,
+                 tls: TlsFiles | None = None) -> None:
         self.role = role
+        self.tls = tls
         self.port_file = workdir / f"{role}.port"
         self.port_file.unlink(missing_ok=True)
         metrics_port_file(self.port_file).unlink(missing_ok=True)
@@ -136,7 +140,7 @@ class ServiceProcess:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.address) as channel:
+        with dial(self.address, self.tls) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             request = health_pb2.HealthCheckRequest(service=SERVICE_NAMES[self.role])
             while time.monotonic() < deadline:
@@ -198,12 +202,16 @@ def start_pipeline(
     ports: tuple[int, int, int] = (0, 0, 0),
     log_dir: Path | None = None,
     ready_timeout_s: float = 300.0,
+    tls: TlsFiles | None = None,
 ) -> Pipeline:
     """Start device, reclaim and prepare; return once all three are ready.
 
     Args:
         ports: (prepare, device, reclaim) ports; 0 = ephemeral.
         log_dir: where each service's log goes (``ROLE.log``); None = inherit our stdout/stderr.
+        tls: every service gets these ``--tls-cert``/``--tls-key``/``--tls-ca`` (one certificate
+            for all three, valid for ``127.0.0.1``); readiness is checked over mutual TLS with them.
+            None = plaintext.
 
     Raises:
         RuntimeError: a service exited or was not ready in time; every started process is stopped first.
@@ -212,16 +220,19 @@ def start_pipeline(
         return log_dir / f"{role}.log" if log_dir else None
 
     prepare_port, device_port, reclaim_port = ports
+    tls_args = [] if tls is None else ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-ca", str(tls.ca)]
     started: list[ServiceProcess] = []
     try:
-        device = ServiceProcess("device", list(device_args), workdir, device_port, log("device")).start()
+        device = ServiceProcess("device", [*tls_args, *device_args], workdir, device_port, log("device"), tls).start()
         started.append(device)
         device.wait_port(ready_timeout_s)
-        reclaim = ServiceProcess("reclaim", ["--device", device.address, *reclaim_args], workdir, reclaim_port, log("reclaim")).start()
+        reclaim = ServiceProcess("reclaim", ["--device", device.address, *tls_args, *reclaim_args], workdir, reclaim_port,
+                                 log("reclaim"), tls).start()
         started.append(reclaim)
         reclaim.wait_port(ready_timeout_s)
         prepare = ServiceProcess(
-            "prepare", ["--device", device.address, "--reclaim", reclaim.address, *prepare_args], workdir, prepare_port, log("prepare")
+            "prepare", ["--device", device.address, "--reclaim", reclaim.address, *tls_args, *prepare_args], workdir, prepare_port,
+            log("prepare"), tls,
         ).start()
         started.append(prepare)
         prepare.wait_port(ready_timeout_s)
@@ -258,6 +269,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port-base", default="9101", metavar="PORT|0|off",
                         help="Prometheus ports: prepare PORT, device PORT+1, reclaim PORT+2 (default %(default)s); "
                              "0 = ephemeral ports (printed once ready); off = no metrics")
+    parser.add_argument("--tls-cert", type=Path, default=None, metavar="PEM",
+                        help="every service serves TLS with this certificate (valid for 127.0.0.1) and the three talk over"
+                             " mutual TLS with it; needs --tls-key and --tls-ca (default: plaintext)")
+    parser.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="the private key of --tls-cert")
+    parser.add_argument("--tls-ca", type=Path, default=None, metavar="PEM", help="the CA bundle that signed --tls-cert")
+    parser.add_argument("--api-keys-file", type=Path, default=None, metavar="PATH",
+                        help="prepare's API keys (see stageserve prepare --help); default: none, the API is open")
+    parser.add_argument("--api-key", default="", help="with --chat and --api-keys-file: the key to send")
     parser.add_argument("--chat", default="", help="once ready, stream the answer to this chat message")
     parser.add_argument("--once", action="store_true", help="with --chat: stop the services after the answer")
 
@@ -278,22 +297,35 @@ def _service_args(args: argparse.Namespace) -> tuple[list[str], list[str], list[
     prepare_metrics, device_metrics, reclaim_metrics = _metrics_ports(args.metrics_port_base)
     device = [*common, "--metrics-port", device_metrics, "--dtype", args.dtype, "--backend", args.backend, "--dispatch", args.dispatch,
               "--pipeline-depth", str(args.pipeline_depth)]
-    return device, [*common, "--metrics-port", reclaim_metrics], [*common, "--metrics-port", prepare_metrics, "--http-port", args.http_port]
+    keys = ["--api-keys-file", str(args.api_keys_file)] if args.api_keys_file else []
+    return (device, [*common, "--metrics-port", reclaim_metrics],
+            [*common, "--metrics-port", prepare_metrics, "--http-port", args.http_port, *keys])
+
+
+def _tls(args: argparse.Namespace) -> TlsFiles | None:
+    """``up``'s TLS files, ``None`` for plaintext. Raises SystemExit when only some are given."""
+    given = [args.tls_cert, args.tls_key, args.tls_ca]
+    if not any(given):
+        return None
+    if not all(given):
+        raise SystemExit("error: --tls-cert, --tls-key and --tls-ca go together (one certificate for all three services)")
+    return TlsFiles(*given)
 
 
 def _raise_keyboard_interrupt(_signum, _frame) -> None:
     raise KeyboardInterrupt
 
 
-def _print_ready(pipeline: Pipeline) -> None:
+def _print_ready(pipeline: Pipeline, tls: TlsFiles | None) -> None:
     metrics = ", ".join(f"{p.role} http://127.0.0.1:{p.metrics_port}/metrics" for p in pipeline.processes if p.metrics_port)
+    scheme, transport = ("https", f"-cacert {tls.ca}") if tls else ("http", "-plaintext")
     print(
         f"ready: prepare (Generation API) {pipeline.prepare.address}, device {pipeline.device.address}, "
-        f"reclaim {pipeline.reclaim.address}\n"
+        f"reclaim {pipeline.reclaim.address} ({'mutual TLS' if tls else 'plaintext'})\n"
         f"  metrics: {metrics or 'off'}\n"
-        f"  OpenAI-compatible API: {f'http://127.0.0.1:{pipeline.prepare.http_port}/v1' if pipeline.prepare.http_port else 'off'}\n"
-        f"  try: stageserve generate --target {pipeline.prepare.address} --chat \"Tell me a joke\"\n"
-        f"       grpcurl -plaintext {pipeline.prepare.address} list\n"
+        f"  OpenAI-compatible API: {f'{scheme}://127.0.0.1:{pipeline.prepare.http_port}/v1' if pipeline.prepare.http_port else 'off'}\n"
+        f"  try: stageserve generate --target {pipeline.prepare.address}{f' --tls-ca {tls.ca}' if tls else ''} --chat \"Tell me a joke\"\n"
+        f"       grpcurl {transport} {pipeline.prepare.address} list\n"
         "Ctrl-C stops all three.",
         file=sys.stderr, flush=True,
     )
@@ -311,6 +343,7 @@ def run(args: argparse.Namespace) -> int:
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
     device_args, reclaim_args, prepare_args = _service_args(args)
+    tls = _tls(args)
     # While starting, Ctrl-C or SIGTERM interrupts start_pipeline, which stops what it started.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     with tempfile.TemporaryDirectory(prefix="stageserve-up-ports-") as ports_dir:
@@ -318,7 +351,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"starting device, reclaim and prepare (loading the model and warming up){logs}...", file=sys.stderr, flush=True)
         try:
             pipeline = start_pipeline(Path(ports_dir), device_args=device_args, reclaim_args=reclaim_args, prepare_args=prepare_args,
-                                      ports=(args.port, args.device_port, args.reclaim_port), log_dir=log_dir)
+                                      ports=(args.port, args.device_port, args.reclaim_port), log_dir=log_dir, tls=tls)
         except KeyboardInterrupt:
             print("interrupted while starting; the services are stopped", file=sys.stderr)
             return 130
@@ -329,8 +362,8 @@ def run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         try:
-            _print_ready(pipeline)
-            code = client.stream_chat(pipeline.prepare.address, args.chat) if args.chat else 0
+            _print_ready(pipeline, tls)
+            code = client.stream_chat(pipeline.prepare.address, args.chat, tls and tls.ca, args.api_key) if args.chat else 0
             if args.chat and args.once:
                 return code
             while not stop.wait(0.5):

@@ -19,6 +19,11 @@ Given the service's :class:`~stageserve.tracing.Tracer`, the server also serves
 ``stageserve.v1.Admin`` (``StartProfile`` / ``StopProfile``, see :mod:`stageserve.profiling`) and
 writes a window still recording at shutdown (``--trace-dir``). The flags every service shares are
 defined once, in :func:`add_service_arguments`.
+
+Security (:mod:`stageserve.security`): every server runs the guard interceptor (undecodable
+requests get ``INVALID_ARGUMENT``; access classes per service); the listener is plaintext or TLS
+(mutual TLS where the service serves internal RPCs); ``--health-port`` adds a plaintext server
+with the health service alone, for probes that cannot do TLS.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import asyncio
 import inspect
 import logging
 import signal
+import tempfile
 import threading
 from collections.abc import Mapping
 from concurrent import futures
@@ -40,6 +46,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from stageserve.logs import LOG_FORMATS, JsonFormatter, TextFormatter
 from stageserve.profiling import ADMIN_SERVICE_NAME, ProfileServicer
 from stageserve.reflection import enable_reflection
+from stageserve.security.config import ServiceSecurity, add_security_arguments
+from stageserve.security.guard import AioGuardInterceptor, SyncGuardInterceptor
 from stageserve.tracing import Tracer
 from stageserve.v1 import admin_pb2_grpc
 
@@ -59,11 +67,18 @@ GRPC_OPTIONS = [
 ]
 # Servers accept those pings: by default they answer pings more often than every 5 min with a
 # GOAWAY ("too_many_pings") and the connection drops.
-SERVER_OPTIONS = [
-    *GRPC_OPTIONS,
+_PING_OPTIONS = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
+HEALTH_PORT_SUFFIX = ".health-port"
+
+
+def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, object]]:
+    """A server's channel options; a larger message than ``max_receive_bytes`` is refused by grpc
+    with ``RESOURCE_EXHAUSTED`` before it is decoded."""
+    limit = "grpc.max_receive_message_length"
+    return [(name, max_receive_bytes if name == limit else value) for name, value in GRPC_OPTIONS] + _PING_OPTIONS
 
 
 class ServiceServer:
@@ -79,6 +94,9 @@ class ServiceServer:
             recording is written after the drain at shutdown.
         profile_peers: service name -> ``HOST:PORT`` that ``StartProfile``/``StopProfile`` are
             forwarded to (prepare: its device and reclaim).
+        security: TLS, access policy and health port (default: plaintext, open, no health port).
+        max_receive_bytes: the largest request message accepted (``RESOURCE_EXHAUSTED`` beyond).
+        profile_dir: the folder ``StartProfile`` windows go under (by name); ``None``: StartProfile is refused.
 
     Raises:
         RuntimeError: the address could not be bound.
@@ -93,19 +111,26 @@ class ServiceServer:
         port_file: Path | None = None,
         tracer: Tracer | None = None,
         profile_peers: Mapping[str, str] | None = None,
+        security: ServiceSecurity | None = None,
+        max_receive_bytes: int = MAX_MESSAGE_BYTES,
+        profile_dir: Path | None = None,
     ) -> None:
         self.service_name = service_name
-        self.server, self.health = self._call(self._new_server, futures.ThreadPoolExecutor(max_workers=max_workers))
+        self.security = security or ServiceSecurity()
+        pool = futures.ThreadPoolExecutor(max_workers=max_workers)
+        self.server, self.health = self._call(self._new_server, pool, server_options(max_receive_bytes))
         self._call(health_pb2_grpc.add_HealthServicer_to_server, self.health, self.server)
         self._tracer = tracer
         if tracer is not None:
-            self._call(admin_pb2_grpc.add_AdminServicer_to_server, ProfileServicer(tracer, profile_peers), self.server)
+            profiler = ProfileServicer(tracer, profile_dir, profile_peers, tls=self.security.tls)
+            self._call(admin_pb2_grpc.add_AdminServicer_to_server, profiler, self.server)
         self._port_file = port_file
         self._host = host
-        try:
-            self.port = self._call(self.server.add_insecure_port, f"{host}:{port}")
-        except RuntimeError as exc:
-            raise RuntimeError(f"cannot listen on {host}:{port}: {exc}") from exc
+        self.port = self._call(self._listen, self.server, host, port, self.security)
+        self.health_server, self.health_port = None, None
+        if self.security.health_port is not None:
+            self.health_server = self._call(self._new_health_server, pool)
+            self.health_port = self._call(self._listen, self.health_server, host, self.security.health_port, None)
         self._stop_requested = threading.Event()
 
     def add_servicer(self, add_fn: Callable[[object, grpc.Server], None], servicer: object) -> None:
@@ -119,11 +144,15 @@ class ServiceServer:
         self._call(self.health.set, "", health_pb2.HealthCheckResponse.SERVING)
         self._call(self.health.set, self.service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._call(self.server.start)
+        if self.health_server is not None:
+            self._call(self.health_server.start)
         if self._port_file is not None:
-            tmp = self._port_file.with_suffix(".tmp")
-            tmp.write_text(str(self.port))
-            tmp.replace(self._port_file)  # atomic: a reader never sees a partial number
-        log.info("%s listening on %s:%d", self.service_name, self._host, self.port)
+            _write_port(self._port_file, self.port)
+            if self.health_port is not None:
+                _write_port(self._port_file.with_suffix(HEALTH_PORT_SUFFIX), self.health_port)
+        log.info("%s listening on %s:%d (%s)", self.service_name, self._host, self.port, self.security.describe())
+        if self.health_port is not None:
+            log.info("health only, plaintext, on %s:%d", self._host, self.health_port)
 
     def set_ready(self, ready: bool) -> None:
         """Set readiness (the service name's health status). Never waits for the server's threads:
@@ -135,6 +164,8 @@ class ServiceServer:
         """Health NOT_SERVING for good, then stop the server: new RPCs are refused, running ones get
         ``grace_s`` seconds (``None``: none) before they are cancelled. Returns once stopped."""
         self._call(self.health.enter_graceful_shutdown)
+        if self.health_server is not None:
+            self.health_server.stop(None)
         self.server.stop(grace_s).wait()
 
     def request_stop(self) -> None:
@@ -170,9 +201,27 @@ class ServiceServer:
         self.stop(grace_s)
         log.info("%s: stopped", self.service_name)
 
-    def _new_server(self, pool: futures.ThreadPoolExecutor) -> tuple[Any, Any]:
+    def _new_server(self, pool: futures.ThreadPoolExecutor, options: list) -> tuple[Any, Any]:
         """The gRPC server and its health servicer; ``pool`` runs the RPC handlers."""
-        return grpc.server(pool, options=SERVER_OPTIONS), health.HealthServicer(experimental_non_blocking=True)
+        server = grpc.server(pool, options=options, interceptors=[SyncGuardInterceptor(self.security.policy)])
+        return server, health.HealthServicer(experimental_non_blocking=True)
+
+    def _new_health_server(self, pool: futures.ThreadPoolExecutor) -> Any:
+        """The plaintext server of ``--health-port``: the same health servicer, nothing else."""
+        server = grpc.server(pool, options=server_options(), interceptors=[SyncGuardInterceptor(self.security.policy)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        return server
+
+    @staticmethod
+    def _listen(server: Any, host: str, port: int, security: ServiceSecurity | None) -> int:
+        """Bind ``server`` (TLS per ``security``; ``None``: plaintext); the bound port. Raises RuntimeError."""
+        address = f"{host}:{port}"
+        try:
+            if security is not None and security.tls is not None and security.tls.serves_tls:
+                return server.add_secure_port(address, security.tls.server_credentials(security.require_client_cert))
+            return server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise RuntimeError(f"cannot listen on {address}: {exc}") from exc
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` where the server's objects may be used (here: any thread)."""
@@ -220,12 +269,20 @@ class AioServiceServer(ServiceServer):
     def stop(self, grace_s: float | None) -> None:
         """As :meth:`ServiceServer.stop`, then end the event loop and its thread."""
         self._call(self.health.enter_graceful_shutdown)
+        if self.health_server is not None:
+            self._call(self.health_server.stop, None)
         self._call(self.server.stop, grace_s)
         self._stop_loop()
 
-    def _new_server(self, pool: futures.ThreadPoolExecutor) -> tuple[Any, Any]:
+    def _new_server(self, pool: futures.ThreadPoolExecutor, options: list) -> tuple[Any, Any]:
         self.loop.set_default_executor(pool)
-        return grpc.aio.server(pool, options=SERVER_OPTIONS), health.aio.HealthServicer()
+        server = grpc.aio.server(pool, options=options, interceptors=[AioGuardInterceptor(self.security.policy)])
+        return server, health.aio.HealthServicer()
+
+    def _new_health_server(self, pool: futures.ThreadPoolExecutor) -> Any:
+        server = grpc.aio.server(pool, options=server_options(), interceptors=[AioGuardInterceptor(self.security.policy)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        return server
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the loop (awaited there if it returns an awaitable); blocks until done.
@@ -294,8 +351,23 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_port: int, de
                        help="on SIGTERM, how long in-flight work may take before it is failed (default %(default)s)")
     group.add_argument("--trace-dir", type=Path, default=None, metavar="DIR",
                        help="record a Chrome trace from start-up, written to DIR at shutdown (or by Admin.StopProfile)")
+    group.add_argument("--profile-dir", type=Path, default=None, metavar="DIR",
+                       help="the folder Admin.StartProfile windows go under, in a subfolder the caller names"
+                            " (default: --trace-dir if given, else <temp>/stageserve-profiles)")
     group.add_argument("--metrics-port", type=_metrics_port, default=default_metrics_port, metavar="PORT",
                        help="Prometheus /metrics port; 0 = ephemeral, off = none (default %(default)s)")
+    add_security_arguments(parser, _port)
+
+
+def profile_dir(args: argparse.Namespace) -> Path:
+    """Where ``StartProfile`` windows go: ``--profile-dir``, else ``--trace-dir``, else ``<temp>/stageserve-profiles``."""
+    return args.profile_dir or args.trace_dir or Path(tempfile.gettempdir()) / "stageserve-profiles"
+
+
+def _write_port(path: Path, port: int) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(str(port))
+    tmp.replace(path)  # atomic: a reader never sees a partial number
 
 
 def _port(text: str) -> int:

@@ -15,7 +15,8 @@ import uuid
 from pathlib import Path
 
 from stageserve.model_files import EMBEDDED_MODEL_NAME, resolve_model_path
-from stageserve.server import add_service_arguments, configure_logging
+from stageserve.security.config import ServiceSecurity
+from stageserve.server import add_service_arguments, configure_logging, profile_dir
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         model_path = resolve_model_path(args.model)
-    except FileNotFoundError as exc:
+        security = ServiceSecurity.from_args(args, serves_internal=True)
+    except (FileNotFoundError, ValueError) as exc:
         log.error("%s", exc)
         return 2
 
@@ -105,14 +107,15 @@ def run(args: argparse.Namespace) -> int:
     # 1. Listen at once, NOT_SERVING, so orchestrators see a live process while the model loads.
     tracer = Tracer("device")
     metrics = DeviceMetrics(CollectorRegistry(), args.dispatch)
-    server = ServiceServer(service.SERVICE_NAME, args.host, args.port, port_file=args.port_file, tracer=tracer)
-    servicer = service.DeviceServicer()
-    server.add_servicer(device_pb2_grpc.add_DeviceServicer_to_server, servicer)
     try:
+        server = ServiceServer(service.SERVICE_NAME, args.host, args.port, port_file=args.port_file, tracer=tracer, security=security,
+                               profile_dir=profile_dir(args))
         start_metrics_server(metrics.registry, args.host, args.metrics_port, args.port_file)
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:
         log.error("%s", exc)
         return 2
+    servicer = service.DeviceServicer()
+    server.add_servicer(device_pb2_grpc.add_DeviceServicer_to_server, servicer)
     server.start([service.SERVICE_NAME])
     if args.backend != "cpu":
         core = _load(args, model_path, server, tracer, metrics)

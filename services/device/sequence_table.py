@@ -5,8 +5,16 @@ Two halves with different owners:
 - Host metadata, read and written only by the submitting thread at submit time (`admit`, which
   returns the step as an `AdmittedStep`):
   generation, "started and not finished", "a sampling row has been submitted" (so a placeholder
-  can be resolved), block tables, how many tokens each sequence has sampled, and per-sequence
-  sampling stage flags. `admit` checks a step against it and commits the step atomically.
+  can be resolved), block tables, how many live block tables hold each KV block, how many tokens
+  each sequence has sampled, and per-sequence sampling stage flags. `admit` checks a step against
+  it and commits the step atomically.
+
+Ownership: the device accepts from its prepare only what that prepare itself set up. A row names a
+sequence started on this stream with its current generation; a ``SequenceStart`` names a free
+index; and a row *writes* (positions ``start_pos .. start_pos + num_tokens - 1``) only KV blocks
+no other live sequence holds. Blocks shared by the prefix cache are held by several sequences but
+only read: their writer finished them before they were shared. A block freed by a sequence listed
+in the same plan's ``finished`` counts as free (prepare hands it on in that plan).
 - Device tensors, written only inside a step's device work (stream order, or the CPU compute
   thread), so a write never races a step still in flight: the last sampled token per sequence,
   the sampling parameters packed as ``[fields, N]`` tensors (a step's `SamplingTensors` is one
@@ -94,6 +102,7 @@ class SequenceTable:
         self._active = [False] * n
         self._has_token = [False] * n
         self._block_tables: list[list[int]] = [[] for _ in range(n)]
+        self._holders: dict[int, int] = {}  # KV block id -> live block tables holding it
         self._num_sampled = [0] * n
         self._flags = [0] * n
         self._top_logprobs = [0] * n
@@ -113,14 +122,18 @@ class SequenceTable:
 
         Raises:
             PlanError: a row names a sequence that is not started or with a stale generation, a
-                placeholder has no sampled token to stand for (or sits in a multi-token row), or a
-                block table is too short for the row's tokens. The message names row and field.
+                placeholder has no sampled token to stand for (or sits in a multi-token row), a
+                block table is too short for the row's tokens, a start names a live sequence, or a
+                row writes a KV block another live sequence holds. The message names row and field.
         """
         self._check(step)
         return self._commit(step)
 
     def _check(self, step: Step) -> None:
         started = {s.seq_index: s for s in step.started}
+        for seq in started:
+            if self._active[seq]:
+                raise PlanError(f"step {step.step_id}: started[seq_index={seq}]: the sequence is live; list it in finished first")
         token_ids, num_tokens, num_new_blocks = step.token_ids, step.num_tokens, step.num_new_blocks
         offset = 0
         for row, (seq, generation) in enumerate(zip(step.seq_index, step.generation)):
@@ -147,16 +160,42 @@ class SequenceTable:
                     f"start_pos + num_tokens = {step.start_pos[row] + n} tokens; append blocks with new_block_ids"
                 )
             offset += n
+        self._check_writes(step, set(started))
+
+    def _check_writes(self, step: Step, started: set[int]) -> None:
+        """Refuse a row that writes a KV block another live sequence holds (see the module docstring)."""
+        appended: dict[int, int] = {}  # block -> times this step appends it
+        for block in step.new_block_ids:
+            appended[block] = appended.get(block, 0) + 1
+        released: dict[int, int] = {}  # block -> tables of this step's finished sequences (without rows) holding it
+        for seq in set(step.finished).difference(step.seq_index):
+            if self._active[seq]:
+                for block in self._block_tables[seq]:
+                    released[block] = released.get(block, 0) + 1
+        offset, holders, size = 0, self._holders, self.block_size
+        for row, seq in enumerate(step.seq_index):
+            table = () if seq in started else self._block_tables[seq]
+            new = step.new_block_ids[offset : offset + step.num_new_blocks[row]]
+            offset += len(new)
+            start = step.start_pos[row]
+            for index in range(start // size, (start + step.num_tokens[row] - 1) // size + 1):  # the blocks the row writes
+                block = table[index] if index < len(table) else new[index - len(table)]
+                if holders.get(block, 0) + appended.get(block, 0) - released.get(block, 0) > 1:
+                    raise PlanError(f"step {step.step_id} row {row} (seq_index {seq}): writes KV block {block}, which another live"
+                                    " sequence holds; give the row a block of its own")
 
     def _commit(self, step: Step) -> AdmittedStep:
         for start in step.started:
             self._start(start)
         tables, new_blocks = self._block_tables, step.new_block_ids
         offset = 0
+        holders = self._holders
         for seq, count in zip(step.seq_index, step.num_new_blocks):
             if count:
                 tables[seq].extend(new_blocks[offset : offset + count])
                 offset += count
+        for block in new_blocks:
+            holders[block] = holders.get(block, 0) + 1
         sampled = step.sampled_seq_index
         admitted = AdmittedStep(
             step=step,
@@ -169,6 +208,12 @@ class SequenceTable:
             self._has_token[seq] = True
             self._num_sampled[seq] += 1
         for seq in step.finished:
+            if self._active[seq]:
+                for block in tables[seq]:
+                    if holders[block] == 1:
+                        del holders[block]
+                    else:
+                        holders[block] -= 1
             self._active[seq] = False
             tables[seq] = []  # a new list: rows of this step keep the old one
         return admitted
@@ -178,7 +223,7 @@ class SequenceTable:
         self._generation[seq] = start.generation
         self._active[seq] = True
         self._has_token[seq] = False
-        self._block_tables[seq] = []
+        self._block_tables[seq] = []  # the index was free (`_check`): its old table's blocks are released
         self._num_sampled[seq] = 0
         self._top_logprobs[seq] = params.logprobs
         greedy = is_greedy(params.temperature, params.top_k)

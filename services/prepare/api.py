@@ -13,7 +13,9 @@ the request in the scheduler, which frees its KV blocks. A request ends with exa
 message: its last chunk (finish reason, usage) or a gRPC status sent through ``context.abort``.
 The handler feeds each event to the request's :class:`~stageserve.prepare.metrics.RequestObserver`
 just before forwarding it (TTFT, ITL, e2e, ``request.*`` trace events); refused requests are
-counted in ``stageserve_requests_total``.
+counted in ``stageserve_requests_total``. With API keys (``stageserve.security``: the guard
+interceptor has checked the key before a handler runs), a request id is the caller's key's own:
+``Abort`` and the duplicate check see only that key's requests.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from stageserve.prepare.early_aborts import caller_of
 from stageserve.prepare.error_details import abort_rpc
 from stageserve.prepare.errors import RequestError
 from stageserve.prepare.frontend import GenerationFrontend, Submission
+from stageserve.prepare.limits import check_tokenize_bounds
 from stageserve.prepare.router import DeviceFigures
 from stageserve.prepare.validation import tokenize_prompt, validate_request_id
+from stageserve.security.guard import current_principal
 from stageserve.v1 import prepare_pb2, prepare_pb2_grpc, reclaim_pb2
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -67,6 +71,12 @@ def device_status(device: DeviceFigures) -> prepare_pb2.DeviceStatus:
         status.running_requests, status.waiting_requests = device.load.running, device.load.waiting
         status.kv_blocks_cached = device.load.kv_blocks_cached
     return status
+
+
+def _owner() -> str:
+    """The name of the running RPC's API key; "" when the service has no keys."""
+    principal = current_principal()
+    return principal.name if principal is not None else ""
 
 
 class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
@@ -117,7 +127,7 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
     async def Abort(self, request: prepare_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> prepare_pb2.AbortResponse:
         """Abort a running request by id; idempotent (unknown or finished ids give aborted=false). An
         unknown id's abort is kept for a request of this caller that registers within 10 s (``early_aborts.py``)."""
-        return prepare_pb2.AbortResponse(aborted=self._frontend.abort(request.request_id, caller_of(context)))
+        return prepare_pb2.AbortResponse(aborted=self._frontend.abort(request.request_id, caller_of(context), _owner()))
 
     async def Tokenize(self, request: prepare_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> prepare_pb2.TokenizeResponse:
         """Token ids and strings of a prompt or chat, exactly as Generate would see them; INVALID_ARGUMENT for a bad input."""
@@ -158,7 +168,7 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         request_id = request.request_id or header_id or uuid.uuid4().hex
         try:
             await context.send_initial_metadata(((REQUEST_ID_HEADER, validate_request_id(request_id)),))
-            submission = await self._frontend.submit(request, request_id, caller_of(context))
+            submission = await self._frontend.submit(request, request_id, caller_of(context), _owner())
         except RequestError as error:
             await abort_rpc(context, error)
         # Runs once the handler's task is done, however it ended (a finished request is no longer
@@ -168,6 +178,7 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
 
     def _tokenize(self, request: prepare_pb2.TokenizeRequest) -> prepare_pb2.TokenizeResponse:
         """``Tokenize``'s answer (in the executor). Raises RequestError (INVALID_ARGUMENT) for a bad input."""
+        check_tokenize_bounds(request)
         ids = tokenize_prompt(self._tokenizer, prompt=request.prompt, messages=request.messages)
         return prepare_pb2.TokenizeResponse(token_ids=ids, tokens=self._tokenizer.convert_ids_to_tokens(ids), count=len(ids))
 

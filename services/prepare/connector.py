@@ -28,6 +28,7 @@ from stageserve.device_endpoints import DeviceEndpoints, EndpointFollower, Resol
 from stageserve.prepare.engine import Engine
 from stageserve.prepare.session import DeviceSession
 from stageserve.prepare.streams import ReclaimSubscription
+from stageserve.security.tls import TlsFiles, dial
 from stageserve.server import GRPC_OPTIONS
 from stageserve.v1 import reclaim_pb2
 
@@ -46,12 +47,14 @@ class PipelineConnector:
         stall_timeout_s: a sent step not published within this time marks its device stalled (no new requests).
         refresh_s: seconds between DNS lookups of ``dns:///`` entries.
         resolver: ``socket.getaddrinfo`` or a stand-in (tests).
+        tls: the TLS files reclaim and the devices are dialled with (``None``: plaintext).
     """
 
     def __init__(self, endpoints: DeviceEndpoints, reclaim_target: str, new_engine: Callable[[], Engine],
                  on_ready: Callable[[bool], None], step_timeout_s: float, refresh_s: float,
-                 resolver: Resolver = socket.getaddrinfo, stall_timeout_s: float | None = None) -> None:
-        self._reclaim_channel = grpc.insecure_channel(reclaim_target, options=GRPC_OPTIONS)
+                 resolver: Resolver = socket.getaddrinfo, stall_timeout_s: float | None = None, tls: TlsFiles | None = None) -> None:
+        self._tls = tls
+        self._reclaim_channel = dial(reclaim_target, tls, GRPC_OPTIONS)
         self._reclaim_target = reclaim_target
         self._new_engine, self._on_ready, self._step_timeout_s = new_engine, on_ready, step_timeout_s
         self._stall_timeout_s = stall_timeout_s
@@ -103,7 +106,7 @@ class PipelineConnector:
             for address in addresses:
                 if address not in self._sessions:
                     session = DeviceSession(address, self._new_engine(), self._reclaim_up, self._session_changed, self._step_timeout_s,
-                                            self._stall_timeout_s)
+                                            self._stall_timeout_s, tls=self._tls)
                     self._sessions[address] = session
                     session.start()
         self._session_changed()

@@ -7,6 +7,11 @@ A request with ``n > 1`` runs as ``n`` scheduler requests, one per choice, with 
 and the choices differ from one another. Choices placed together each prefill the prompt (a block
 enters the prefix cache only once the step that wrote it is published); a later request reuses it. The choices are
 placed like any request and end independently; the request ends when the last one does.
+
+A request id belongs to the API key that created it (its ``owner``): the scheduler knows it as
+:func:`~stageserve.prepare.validation.scoped_request_id`, so the duplicate check and ``Abort`` see
+only the caller's own ids, and another key's running id is simply unknown. Without keys every
+id is unscoped, as before.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from stageserve.logs import REQUEST_ID
 from stageserve.prepare.errors import RequestError
 from stageserve.prepare.request_handle import LoopWaker, RequestHandle
 from stageserve.prepare.router import DeviceRouter
-from stageserve.prepare.validation import MAX_CHOICES, GenerationRequest, validate_choices, validate_generate_request
+from stageserve.prepare.limits import MAX_CHOICES
+from stageserve.prepare.validation import GenerationRequest, scoped_request_id, validate_choices, validate_generate_request
 from stageserve.v1 import common_pb2, prepare_pb2, reclaim_pb2
 
 log = logging.getLogger(__name__)
@@ -137,23 +143,25 @@ class GenerationFrontend:
         self.tokenizer = tokenizer
         self.waker = waker
 
-    async def submit(self, request: prepare_pb2.GenerateRequest, request_id: str, caller: str = "") -> Submission:
+    async def submit(self, request: prepare_pb2.GenerateRequest, request_id: str, caller: str = "", owner: str = "") -> Submission:
         """Validate ``request`` and place its choices; the caller must call the submission's
         :meth:`Submission.cancel` once its call ends, however it ends. If ``caller`` aborted
         ``request_id`` shortly before (:meth:`abort`), the choices end at once with ``finish_reason`` abort.
+        ``owner``: the name of the API key it came with ("" without keys); the id is that key's.
 
         Raises:
             RequestError: the refusal (``INVALID_ARGUMENT``, ``ALREADY_EXISTS``,
                 ``RESOURCE_EXHAUSTED``, ``UNAVAILABLE``); choices already placed are aborted.
         """
+        scoped_id = scoped_request_id(owner, request_id)
         try:
-            validated, n = await asyncio.get_running_loop().run_in_executor(None, self._validate, request, request_id)
+            validated, n = await asyncio.get_running_loop().run_in_executor(None, self._validate, request, scoped_id)
             # On the loop, with no await until the caller holds the submission: a task cancelled
             # in between would leave choices running for no one.
             handles: list[RequestHandle] = []
             try:
                 for choice in choice_requests(validated, n):
-                    handles.append(self.router.submit(choice, caller, abort_key=request_id))
+                    handles.append(self.router.submit(choice, caller, abort_key=scoped_id))
             except RequestError:
                 for handle in handles:
                     self.router.cancel(handle)
@@ -167,13 +175,14 @@ class GenerationFrontend:
                   extra={REQUEST_ID: request_id})
         return Submission(request_id, handles, self.router)
 
-    def abort(self, request_id: str, caller: str = "") -> bool:
-        """Abort the running request ``request_id`` (all its choices); ``False`` if none runs: then
-        the abort is remembered for ``caller``'s request of that id registering shortly after."""
-        ids = [request_id] + [choice_id(request_id, i) for i in range(MAX_CHOICES)]
+    def abort(self, request_id: str, caller: str = "", owner: str = "") -> bool:
+        """Abort the running request ``request_id`` of ``owner`` (all its choices); ``False`` if none
+        runs: then the abort is remembered for ``caller``'s request of that id registering shortly after."""
+        scoped_id = scoped_request_id(owner, request_id)
+        ids = [scoped_id] + [choice_id(scoped_id, i) for i in range(MAX_CHOICES)]
         if any([self.router.abort(each, remember=False) for each in ids]):  # a list: abort every one
             return True
-        return self.router.abort(request_id, caller)
+        return self.router.abort(scoped_id, caller)
 
     def _validate(self, request: prepare_pb2.GenerateRequest, request_id: str) -> tuple[GenerationRequest, int]:
         """The validated, tokenized request and its ``n`` (in the executor). Raises RequestError when refused."""

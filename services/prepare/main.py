@@ -8,6 +8,9 @@ one device takes requests. The public API is served on ``grpc.aio``: one event l
 readiness NOT_SERVING, new requests refused with ``UNAVAILABLE`` ("server is draining"), in-flight
 requests complete for up to ``--drain-timeout`` seconds, exit 0. ``--http-port`` also serves the
 OpenAI-compatible HTTP API (``openai_api.py``) on the same event loop, through the same frontend.
+Security (``stageserve.security``): ``--api-keys-file`` / ``--admin-keys-file`` make both APIs
+need a key (each key's request ids its own); ``--tls-cert``/``--tls-key`` serve TLS on gRPC and
+HTTP, and with ``--tls-ca`` the device and reclaim are dialled over mutual TLS.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import logging
 
 from stageserve.device_endpoints import add_device_arguments
+from stageserve.security.config import add_key_arguments
 from stageserve.server import add_service_arguments
 
 log = logging.getLogger("stageserve.prepare")
@@ -29,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The prepare service's command-line flags."""
     add_service_arguments(parser, DEFAULT_PORT, DEFAULT_METRICS_PORT)
     add_device_arguments(parser, "127.0.0.1:50052")
+    add_key_arguments(parser)
     parser.add_argument("--reclaim", default="127.0.0.1:50053", metavar="HOST:PORT", help="the reclaim service (default: %(default)s)")
     parser.add_argument("--model", default="", metavar="PATH",
                         help="tokenizer source: a .gguf file or a Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
@@ -64,10 +69,12 @@ def run(args: argparse.Namespace) -> int:
     from stageserve.prepare.frontend import GenerationFrontend
     from stageserve.prepare.connector import PipelineConnector
     from stageserve.prepare.engine import Engine
+    from stageserve.prepare.limits import MAX_REQUEST_BYTES
     from stageserve.prepare.metrics import PrepareMetrics
     from stageserve.prepare.request_handle import LoopWaker
     from stageserve.prepare.router import DeviceRouter
-    from stageserve.server import AioServiceServer, configure_logging
+    from stageserve.security.config import ServiceSecurity
+    from stageserve.server import AioServiceServer, configure_logging, profile_dir
     from stageserve.tokenizer import load_tokenizer
     from stageserve.tracing import Tracer
     from stageserve.v1 import prepare_pb2_grpc
@@ -79,9 +86,11 @@ def run(args: argparse.Namespace) -> int:
     profile_peers = {**{"device" if i == 0 else f"device {i + 1}": entry for i, entry in enumerate(args.device.entries)},
                      "reclaim": args.reclaim}
     try:
+        security = ServiceSecurity.from_args(args, serves_internal=False)
         tokenizer = load_tokenizer(resolve_model_path(args.model))
         server = AioServiceServer(SERVICE_NAME, args.host, args.port, max_workers=args.max_workers, port_file=args.port_file,
-                                  tracer=tracer, profile_peers=profile_peers, thread_name="prepare-grpc")
+                                  tracer=tracer, profile_peers=profile_peers, thread_name="prepare-grpc", security=security,
+                                  max_receive_bytes=MAX_REQUEST_BYTES, profile_dir=profile_dir(args))
         start_metrics_server(metrics.registry, args.host, args.metrics_port, args.port_file)
         if args.trace_dir:
             tracer.start(args.trace_dir)
@@ -96,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         step_timeout_s=args.step_timeout,
         stall_timeout_s=args.stall_timeout,
         refresh_s=args.device_refresh_s,
+        tls=security.tls,
     )
     router = DeviceRouter(connector.sessions, metrics)
     metrics.watch_engine(router.current_load)
@@ -103,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     server.add_servicer(prepare_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(frontend))
     server.start([SERVICE_NAME])
     try:
-        http = _start_http(args, frontend, server.loop)
+        http = _start_http(args, frontend, server.loop, security)
     except RuntimeError as exc:
         log.error("%s", exc)
         server.stop(0)
@@ -120,14 +130,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_http(args: argparse.Namespace, frontend, loop):
+def _start_http(args: argparse.Namespace, frontend, loop, security):
     """The OpenAI-compatible HTTP server when ``--http-port`` is set, else ``None``. Raises RuntimeError (cannot bind)."""
     if args.http_port is None:
         return None
     from stageserve.prepare.openai_api import HttpServer, create_app
 
-    http = HttpServer(create_app(frontend), args.host, args.http_port, loop, args.port_file)
-    log.info("OpenAI-compatible API on http://%s:%d/v1", args.host, http.port)
+    tls = security.tls if security.tls is not None and security.tls.serves_tls else None
+    http = HttpServer(create_app(frontend, security.policy), args.host, args.http_port, loop, args.port_file, tls=tls)
+    log.info("OpenAI-compatible API on %s://%s:%d/v1 (%s)", "https" if tls else "http", args.host, http.port, security.describe())
     return http
 
 

@@ -13,11 +13,18 @@ the gRPC one: 400 ``INVALID_ARGUMENT`` (``param`` names the field), 404 an unkno
 ``ALREADY_EXISTS``, 429 ``RESOURCE_EXHAUSTED`` with ``Retry-After``, 503 ``UNAVAILABLE`` (draining,
 or a pipeline service down), 504 ``DEADLINE_EXCEEDED``, 500 otherwise. An error after a stream has
 started is sent as one ``data: {"error": ...}`` event before ``[DONE]`` (as vLLM does).
+
+Security: with API keys (the same :class:`~stageserve.security.guard.AccessPolicy` as gRPC),
+every route needs ``Authorization: Bearer KEY`` (``/health`` only with ``--no-open-health``):
+401 without a key or with an unknown one (the OpenAI SDK's ``AuthenticationError``); the key's
+request ids are its own, as on gRPC. A body over ``limits.MAX_REQUEST_BYTES`` is refused with 413
+before it is parsed. With ``--tls-cert``/``--tls-key`` uvicorn serves HTTPS.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import socket
 import uuid
@@ -33,14 +40,20 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from stageserve.prepare.errors import RequestError, invalid_argument
 from stageserve.prepare.frontend import GenerationFrontend, Submission
+from stageserve.prepare.limits import MAX_REQUEST_BYTES
 from stageserve.prepare.openai_protocol import ChatCompletionRequest, CompletionRequest, chat_request, completion_request
 from stageserve.prepare.openai_responses import ResponseBuilder, sse
 from stageserve.prepare.validation import validate_request_id
+from stageserve.security.guard import HEALTH_SERVICE, OPEN, PUBLIC, AccessPolicy
+from stageserve.security.tls import TlsFiles
 
 HTTP_PORT_SUFFIX = ".http-port"
 RETRY_AFTER_S = 1
+TOO_LARGE = "REQUEST_TOO_LARGE"  # the RequestError reason of a body over MAX_REQUEST_BYTES: HTTP 413
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "invalid_request_error"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
     grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
@@ -58,7 +71,7 @@ def http_port_file(port_file: Path) -> Path:
 
 def error_response(error: RequestError) -> JSONResponse:
     """OpenAI's error body and HTTP status for ``error`` (``Retry-After`` on 429)."""
-    status, kind = _HTTP_STATUS.get(error.code, (500, "internal_error"))
+    status, kind = (413, "invalid_request_error") if error.reason == TOO_LARGE else _HTTP_STATUS.get(error.code, (500, "internal_error"))
     match = _PARAM.match(error.message) if error.code == grpc.StatusCode.INVALID_ARGUMENT else None
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
     return JSONResponse(status_code=status, headers=headers, content=_error_body(error, kind, match.group(1) if match else None))
@@ -80,36 +93,52 @@ def _parse(model: type[pydantic.BaseModel], body: object) -> pydantic.BaseModel:
         raise invalid_argument(f"{where}: {first['msg']}") from exc
 
 
-def create_app(frontend: GenerationFrontend) -> FastAPI:
-    """The FastAPI application over ``frontend`` (which must run on the same event loop)."""
+def create_app(frontend: GenerationFrontend, policy: AccessPolicy | None = None) -> FastAPI:
+    """The FastAPI application over ``frontend`` (which must run on the same event loop); callers
+    are checked against ``policy`` (default: open)."""
     app = FastAPI(title="stageserve OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    policy = policy or AccessPolicy()
 
     @app.exception_handler(RequestError)
     async def refused(_request: Request, error: RequestError) -> JSONResponse:
         return error_response(error)
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
+        _owner(policy, request, policy.access(HEALTH_SERVICE))
         model_name(frontend)  # raises UNAVAILABLE while draining or not connected
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
+    async def models(request: Request) -> JSONResponse:
+        _owner(policy, request)
         name = model_name(frontend)
         return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "stageserve"}]})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        owner = _owner(policy, request)
         body = _parse(ChatCompletionRequest, await _json(request))
-        return await _generate(frontend, request, body, chat_request, chat=True,
+        return await _generate(frontend, request, body, chat_request, owner, chat=True,
                                top_logprobs=(body.top_logprobs or 0) if body.logprobs else None)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        owner = _owner(policy, request)
         body = _parse(CompletionRequest, await _json(request))
-        return await _generate(frontend, request, body, completion_request, chat=False, top_logprobs=body.logprobs)
+        return await _generate(frontend, request, body, completion_request, owner, chat=False, top_logprobs=body.logprobs)
 
     return app
+
+
+def _owner(policy: AccessPolicy, request: Request, access: str = PUBLIC) -> str:
+    """The name of the request's API key ("" without keys). Raises RequestError (401/403) when refused."""
+    if access == OPEN:
+        return ""
+    denial, principal = policy.check(access, "the OpenAI API", request.headers.get("authorization", ""), peer_verified=False)
+    if denial is not None:
+        raise RequestError(denial.code, denial.message)
+    return principal.name if principal is not None else ""
 
 
 def model_name(frontend: GenerationFrontend) -> str:
@@ -119,19 +148,30 @@ def model_name(frontend: GenerationFrontend) -> str:
 
 
 async def _json(request: Request) -> object:
+    """The body as JSON, read up to `MAX_REQUEST_BYTES`. Raises RequestError: 413 when larger, 400 when not JSON."""
+    too_large = RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"body: more than the maximum of {MAX_REQUEST_BYTES} bytes; send a shorter prompt", reason=TOO_LARGE)
+    if int(request.headers.get("content-length") or 0) > MAX_REQUEST_BYTES:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_REQUEST_BYTES:
+            raise too_large
     try:
-        return await request.json()
+        return json.loads(body)
     except ValueError as exc:
         raise invalid_argument(f"body: not valid JSON ({exc})") from exc
 
 
-async def _generate(frontend: GenerationFrontend, request: Request, body, to_grpc: Callable, chat: bool, top_logprobs: int | None):
+async def _generate(frontend: GenerationFrontend, request: Request, body, to_grpc: Callable, owner: str, chat: bool,
+                    top_logprobs: int | None):
     """Serve one completion request, streamed or whole; a disconnect aborts it."""
     served = model_name(frontend)
     if body.model != served:
         raise RequestError(grpc.StatusCode.NOT_FOUND, f"model: {body.model!r} is not served here; use {served!r} (see /v1/models)")
     request_id = validate_request_id(request.headers.get("x-request-id") or uuid.uuid4().hex)
-    submission = await frontend.submit(to_grpc(body), request_id)
+    submission = await frontend.submit(to_grpc(body), request_id, owner=owner)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, submission))
     builder = ResponseBuilder(chat, request_id, served, len(submission.handles), top_logprobs, submission.num_prompt_tokens,
                               frontend.tokenizer)
@@ -190,12 +230,14 @@ class HttpServer:
         loop: the running event loop to serve on (from another thread).
         port_file: the service's ``--port-file``; the HTTP port goes to its sibling
             (:func:`http_port_file`), written atomically.
+        tls: serve HTTPS with its certificate and key (``None``: plain HTTP).
 
     Raises:
         RuntimeError: the address cannot be bound (the message names it and the flag).
     """
 
-    def __init__(self, app, host: str, port: int, loop: asyncio.AbstractEventLoop, port_file: Path | None = None) -> None:
+    def __init__(self, app, host: str, port: int, loop: asyncio.AbstractEventLoop, port_file: Path | None = None,
+                 tls: TlsFiles | None = None) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -205,7 +247,8 @@ class HttpServer:
             self._socket.close()
             raise RuntimeError(f"--http-port: cannot listen on {host}:{port} ({exc}); choose a free port or 0") from exc
         self.port = self._socket.getsockname()[1]
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
+        ssl = {"ssl_certfile": str(tls.cert), "ssl_keyfile": str(tls.key)} if tls is not None else {}
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, **ssl))
         self._done = asyncio.run_coroutine_threadsafe(self._server.serve(sockets=[self._socket]), loop)
         if port_file is not None:
             target = http_port_file(port_file)

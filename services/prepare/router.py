@@ -26,7 +26,7 @@ from stageserve.prepare.metrics import PrepareMetrics
 from stageserve.prepare.placement import DeviceLoad, placement_order, sum_loads
 from stageserve.prepare.request_handle import RequestHandle
 from stageserve.prepare.session import DeviceSession
-from stageserve.prepare.validation import GenerationRequest, ModelLimits
+from stageserve.prepare.validation import GenerationRequest, ModelLimits, client_request_id
 
 NOT_CONNECTED = "prepare is not connected to a ready device and to reclaim; retry shortly"
 DRAINING = "server is draining; retry on another replica"
@@ -109,7 +109,8 @@ class DeviceRouter:
                 raise unavailable(DRAINING, reason="DRAINING", retry_after_s=DRAINING_RETRY_S)
             sessions = self._sessions()
             if any(session.engine.has_request(request.request_id) for session in sessions):
-                raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already running; use another id")
+                shown = client_request_id(request.request_id)
+                raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {shown!r} is already running; use another id")
             candidates = [(session, load) for session in sessions if session.accepting and (load := session.engine.current_load()) is not None]
             refusal = no_device_refusal(sessions)
             hits = [session.engine.prefix_hit_tokens(request) for session, _ in candidates] if len(candidates) > 1 else []

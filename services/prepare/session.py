@@ -36,6 +36,7 @@ import grpc
 from stageserve.backoff import Backoff
 from stageserve.prepare.engine import Engine
 from stageserve.prepare.streams import DeviceReadiness, ExecuteStream
+from stageserve.security.tls import TlsFiles, dial
 from stageserve.server import GRPC_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -64,14 +65,15 @@ class DeviceSession:
         step_timeout_s: a sent step not published within this time ends the attachment.
         stall_timeout_s: a sent step not published within this time marks the device stalled
             (default: never, before ``step_timeout_s`` ends the attachment).
+        tls: the TLS files the device is dialled with (``None``: plaintext).
     """
 
     def __init__(self, address: str, engine: Engine, reclaim_up: threading.Event, on_change: Callable[[], None],
-                 step_timeout_s: float, stall_timeout_s: float | None = None) -> None:
+                 step_timeout_s: float, stall_timeout_s: float | None = None, tls: TlsFiles | None = None) -> None:
         self.address = address
         self.engine = engine
         self.instance_id = ""  # of the attached device; "" while detached
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = dial(address, tls, GRPC_OPTIONS)
         self._reclaim_up, self._on_change, self._step_timeout_s = reclaim_up, on_change, step_timeout_s
         self._stall_timeout_s = step_timeout_s if stall_timeout_s is None else stall_timeout_s
         self.stalled = ""  # why the attached device counts as stalled; "" while it is not

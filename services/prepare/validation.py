@@ -1,7 +1,8 @@
 """Turn a public ``GenerateRequest`` into a validated :class:`GenerationRequest`, or refuse it.
 
 Every refusal is a :class:`RequestError` with ``INVALID_ARGUMENT`` whose message names the field
-and the allowed values, so a client knows what to change.
+and the allowed values, so a client knows what to change. The size bounds of every field
+(``limits.py``) are checked first, before any tokenization.
 
 Defaults (the public API's documented ones, made concrete here so the device and reclaim see
 exact values):
@@ -25,17 +26,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from stageserve.prepare.errors import invalid_argument
+from stageserve.prepare.limits import MAX_CHOICES, MAX_REQUEST_ID_CHARS, at_most, check_generate_bounds
 from stageserve.sampling_rules import first_violation, logit_bias_problem
 from stageserve.v1 import common_pb2, prepare_pb2
 
 DEFAULT_MAX_TOKENS = 256
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
-MAX_STOP_TOKEN_IDS = 64
-MAX_REQUEST_ID_CHARS = 256
-MAX_CACHE_SALT_CHARS = 256
-MAX_CHOICES = 16
-MAX_USER_CHARS = 256
 CHAT_ROLES = ("system", "user", "assistant")
 
 
@@ -89,6 +84,21 @@ def validate_request_id(request_id: str) -> str:
     if not all(" " <= ch <= "~" for ch in request_id):
         raise invalid_argument(f"request_id: {request_id!r} holds characters outside printable ASCII; use letters, digits and punctuation")
     return request_id
+
+
+OWNER_SEPARATOR = "\u00a7"
+"""Between an API key's name and the client's id in a scoped id (``team-a§req-1``): a character no
+client id holds (they are printable ASCII), so no two (owner, id) pairs give the same scoped id."""
+
+
+def scoped_request_id(owner: str, request_id: str) -> str:
+    """The id the scheduler knows a request by: ``request_id`` of the key named ``owner`` ("" = no keys: unscoped)."""
+    return f"{owner}{OWNER_SEPARATOR}{request_id}" if owner else request_id
+
+
+def client_request_id(scoped_id: str) -> str:
+    """The id the client chose, from a :func:`scoped_request_id` (for messages to that client)."""
+    return scoped_id.rpartition(OWNER_SEPARATOR)[2]
 
 
 def render_chat(messages: Sequence[prepare_pb2.ChatMessage], tokenizer) -> list[int]:
@@ -148,16 +158,17 @@ def validate_generate_request(
     Raises:
         RequestError: ``INVALID_ARGUMENT`` naming the first bad field and its allowed range.
     """
+    check_generate_bounds(request)
     _check_text_can_fit(request, tokenizer, limits.max_model_len)
     ids = tokenize_prompt(tokenizer, request.prompt, request.messages, request.prompt_token_ids)
-    _check_token_ids("prompt_token_ids", ids, limits.vocab_size)
     max_tokens = _max_tokens(request, len(ids), limits.max_model_len)
+    _check_token_ids("prompt_token_ids", ids, limits.vocab_size)
     sampling = _sampling(request, limits.vocab_size)
-    _at_most("user", len(request.user), MAX_USER_CHARS, what="characters")
     if request.min_tokens > max_tokens:
         raise invalid_argument(f"min_tokens: {request.min_tokens} is more than max_tokens ({max_tokens}); use at most {max_tokens}")
-    _check_stop_strings(request.stop)
-    _at_most("stop_token_ids", len(request.stop_token_ids), MAX_STOP_TOKEN_IDS, what="entries")
+    for i, text in enumerate(request.stop):
+        if not text:
+            raise invalid_argument(f"stop[{i}]: empty stop string; remove it")
     _check_token_ids("stop_token_ids", request.stop_token_ids, limits.vocab_size)
     stop = common_pb2.StopParams(
         max_tokens=max_tokens,
@@ -168,7 +179,6 @@ def validate_generate_request(
         include_stop_str_in_output=request.include_stop_str_in_output,
         prompt_tokens=len(ids),
     )
-    _at_most("cache_salt", len(request.cache_salt), MAX_CACHE_SALT_CHARS, what="characters")
     return GenerationRequest(request_id=request_id, prompt_token_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stop,
                              cache_salt=request.cache_salt)
 
@@ -231,7 +241,7 @@ def validate_choices(request: prepare_pb2.GenerateRequest) -> int:
         return 1
     if request.n == 0:
         raise invalid_argument(f"n: must be at least 1 (at most {MAX_CHOICES}); leave it unset for 1")
-    return _at_most("n", request.n, MAX_CHOICES)
+    return at_most("n", request.n, MAX_CHOICES)
 
 
 def _max_tokens(request: prepare_pb2.GenerateRequest, prompt_tokens: int, max_model_len: int) -> int:
@@ -251,20 +261,3 @@ def _max_tokens(request: prepare_pb2.GenerateRequest, prompt_tokens: int, max_mo
             f" exceeds the model's context of {max_model_len} tokens; use max_tokens <= {remaining}"
         )
     return request.max_tokens
-
-
-def _at_most(field: str, value: int, limit: int, what: str = "") -> int:
-    if value > limit:
-        unit = f" {what}" if what else ""
-        raise invalid_argument(f"{field}: {value}{unit} is more than the maximum of {limit}")
-    return value
-
-
-def _check_stop_strings(stop: Sequence[str]) -> None:
-    _at_most("stop", len(stop), MAX_STOP_STRINGS, what="strings")
-    for i, text in enumerate(stop):
-        if not text:
-            raise invalid_argument(f"stop[{i}]: empty stop string; remove it")
-        if len(text) > MAX_STOP_STRING_CHARS:
-            raise invalid_argument(f"stop[{i}]: {len(text)} characters; at most {MAX_STOP_STRING_CHARS} are allowed")
-

@@ -3,7 +3,9 @@
 Each subscriber has a bounded queue. :meth:`Publisher.publish` never blocks: a subscriber whose
 queue is full (slow or dead) is dropped with a log line and its stream ends with
 ``RESOURCE_EXHAUSTED``, so it can neither stall the others nor the device stream. The same
-``StepEvents`` object goes to every subscriber and must not be changed after publishing.
+``StepEvents`` object goes to every subscriber and must not be changed after publishing. At most
+``max_subscribers`` subscribe at once (``--max-subscribers``): each costs a queue and a copy of
+every step, so a further one is refused (:class:`TooManySubscribers`).
 """
 
 from __future__ import annotations
@@ -61,25 +63,37 @@ class Subscription:
             yield events
 
 
+class TooManySubscribers(Exception):
+    """``max_subscribers`` are subscribed already; the message says so and names the flag."""
+
+
 class Publisher:
     """Publishes each step's ``StepEvents`` to every current subscriber.
 
     Args:
         max_queued_steps: steps a subscriber may lag behind before it is dropped.
+        max_subscribers: subscribers at once at most.
 
     Thread-safe: subscribers come and go on gRPC threads, steps are published from the device loop.
     """
 
-    def __init__(self, max_queued_steps: int) -> None:
+    def __init__(self, max_queued_steps: int, max_subscribers: int = 16) -> None:
         self._max_queued = max_queued_steps
+        self._max_subscribers = max_subscribers
         self._subscribers: list[Subscription] = []
         self._lock = threading.Lock()
         self._closed = False
 
     def subscribe(self, peer: str) -> Subscription:
-        """A new subscription, receiving every step published from now on (closed at once after :meth:`close`)."""
+        """A new subscription, receiving every step published from now on (closed at once after :meth:`close`).
+
+        Raises:
+            TooManySubscribers: ``max_subscribers`` are subscribed already.
+        """
         subscription = Subscription(peer, self._max_queued)
         with self._lock:
+            if len(self._subscribers) >= self._max_subscribers:
+                raise TooManySubscribers(f"{self._max_subscribers} subscribers already (--max-subscribers); retry when one has left")
             if self._closed:
                 subscription.close()
             else:

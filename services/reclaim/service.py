@@ -40,7 +40,9 @@ from stageserve.reclaim.completion import CompletionHandler
 from stageserve.reclaim.detokenizer import IncrementalDetokenizer, decoder_for
 from stageserve.reclaim.device_stream import StreamEnd, consume_stream, receive
 from stageserve.reclaim.metrics import ReclaimMetrics, StepObserver
-from stageserve.reclaim.publisher import Publisher, Subscription
+from stageserve.reclaim.publisher import Publisher, Subscription, TooManySubscribers
+from stageserve.security.config import ServiceSecurity
+from stageserve.security.tls import TlsFiles, dial
 from stageserve.server import GRPC_OPTIONS, ServiceServer
 from stageserve.tokenizer import load_tokenizer
 from stageserve.tracing import Tracer
@@ -63,6 +65,7 @@ class CompletionLink:
         set_attached: called with ``True`` once attached, ``False`` when the stream is lost (on the link's thread).
         tracer: reclaim's tracer (default: one that never records).
         metrics: reclaim's metrics (default: on a private registry nobody scrapes).
+        tls: the TLS files the device is dialled with (``None``: plaintext).
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class CompletionLink:
         set_attached: Callable[[bool], None],
         tracer: Tracer | None = None,
         metrics: ReclaimMetrics | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         self._tracer = tracer or Tracer("reclaim")
         self._metrics = metrics or ReclaimMetrics(CollectorRegistry())
@@ -82,7 +86,7 @@ class CompletionLink:
         self._publisher = publisher
         self._completion_timeout_s = completion_timeout_s
         self._set_attached = set_attached
-        self._channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
+        self._channel = dial(target, tls, GRPC_OPTIONS)
         self._stub = device_pb2_grpc.DeviceStub(self._channel)
         self._stopping = threading.Event()
         self._listed = True
@@ -260,7 +264,10 @@ class ReclaimServicer(reclaim_pb2_grpc.ReclaimServicer):
         self._publisher = publisher
 
     def Subscribe(self, request: reclaim_pb2.SubscribeRequest, context: grpc.ServicerContext):
-        subscription: Subscription = self._publisher.subscribe(request.peer or context.peer())
+        try:
+            subscription: Subscription = self._publisher.subscribe(request.peer or context.peer())
+        except TooManySubscribers as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         context.add_callback(lambda: self._publisher.unsubscribe(subscription))
         # Headers now, so the subscriber knows it is subscribed before it sends any plan.
         context.send_initial_metadata(())
@@ -282,6 +289,9 @@ def serve(
     subscriber_queue_steps: int,
     metrics_port: int | None = None,
     trace_dir: Path | None = None,
+    security: ServiceSecurity | None = None,
+    profile_dir: Path | None = None,
+    max_subscribers: int = 16,
 ) -> int:
     """Run the reclaim service until SIGTERM/SIGINT; return the exit code (0 after a drain, 2
     when the metrics port or the trace folder cannot be used).
@@ -291,10 +301,17 @@ def serve(
     one device is attached. On SIGTERM: NOT_SERVING, wait up to ``drain_timeout_s`` for live requests
     to finish, fail the rest with ``UNAVAILABLE``, end the subscriber streams, write the trace
     window (``trace_dir``), stop. ``metrics_port``: Prometheus endpoint (0 = ephemeral, None = none).
+    ``security``: TLS (mutual: callers need a client certificate) and the devices dialled with it;
+    ``profile_dir``: where StartProfile windows go; ``max_subscribers``: Subscribe streams at once.
     """
     tracer = Tracer("reclaim")
     metrics = ReclaimMetrics(CollectorRegistry())
-    server = ServiceServer(SERVICE_NAME, host, port, port_file=port_file, tracer=tracer)
+    security = security or ServiceSecurity()
+    try:
+        server = ServiceServer(SERVICE_NAME, host, port, port_file=port_file, tracer=tracer, security=security, profile_dir=profile_dir)
+    except (ValueError, RuntimeError) as exc:
+        log.error("%s", exc)
+        return 2
     try:
         start_metrics_server(metrics.registry, host, metrics_port, port_file)
         if trace_dir is not None:
@@ -302,7 +319,7 @@ def serve(
     except (OSError, RuntimeError) as exc:
         log.error("%s", exc)
         return 2
-    publisher = Publisher(subscriber_queue_steps)
+    publisher = Publisher(subscriber_queue_steps, max_subscribers)
     server.add_servicer(reclaim_pb2_grpc.add_ReclaimServicer_to_server, ReclaimServicer(publisher))
     server.start([SERVICE_NAME])
     draining = threading.Event()
@@ -311,7 +328,7 @@ def serve(
     links = CompletionLinks(
         device, device_refresh_s,
         new_link=lambda address, set_attached: CompletionLink(address, detokenizer, publisher, completion_timeout_s, set_attached,
-                                                              tracer=tracer, metrics=metrics),
+                                                              tracer=tracer, metrics=metrics, tls=security.tls),
         on_ready=lambda up: server.set_ready(up and not draining.is_set()),
     )
     metrics.watch_live(lambda: links.live)

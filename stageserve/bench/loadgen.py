@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, TextIO
 
 from stageserve.bench.metrics import RequestRecord
@@ -40,20 +41,24 @@ class Transport(Protocol):
 
 
 class GrpcTransport:
-    """``GenerateStream`` over one gRPC channel to prepare at ``target`` (create inside the event loop)."""
+    """``GenerateStream`` over one gRPC channel to prepare at ``target`` (create inside the event loop);
+    over TLS trusting ``tls_ca`` when given, with ``api_key`` as a bearer token when given."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, tls_ca: Path | None = None, api_key: str = "") -> None:
         import grpc
 
+        from stageserve.client import key_metadata
         from stageserve.v1 import prepare_pb2_grpc
 
         self._grpc = grpc
-        self._channel = grpc.aio.insecure_channel(target)
+        self._channel = (grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(tls_ca.read_bytes())) if tls_ca
+                         else grpc.aio.insecure_channel(target))
         self._stub = prepare_pb2_grpc.GenerationStub(self._channel)
+        self._metadata = key_metadata(api_key)
 
     async def stream(self, request: prepare_pb2.GenerateRequest) -> AsyncIterator[tuple[float, prepare_pb2.GenerateStreamResponse]]:
         try:
-            async for chunk in self._stub.GenerateStream(request):
+            async for chunk in self._stub.GenerateStream(request, metadata=self._metadata):
                 yield time.perf_counter(), chunk
         except self._grpc.aio.AioRpcError as exc:
             raise StreamFailed(exc.code().name, exc.details() or "") from None
@@ -62,18 +67,17 @@ class GrpcTransport:
         await self._channel.close()
 
 
-def grpc_tokenizer(target: str) -> Callable[[prepare_pb2.GenerateRequest], list[int]]:
+def grpc_tokenizer(target: str, tls_ca: Path | None = None, api_key: str = "") -> Callable[[prepare_pb2.GenerateRequest], list[int]]:
     """Token ids of a request's input as prepare computes them (its ``Tokenize`` RPC)."""
-    import grpc
-
+    from stageserve.client import key_metadata, open_channel
     from stageserve.v1 import prepare_pb2_grpc
 
     def tokenize(request: prepare_pb2.GenerateRequest) -> list[int]:
         if request.prompt_token_ids:
             return list(request.prompt_token_ids)
-        with grpc.insecure_channel(target) as channel:
+        with open_channel(target, tls_ca) as channel:
             reply = prepare_pb2_grpc.GenerationStub(channel).Tokenize(
-                prepare_pb2.TokenizeRequest(prompt=request.prompt, messages=request.messages), timeout=30)
+                prepare_pb2.TokenizeRequest(prompt=request.prompt, messages=request.messages), timeout=30, metadata=key_metadata(api_key))
         return list(reply.token_ids)
 
     return tokenize

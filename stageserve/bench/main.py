@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The load generator's flags, plus one sub-command per comparison."""
     _add_workload_arguments(parser)
     parser.add_argument("--target", default="127.0.0.1:50051", help="prepare's address (default %(default)s)")
+    parser.add_argument("--tls-ca", type=Path, default=None, metavar="PEM", help="--target serves TLS: trust this CA bundle")
+    parser.add_argument("--api-key", default=os.environ.get("STAGESERVE_API_KEY", ""),
+                        help="API key sent to --target as 'authorization: Bearer KEY' (default: $STAGESERVE_API_KEY)")
     parser.add_argument("--openai", default=None, metavar="URL",
                         help="send the load to prepare's OpenAI-compatible API at URL (http://HOST:PORT/v1) instead of gRPC; "
                              "--target still tokenizes for --input-len")
@@ -119,7 +123,7 @@ def _run_load(args: argparse.Namespace) -> int:
 
     shape = Shape(output_len=args.output_len, input_len=args.input_len, spread=args.len_spread,
                   ignore_eos=not args.no_ignore_eos, temperature=args.temperature)
-    workload = Workload(load_prompts(args.prompts), shape, args.seed, grpc_tokenizer(args.target) if args.input_len else None)
+    workload = Workload(load_prompts(args.prompts), shape, args.seed, grpc_tokenizer(args.target, args.tls_ca, args.api_key) if args.input_len else None)
     streams = args.streams if args.streams is not None or args.rate is not None else 8
     requests = args.requests if args.requests is not None or args.duration is not None else 64
     load = Load(streams=streams, rate=args.rate, max_concurrency=args.max_concurrency, requests=requests, duration_s=args.duration, seed=args.seed)
@@ -151,7 +155,7 @@ def _transport(args: argparse.Namespace):
         return OpenAITransport(args.openai)
     from stageserve.bench.loadgen import GrpcTransport
 
-    return GrpcTransport(args.target)
+    return GrpcTransport(args.target, args.tls_ca, args.api_key)
 
 
 def llama_server_program(given: Path | None) -> Path | None:

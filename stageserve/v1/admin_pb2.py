@@ -24,21 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stageserve/v1/admin.proto\x12\rstageserve.v1\"<\n\x13StartProfileRequest\x12\x11\n\ttrace_dir\x18\x01 \x01(\t\x12\x12\n\nlocal_only\x18\x02 \x01(\x08\"(\n\x12StopProfileRequest\x12\x12\n\nlocal_only\x18\x01 \x01(\x08\"Y\n\x0eServiceProfile\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\ttrace_dir\x18\x03 \x01(\t\x12\x12\n\ntrace_file\x18\x04 \x01(\t\"?\n\x0cProfileReply\x12/\n\x08services\x18\x01 \x03(\x0b\x32\x1d.stageserve.v1.ServiceProfile2\xa7\x01\n\x05\x41\x64min\x12O\n\x0cStartProfile\x12\".stageserve.v1.StartProfileRequest\x1a\x1b.stageserve.v1.ProfileReply\x12M\n\x0bStopProfile\x12!.stageserve.v1.StopProfileRequest\x1a\x1b.stageserve.v1.ProfileReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stageserve/v1/admin.proto\x12\rstageserve.v1\"N\n\x13StartProfileRequest\x12\x15\n\ttrace_dir\x18\x01 \x01(\tB\x02\x18\x01\x12\x12\n\nlocal_only\x18\x02 \x01(\x08\x12\x0c\n\x04name\x18\x03 \x01(\t\"(\n\x12StopProfileRequest\x12\x12\n\nlocal_only\x18\x01 \x01(\x08\"Y\n\x0eServiceProfile\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\ttrace_dir\x18\x03 \x01(\t\x12\x12\n\ntrace_file\x18\x04 \x01(\t\"?\n\x0cProfileReply\x12/\n\x08services\x18\x01 \x03(\x0b\x32\x1d.stageserve.v1.ServiceProfile2\xa7\x01\n\x05\x41\x64min\x12O\n\x0cStartProfile\x12\".stageserve.v1.StartProfileRequest\x1a\x1b.stageserve.v1.ProfileReply\x12M\n\x0bStopProfile\x12!.stageserve.v1.StopProfileRequest\x1a\x1b.stageserve.v1.ProfileReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stageserve.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_STARTPROFILEREQUEST'].fields_by_name['trace_dir']._loaded_options = None
+  _globals['_STARTPROFILEREQUEST'].fields_by_name['trace_dir']._serialized_options = b'\030\001'
   _globals['_STARTPROFILEREQUEST']._serialized_start=44
-  _globals['_STARTPROFILEREQUEST']._serialized_end=104
-  _globals['_STOPPROFILEREQUEST']._serialized_start=106
-  _globals['_STOPPROFILEREQUEST']._serialized_end=146
-  _globals['_SERVICEPROFILE']._serialized_start=148
-  _globals['_SERVICEPROFILE']._serialized_end=237
-  _globals['_PROFILEREPLY']._serialized_start=239
-  _globals['_PROFILEREPLY']._serialized_end=302
-  _globals['_ADMIN']._serialized_start=305
-  _globals['_ADMIN']._serialized_end=472
+  _globals['_STARTPROFILEREQUEST']._serialized_end=122
+  _globals['_STOPPROFILEREQUEST']._serialized_start=124
+  _globals['_STOPPROFILEREQUEST']._serialized_end=164
+  _globals['_SERVICEPROFILE']._serialized_start=166
+  _globals['_SERVICEPROFILE']._serialized_end=255
+  _globals['_PROFILEREPLY']._serialized_start=257
+  _globals['_PROFILEREPLY']._serialized_end=320
+  _globals['_ADMIN']._serialized_start=323
+  _globals['_ADMIN']._serialized_end=490
 # @@protoc_insertion_point(module_scope)

@@ -7,12 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StartProfileRequest(_message.Message):
-    __slots__ = ("trace_dir", "local_only")
+    __slots__ = ("trace_dir", "local_only", "name")
     TRACE_DIR_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     trace_dir: str
     local_only: bool
-    def __init__(self, trace_dir: _Optional[str] = ..., local_only: _Optional[bool] = ...) -> None: ...
+    name: str
+    def __init__(self, trace_dir: _Optional[str] = ..., local_only: _Optional[bool] = ..., name: _Optional[str] = ...) -> None: ...
 
 class StopProfileRequest(_message.Message):
     __slots__ = ("local_only",)

@@ -51,8 +51,9 @@ class AdminServicer:
 
     def StartProfile(self, request, context):
         """Start recording spans. FAILED_PRECONDITION if a window is already recording;
-        INVALID_ARGUMENT for an empty trace_dir. On a peer's failure the windows already started by
-        this call are stopped again and the peer's status is returned, naming it.
+        INVALID_ARGUMENT for a name that is not a plain folder name, or a trace_dir. On a peer's
+        failure the windows already started by this call are stopped again and the peer's status is
+        returned, naming it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

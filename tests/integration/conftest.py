@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from stageserve.launcher import Pipeline, start_pipeline
+from stageserve.security.tls import TlsFiles
 from stageserve.v1 import prepare_pb2_grpc
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -25,12 +26,12 @@ DEVICE_ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--k
 
 
 def launch(tmp_path_factory: pytest.TempPathFactory, name: str, device_args: list[str] = (), prepare_args: list[str] = (),
-           reclaim_args: list[str] = ()) -> Pipeline:
-    """Start a pipeline whose logs go to a temporary folder named ``name``."""
+           reclaim_args: list[str] = (), tls: TlsFiles | None = None) -> Pipeline:
+    """Start a pipeline whose logs go to a temporary folder named ``name`` (with ``tls``: over mutual TLS)."""
     workdir: Path = tmp_path_factory.mktemp(name)
     try:
         return start_pipeline(workdir, device_args=[*DEVICE_ARGS, *device_args], prepare_args=list(prepare_args),
-                              reclaim_args=list(reclaim_args), log_dir=workdir)
+                              reclaim_args=list(reclaim_args), log_dir=workdir, tls=tls)
     except RuntimeError:
         for log in sorted(workdir.glob("*.log")):
             print(f"----- {log.name}\n{log.read_text()[-5000:]}")

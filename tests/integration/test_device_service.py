@@ -305,3 +305,33 @@ def test_an_unloadable_model_exits_with_code_2_naming_the_file(tmp_path):
     assert finished.returncode == 2
     errors = [line for line in finished.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and str(bad) in errors[0] and "not a GGUF file" in errors[0]
+
+
+def test_a_plan_writing_a_block_another_sequence_owns_is_refused_on_that_step(stub, reclaim):
+    execute = ExecuteStream(stub)
+    try:
+        receipt = execute.send(prefill_plan(1, seq_index=0, generation=1, blocks=[30]))
+        assert receipt.error == ""
+        assert reclaim.next("ticket").ticket == receipt.ticket
+        reclaim.release(reclaim.next("output").ticket)
+        # Another sequence's prompt would overwrite sequence 0's block 30: refused, nothing runs.
+        refused = execute.send(prefill_plan(2, seq_index=1, generation=1, blocks=[30]))
+        assert refused.ticket == 0 and "writes KV block 30, which another live sequence holds" in refused.error
+        # The stream and sequence 0 carry on.
+        receipt = execute.send(decode_plan(3, seq_index=0, generation=1, start_pos=len(PROMPT)))
+        assert receipt.error == "" and reclaim.next("ticket").ticket == receipt.ticket
+        reclaim.release(reclaim.next("output").ticket)
+    finally:
+        execute.close()
+
+
+def test_undecodable_messages_are_invalid_argument(device):
+    with grpc.insecure_channel(device[0].address) as channel:  # no serializers: raw bytes on the wire
+        with pytest.raises(grpc.RpcError) as unary:
+            channel.unary_unary("/stageserve.v1.Device/Attach")(b"\xff\xff", timeout=10)
+        with pytest.raises(grpc.RpcError) as streamed:
+            list(channel.stream_stream("/stageserve.v1.Device/Execute")(iter([b"\xff\xff"]), timeout=10))
+    for failed in (unary.value, streamed.value):
+        assert failed.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "does not decode as its protobuf type" in failed.details()
+    assert device[0].process.poll() is None

@@ -30,10 +30,10 @@ from stageserve.device_endpoints import parse_device_endpoints
 from stageserve.server import ServiceServer
 
 K8S_DIR = Path(__file__).resolve().parents[3] / "deploy" / "k8s"
-OVERLAYS = ("cpu", "ascend", "cuda", "model-volume")
+OVERLAYS = ("cpu", "ascend", "cuda", "model-volume", "secure")
 # The device's accelerator per overlay: (--backend, the extended resource it requests, or None).
 ACCELERATORS = {"cpu": ("cpu", None), "ascend": ("npu", "huawei.com/Ascend910"), "cuda": ("cuda", "nvidia.com/gpu"),
-                "model-volume": ("cpu", None)}
+                "model-volume": ("cpu", None), "secure": ("cpu", None)}
 NAMESPACE = "stageserve"
 # Oldest Kubernetes the manifests target (native gRPC probes are GA there) and the newest schema shipped.
 K8S_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
@@ -265,7 +265,7 @@ def test_overlay_renders_every_component_into_the_namespace(overlay):
         *([("PersistentVolumeClaim", "stageserve-models")] if name == "model-volume" else []),
     ])
     assert {m["metadata"].get("namespace") for m in manifests} == {NAMESPACE}
-    variant = "cpu" if name == "model-volume" else name  # the model-volume overlay builds on the cpu one
+    variant = "cpu" if name in ("model-volume", "secure") else name  # these overlays build on the cpu one
     for manifest in manifests:
         if manifest["kind"] in WORKLOAD_KINDS:
             # The overlay's images entry replaced the base's bare name with a tagged image of its variant.
@@ -287,10 +287,15 @@ def test_container_args_are_accepted_by_stageserve(overlay, role):
 def test_probes_use_the_cli_port_and_health_service_names(overlay, role, health_service_names):
     _, manifests = overlay
     container = only_container(workload(manifests, role))
-    port = container_cli_args(manifests, role).port
-    assert container_port(container, "grpc") == port
+    args = container_cli_args(manifests, role)
+    assert container_port(container, "grpc") == args.port
+    # With TLS the probes use the plaintext health-only port (Kubernetes' gRPC probes cannot do TLS).
+    port = args.port if args.tls_cert is None else args.health_port
+    assert port is not None, f"{role}: serves TLS but no --health-port for the probes"
+    if args.health_port is not None:
+        assert container_port(container, "health") == args.health_port
     probes = {kind: container[kind]["grpc"] for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
-    assert {probe["port"] for probe in probes.values()} == {port}, f"{role}: probe ports {probes} differ from --port {port}"
+    assert {probe["port"] for probe in probes.values()} == {port}, f"{role}: probe ports {probes} differ from {port}"
     assert probes["readinessProbe"]["service"] == health_service_names[role]
     assert probes["livenessProbe"].get("service", "") == ""
     # Startup: readiness for the device (model loaded and warmed), the live server for the others
@@ -484,6 +489,22 @@ def test_device_replicas_spread_over_nodes(overlay):
     assert (hostname["maxSkew"], hostname["whenUnsatisfiable"]) == (1, "DoNotSchedule")
     assert selects(hostname["labelSelector"], pod_labels)
     assert device["spec"]["replicas"] >= 2
+
+
+def test_the_secure_overlay_turns_on_mutual_tls_keys_and_mounts_them_from_secrets(overlay):
+    name, manifests = overlay
+    for role in ROLES:
+        args = container_cli_args(manifests, role)
+        if name != "secure":
+            assert args.tls_cert is None and args.health_port is None, f"{role}: the other overlays stay plaintext"
+            continue
+        container, spec = only_container(workload(manifests, role)), pod_spec(workload(manifests, role))
+        files = [args.tls_cert, args.tls_key, args.tls_ca] + ([args.api_keys_file, args.admin_keys_file] if role == "prepare" else [])
+        for path in files:  # every file the flags name comes from a read-only Secret mount
+            mount = next(m for m in container["volumeMounts"] if str(path).startswith(m["mountPath"].rstrip("/") + "/"))
+            assert mount.get("readOnly") is True
+            assert "secret" in next(v for v in spec["volumes"] if v["name"] == mount["name"])
+        assert (args.tls_server_name is not None) == (role != "device"), f"{role}: dials devices by pod IP"
 
 
 def test_every_pod_loads_the_model_of_the_flags(overlay):

@@ -122,3 +122,42 @@ def test_device_state_gathers_sampling_tensors_and_tracks_presence(table):
     table.record_sampled(rows, torch.tensor([42]), tensors)
     assert table.last_token[2].item() == 42
     assert torch.nonzero(table.presence[2]).view(-1).tolist() == [5, 6, 7, 42]
+
+
+# ---- ownership: a row writes only KV blocks no other live sequence holds ----------------------------
+
+def test_a_row_writing_a_block_another_live_sequence_holds_is_refused_and_changes_nothing(table):
+    admit(table, prefill(1, 0, blocks=(0,)))
+    with pytest.raises(PlanError, match="writes KV block 0, which another live sequence holds"):
+        admit(table, prefill(2, 1, blocks=(0,)))  # seq 1's prompt would overwrite seq 0's block
+    admit(table, prefill(3, 1, blocks=(1,)))  # refused plans changed nothing: seq 1 starts afresh
+    admit(table, decode(4, 0))  # seq 0 still owns block 0
+
+
+def test_a_decode_row_may_not_write_a_block_it_appended_from_another_sequence(table):
+    admit(table, prefill(1, 0, blocks=(0,)))
+    admit(table, prefill(2, 1, blocks=(1,)))
+    # seq 1 reaches position 4 (its second block) and appends seq 0's block 0 to write into
+    with pytest.raises(PlanError, match="row 0 \\(seq_index 1\\): writes KV block 0"):
+        admit(table, decode(3, 1, start_pos=4, num_new_blocks=[1], new_block_ids=[0]))
+
+
+def test_shared_prefix_blocks_are_read_by_several_sequences_but_written_by_none(table):
+    full = dict(num_tokens=[4], token_ids=[5, 6, 7, 8], sample=[False])
+    admit(table, prefill(1, 0, blocks=(0,), **full))  # seq 0 writes block 0 whole
+    # seq 1 starts with block 0 as its cached prefix (read only) and writes its own block 1
+    admit(table, prefill(2, 1, blocks=(0, 1), start_pos=[4], num_tokens=[1], token_ids=[9]))
+    admit(table, decode(3, 1, start_pos=5))
+
+
+def test_a_block_freed_by_a_sequence_finished_in_the_same_plan_may_be_handed_on(table):
+    admit(table, prefill(1, 0, blocks=(0,)))
+    admit(table, prefill(2, 1, blocks=(0,), finished=[0]))  # prepare freed seq 0 and gives its block to seq 1
+    with pytest.raises(PlanError, match="writes KV block 0"):
+        admit(table, prefill(3, 2, blocks=(0,)))  # now seq 1 holds it
+
+
+def test_a_start_of_a_live_sequence_is_refused(table):
+    admit(table, prefill(1, 0, blocks=(0,)))
+    with pytest.raises(PlanError, match="started\\[seq_index=0\\]: the sequence is live; list it in finished first"):
+        admit(table, prefill(2, 0, generation=2, blocks=(1,)))

@@ -18,7 +18,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from stageserve.server import SERVER_OPTIONS
+from stageserve.server import server_options
 from stageserve.v1 import common_pb2, device_pb2, device_pb2_grpc, reclaim_pb2, reclaim_pb2_grpc
 
 ATTACH = dict(
@@ -134,7 +134,7 @@ class FakePeers:
     @staticmethod
     def _serve(add, servicer, port: int, host: str = "127.0.0.1") -> tuple[grpc.Server, int]:
         """Serve ``servicer`` on ``host:port`` with health (every service SERVING, as a ready peer)."""
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=SERVER_OPTIONS)  # accepts prepare's keepalive pings
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=server_options())  # accepts prepare's keepalive pings
         add(servicer, server)
         status = health.HealthServicer(experimental_non_blocking=True)
         for name in ("stageserve.v1.Device", "stageserve.v1.Reclaim"):

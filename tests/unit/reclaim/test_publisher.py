@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import threading
 
-from stageserve.reclaim.publisher import Publisher
+import pytest
+
+from stageserve.reclaim.publisher import Publisher, TooManySubscribers
 from stageserve.v1 import reclaim_pb2
 
 
@@ -61,3 +63,12 @@ def test_subscribe_after_close_ends_at_once():
     publisher = Publisher(max_queued_steps=4)
     publisher.close()
     assert list(publisher.subscribe("late")) == []
+
+
+def test_subscribers_beyond_the_bound_are_refused_until_one_leaves():
+    publisher = Publisher(max_queued_steps=4, max_subscribers=2)
+    first, _ = publisher.subscribe("a"), publisher.subscribe("b")
+    with pytest.raises(TooManySubscribers, match="2 subscribers already \\(--max-subscribers\\)"):
+        publisher.subscribe("c")
+    publisher.unsubscribe(first)
+    assert publisher.subscribe("c").peer == "c"

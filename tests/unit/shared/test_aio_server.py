@@ -29,7 +29,8 @@ def loop_threads() -> list[str]:
 @pytest.fixture
 def served(tmp_path):
     port_file = tmp_path / "port"
-    server = AioServiceServer(NAME, "127.0.0.1", 0, max_workers=2, port_file=port_file, tracer=Tracer("test"), thread_name="test-grpc")
+    server = AioServiceServer(NAME, "127.0.0.1", 0, max_workers=2, port_file=port_file, tracer=Tracer("test"), thread_name="test-grpc",
+                              profile_dir=tmp_path / "profiles")
     server.start([NAME])
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     try:
@@ -59,7 +60,7 @@ def test_health_reflection_admin_and_port_file(served, tmp_path):
     with pytest.raises(grpc.RpcError) as idle:  # a synchronous handler's abort, through the executor
         admin.StopProfile(admin_pb2.StopProfileRequest(), timeout=5)
     assert idle.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    admin.StartProfile(admin_pb2.StartProfileRequest(trace_dir=str(tmp_path)), timeout=5)
+    admin.StartProfile(admin_pb2.StartProfileRequest(name="window"), timeout=5)
     (part,) = admin.StopProfile(admin_pb2.StopProfileRequest(), timeout=5).services
     assert part.service == "test" and part.trace_file
 
