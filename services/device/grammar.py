@@ -49,18 +49,24 @@ class CompiledGrammars:
 
     Args:
         tokenizer_info: builds the ``xgrammar.TokenizerInfo`` (vocabulary and stop tokens); run once
-            on the worker, at construction, so neither start-up nor a step waits for it.
+            on the worker from construction on, while the model loads (`wait_ready`).
         max_entries: compiled grammars kept.
-
-    ``timings`` lists ``(cached, seconds)`` of every `get`'s compile, for the benchmark.
+        on_compile: called with ``(cached, seconds)`` for each `get`: the compile's time on the
+            worker, or the cache lookup's (the device's metrics).
     """
 
-    def __init__(self, tokenizer_info: Callable[[], xgrammar.TokenizerInfo], max_entries: int = COMPILE_CACHE_ENTRIES) -> None:
+    def __init__(self, tokenizer_info: Callable[[], xgrammar.TokenizerInfo], max_entries: int = COMPILE_CACHE_ENTRIES,
+                 on_compile: Callable[[bool, float], None] = lambda cached, seconds: None) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-grammar")
         self._compiler = self._pool.submit(lambda: xgrammar.GrammarCompiler(tokenizer_info(), max_threads=1, cache_enabled=False))
         self._cache: OrderedDict[bytes, Future[xgrammar.CompiledGrammar]] = OrderedDict()
         self._max_entries = max_entries
+        self._on_compile = on_compile
         self._lock = threading.Lock()
+
+    def wait_ready(self) -> None:
+        """Block until the vocabulary is read (start-up: the first constrained step must not wait for it)."""
+        self._compiler.result()
 
     def get(self, constraint: common_pb2.Constraint) -> Future[xgrammar.CompiledGrammar]:
         """The compiled grammar of ``constraint``, compiling it on the worker if it is not cached.
@@ -68,11 +74,13 @@ class CompiledGrammars:
         The future raises `ConstraintError` for a constraint xgrammar refuses (prepare has parsed
         it already, so only a bug or a different xgrammar version gets there).
         """
+        start = time.perf_counter()
         key = constraint.SerializeToString(deterministic=True)
         with self._lock:
             future = self._cache.get(key)
             if future is not None:
                 self._cache.move_to_end(key)
+                self._on_compile(True, time.perf_counter() - start)
                 return future
             future = self._pool.submit(self._compile, constraint)
             self._cache[key] = future
@@ -84,13 +92,12 @@ class CompiledGrammars:
         """Run ``fn`` on the worker, after every compile queued before it (one worker, FIFO)."""
         return self._pool.submit(fn)
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
     def _compile(self, constraint: common_pb2.Constraint) -> xgrammar.CompiledGrammar:
         start = time.perf_counter()
         compiled = self._compiler.result().compile_grammar(constraint_grammar(constraint))
-        log.info("compiled a %s constraint in %.1f ms", constraint.WhichOneof("kind"), (time.perf_counter() - start) * 1e3)
+        seconds = time.perf_counter() - start
+        log.info("compiled a %s constraint in %.1f ms", constraint.WhichOneof("kind"), seconds * 1e3)
+        self._on_compile(False, seconds)
         return compiled
 
 
