@@ -7,8 +7,9 @@ How one step moves through this module:
    the step's device work on the backend and returns a `StepTicket` at once (the device's handle;
    reclaim learns of it from the wire message ``CompletionTicket``).
 2. The completion thread waits the tickets in submission order; each ticket's resolution reads
-   the sampled ids (+ logprobs) out of that step's slot-local host buffers and frees the transient
-   uploads. The thread hands the `StepResult` (or the error) to ``on_output``.
+   the sampled ids (+ logprobs) out of that step's slot-local host buffers, hands the ids to the
+   runner's ``observe`` (structured output advances its matchers there, see `grammar`) and frees
+   the transient uploads. The thread hands the `StepResult` (or the error) to ``on_output``.
 3. ``release(ticket_id)`` (reclaim has read the output) frees the slot for a later step.
 
 ``--dispatch sync`` takes the same path and additionally waits each ticket inside ``submit``.
@@ -22,7 +23,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Protocol
 
@@ -85,11 +86,13 @@ class StepResult:
         logprobs: one entry per sampling row when any row asked for logprobs (``None`` for rows
             that did not), else ``None``.
         completed_unix_ns: wall-clock time the completion was observed.
+        row_errors: sampling row -> why that row's request fails (the runner's `StepRunner.observe`).
     """
 
     token_ids: list[int]
     logprobs: list[SampledLogprob | None] | None
     completed_unix_ns: int
+    row_errors: dict[int, str] = field(default_factory=dict)
 
 
 class StepRunner(Protocol):
@@ -101,6 +104,12 @@ class StepRunner(Protocol):
 
     def run(self, staged: object, out: SlotBuffers) -> None:
         """Enqueue the forward pass, sampling, device-state updates and the copy into ``out``."""
+        ...
+
+    def observe(self, staged: object, token_ids: list[int] | None) -> dict[int, str]:
+        """Learn the step's sampled ids once they are on the host (``None``: the step failed);
+        called once per step, in submission order, before its output is delivered. Returns
+        ``{sampling row: message}`` of the rows whose request fails (the rest of the step goes on)."""
         ...
 
 
@@ -135,13 +144,14 @@ class StepTicket:
         self._tracer = tracer
         self._completion: Completion | None = None
         self._uploads: object = None
+        self._observe: Callable[[object, list[int] | None], dict[int, str]] | None = None
         self._resolve_lock = threading.Lock()
         self._resolved = threading.Event()
         self._result: StepResult | None = None
         self._error: BaseException | None = None
 
-    def _bind(self, completion: Completion, uploads: object) -> None:
-        self._completion, self._uploads = completion, uploads
+    def _bind(self, completion: Completion, uploads: object, observe: Callable[[object, list[int] | None], dict[int, str]]) -> None:
+        self._completion, self._uploads, self._observe = completion, uploads, observe
 
     def done(self) -> bool:
         """True once the ticket is resolved (a `wait` has observed success or failure)."""
@@ -178,15 +188,26 @@ class StepTicket:
             if not self._completion.wait(timeout):
                 raise TicketTimeout(f"ticket {self.ticket_id} (step {self.step_id}) not completed within {timeout} s")
             with self._tracer.span("device.copy_out", step_id=self.step_id, ticket=self.ticket_id):
-                self._result = self._read_outputs()
+                result = self._read_outputs()
+                self._result = replace(result, row_errors=self._observe(self._uploads, result.token_ids)) if self._uploads is not None else result
         except TicketTimeout:
             raise
         except BaseException as exc:  # noqa: BLE001 - stored and re-raised to every waiter
             traceback.clear_frames(exc.__traceback__)  # their locals would keep the step's inputs alive
             self._error = exc
+            self._observe_failure()
         self._uploads = None  # the step's device work is over: its inputs may go
         self.uploads_freed += 1
         self._resolved.set()
+
+    def _observe_failure(self) -> None:
+        """Tell the runner the step failed (so nothing waits for its tokens); a second failure is logged."""
+        if self._uploads is None or self._result is not None:
+            return
+        try:
+            self._observe(self._uploads, None)
+        except Exception:  # noqa: BLE001 - the step has failed already
+            log.exception("observing failed step %d", self.step_id)
 
     def _read_outputs(self) -> StepResult:
         rows = len(self.admitted.step.sampled_seq_index)
@@ -302,7 +323,7 @@ class StepExecutor:
             completion = self.backend.launch(partial(self.runner.run, uploads, buffers))
         except Exception as exc:  # noqa: BLE001 - the step fails, the executor keeps serving
             completion = FailedCompletion(exc)
-        ticket._bind(completion, uploads)
+        ticket._bind(completion, uploads, self.runner.observe)
 
     def release(self, ticket_id: int) -> bool:
         """Free the slot of ``ticket_id`` once its output has been read.

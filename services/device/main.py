@@ -254,10 +254,12 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
             raise RuntimeError(f"--max-model-len {args.max_model_len} exceeds the model's context of {model_len} tokens")
         model_len = args.max_model_len
     table = SequenceTable(args.max_num_seqs, config.vocab_size, args.block_size, backend.device)
+    grammar = None
     if model is None:
         runner = SimStepRunner(args.sim_step_ms / 1e3, args.sim_token_us / 1e6, config.vocab_size, config.eos_token_ids)
     else:
-        runner = ModelStepRunner(model, PagedKVCache(config, num_blocks, args.block_size, dtype, backend.device), table)
+        grammar = _grammar_table(model_path, config, backend.device, metrics)
+        runner = ModelStepRunner(model, PagedKVCache(config, num_blocks, args.block_size, dtype, backend.device), table, grammar)
     limits = PlanLimits(
         max_num_seqs=args.max_num_seqs,
         vocab_size=config.vocab_size,
@@ -282,9 +284,29 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
         validate_sampling_params(params, config.vocab_size)
 
     _warm_up(executor, table, limits, check_sampling)
+    if grammar is not None:
+        grammar.grammars.wait_ready()
     outbox.clear()
     attach_reply = _attach_reply(args, model_path, config, limits, backend.name, dtype_name)
-    return DeviceCore(attach_reply, limits, table, executor, outbox, check_sampling)
+    return DeviceCore(attach_reply, limits, table, executor, outbox, check_sampling, grammar)
+
+
+def _grammar_table(model_path: Path, config, device, metrics):
+    """Structured output's grammar state; the tokenizer's vocabulary is read on the grammar worker.
+    ``metrics`` (or ``None``) gets compile times and the constrained-sequence count."""
+    import xgrammar
+
+    from stageserve.device.grammar import CompiledGrammars, GrammarTable
+    from stageserve.tokenizer import load_tokenizer
+
+    def tokenizer_info() -> xgrammar.TokenizerInfo:
+        tokenizer = load_tokenizer(model_path)
+        return xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=config.vocab_size, stop_token_ids=list(config.eos_token_ids))
+
+    table = GrammarTable(CompiledGrammars(tokenizer_info, on_compile=metrics.on_compile if metrics else lambda *a: None), config.vocab_size, device)
+    if metrics is not None:
+        metrics.watch_constrained(table.active_count)
+    return table
 
 
 def _load_model(args: argparse.Namespace, model_path: Path, dtype, backend):

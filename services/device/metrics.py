@@ -9,6 +9,9 @@
 - ``stageserve_steps_total{outcome}``: ``ok`` or ``failed`` steps.
 - ``stageserve_tickets_in_flight``: tickets submitted whose output is not delivered yet.
 - ``stageserve_model_info{model_name, backend, dtype}``: the served model (always 1).
+- ``stageserve_constrained_sequences``: sequences with a structured-output matcher held.
+- ``stageserve_grammar_compile_seconds{cached}``: time to get a constraint's compiled grammar on
+  the grammar worker (``cached="false"``: compiled; ``"true"``: found in the cache).
 
 Times come from the ticket's wall-clock ``submitted_unix_ns`` and the moment the output is handed
 on (``time.time_ns``): no per-step state is kept here beyond the previous submit time.
@@ -25,6 +28,7 @@ from stageserve.device.executor import StepResult, StepTicket
 
 # Seconds per step: sub-millisecond (a simulated or tiny step) to seconds (a long prefill).
 STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 10.0)
+COMPILE_BUCKETS_S = (0.00001, 0.0001, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 TIMING_SOURCES = {"async": "submit_to_completion", "sync": "blocking_span"}
 
@@ -52,6 +56,9 @@ class DeviceMetrics:
         self._steps_ok, self._steps_failed = steps.labels("ok"), steps.labels("failed")
         self._in_flight = Gauge("stageserve_tickets_in_flight", "Tickets submitted whose output is not delivered yet", registry=registry)
         self._model = Info("stageserve_model", "The model this device serves", registry=registry)
+        self._constrained = Gauge("stageserve_constrained_sequences", "Sequences with a structured-output matcher held", registry=registry)
+        self._compile = Histogram("stageserve_grammar_compile_seconds", "Getting a constraint's compiled grammar, by whether it was cached",
+                                  ["cached"], buckets=COMPILE_BUCKETS_S, registry=registry)
         self._last_submit_ns = 0
         self._measuring = False
 
@@ -66,6 +73,14 @@ class DeviceMetrics:
     def watch_in_flight(self, in_flight: Callable[[], int]) -> None:
         """Read the in-flight gauge from ``in_flight()`` (the executor's count) at every scrape."""
         self._in_flight.set_function(in_flight)
+
+    def watch_constrained(self, count: Callable[[], int]) -> None:
+        """Read the constrained-sequences gauge from ``count()`` (the grammar table's) at every scrape."""
+        self._constrained.set_function(count)
+
+    def on_compile(self, cached: bool, seconds: float) -> None:
+        """A constraint's compiled grammar was got in ``seconds`` (from the cache when ``cached``)."""
+        self._compile.labels(str(cached).lower()).observe(seconds)
 
     def on_ticket(self, ticket: StepTicket) -> None:
         """A step was submitted (called in submission order, by the one submitter)."""

@@ -31,7 +31,7 @@ STREAM_POLL_S = 0.1
 class PlanSubmitter:
     """Turns the plans of one Execute stream into submitted steps and receipts (see the module docstring).
 
-    Creating it resets the sequence table: a new stream starts with no sequence.
+    Creating it resets the sequence table (and the grammar state): a new stream starts with no sequence.
 
     Args:
         core: the device's model, table and executor.
@@ -46,6 +46,8 @@ class PlanSubmitter:
         self._last_step_id = 0
         with submit_lock:
             core.table.reset()
+            if core.grammar is not None:
+                core.grammar.reset()
 
     def submit(self, plan: device_pb2.StepPlan) -> device_pb2.StepReceipt | None:
         """Submit ``plan``; its receipt, or ``None`` when the stream closed while it waited for a slot."""

@@ -37,6 +37,7 @@ from stageserve.sampling_rules import GREEDY_TEMPERATURE_EPS, first_violation, l
 from stageserve.v1 import common_pb2
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # logits and logprobs are kept within +-this: never inf
+_LARGEST_BELOW_ONE = 1.0 - 2.0**-24  # float32's largest value below 1
 
 
 @dataclass
@@ -256,7 +257,7 @@ def _log_exponential_noise(seed: torch.Tensor, step_index: torch.Tensor, vocab_s
     uniforms come from a SplitMix64 generator (Steele, Lea & Flood 2014) whose state starts at
     mix(mix(seed[r]) ^ step_index[r]): output w feeds tokens 2w and 2w + 1, 24 bits each (float32's
     mantissa, read through a little-endian int32 view). They depend on nothing else in the batch and
-    need no per-row ``torch.Generator``. 24-bit uniforms make E's smallest value 2**-25, so tokens
+    need no per-row ``torch.Generator``. 24-bit uniforms make E's smallest value ~2**-24, so tokens
     with probability below ~1e-7 are drawn less often than exactly.
     """
     row_state = _mix64(_mix64(seed.clone()).bitwise_xor_(step_index))
@@ -266,7 +267,9 @@ def _log_exponential_noise(seed: torch.Tensor, step_index: torch.Tensor, vocab_s
     # Fresh [S, V]-sized buffers cost page faults on the CPU, so the two above are reused through
     # same-size dtype views: 24-bit halves [S, 2W] int32 go to scratch, their floats to words.
     bits = torch.bitwise_and(words.view(torch.int32), 0xFFFFFF, out=scratch.view(torch.int32))
-    uniform = words.view(torch.float32).copy_(bits).add_(0.5).mul_(2.0**-24)  # in (0, 1)
+    # (bits + 0.5) / 2**24 in float32 rounds 0xFFFFFF up to 1.0, whose E = 0 would give its token an
+    # infinite score, past any mask or truncation (seed 7, step 56 drew such a masked token): capped.
+    uniform = words.view(torch.float32).copy_(bits).add_(0.5).mul_(2.0**-24).clamp_(max=_LARGEST_BELOW_ONE)  # in (0, 1)
     return uniform.log_().neg_().log_()[:, :vocab_size]
 
 

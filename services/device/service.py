@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import grpc
 
 from stageserve.device.executor import StepExecutor, StepResult, StepTicket
+from stageserve.device.grammar import GrammarTable
 from stageserve.device.plan_submitter import STREAM_POLL_S, PlanSubmitter
 from stageserve.device.sequence_table import SequenceTable
 from stageserve.device.step_plan import PlanLimits
@@ -77,6 +78,7 @@ class CompletionOutbox:
                     for lp in result.logprobs
                 )
             output.completed_unix_ns = result.completed_unix_ns
+            output.row_errors.update(result.row_errors)
         self._push(device_pb2.CompletionEvent(output=output))
 
     def pop(self, timeout: float) -> device_pb2.CompletionEvent | None:
@@ -140,6 +142,8 @@ class DeviceCore:
         executor: the step executor.
         outbox: the executor's events for reclaim.
         check_sampling: raises ``ValueError`` naming the field for bad ``SamplingParams``.
+        grammar: the constrained sequences' grammar state; ``None`` when constraints are not
+            applied (the simulated device).
     """
 
     attach_reply: device_pb2.AttachReply
@@ -148,6 +152,7 @@ class DeviceCore:
     executor: StepExecutor
     outbox: CompletionOutbox
     check_sampling: Callable[[common_pb2.SamplingParams], None]
+    grammar: GrammarTable | None = None
 
 
 class DeviceServicer(device_pb2_grpc.DeviceServicer):

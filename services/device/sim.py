@@ -134,3 +134,7 @@ class SimStepRunner:
             out.top_logprobs[:count, :top].fill_(_ALTERNATIVE_LOGPROB)
             out.top_logprobs[:count, 0] = 0.0
         return staged.seconds
+
+    def observe(self, staged: SimStagedStep, token_ids: list[int] | None) -> dict[int, str]:
+        """Nothing to learn: the simulated device serves no constraints (their rows sample as unconstrained)."""
+        return {}

@@ -48,6 +48,7 @@ class StartedSequence:
     generation: int
     sampling: common_pb2.SamplingParams
     prompt_token_ids: list[int]
+    constraint: common_pb2.Constraint | None = None  # structured output; None = free text
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,4 +184,5 @@ def _decode_start(
     prompt = list(start.prompt_token_ids)
     if prompt and (min(prompt) < 0 or max(prompt) >= limits.vocab_size):
         raise PlanError(f"{where}: prompt_token_ids must be in [0, {limits.vocab_size})")
-    return StartedSequence(start.seq_index, start.generation, start.sampling, prompt)
+    constraint = start.constraint if start.HasField("constraint") else None
+    return StartedSequence(start.seq_index, start.generation, start.sampling, prompt, constraint)

@@ -6,11 +6,14 @@ rows, the new sequences' parameters. ``run`` (backend compute context, in submis
 1. write the step's new sequences into the sequence table;
 2. resolve placeholders on the device: ``ids = where(ids == -1, last_token[seq_index], ids)``;
 3. forward pass (fills the KV cache, logits ``[S, vocab]`` of the sampling rows);
+3b. constrained rows only (structured output): mask their logits to what their grammar allows
+   (`grammar.GrammarTable.mask_logits`, which waits for just those rows' previous tokens);
 4. sample, gathering the rows' parameters from the sequence table;
 5. scatter the sampled ids into ``last_token`` (and the presence mask), on the device;
 6. copy the sampled ids (+ logprobs) into the step's slot-local host buffers (non-blocking).
 
-Nothing here synchronises with the host.
+Nothing here synchronises with the host, except step 3b, on constrained rows only. ``observe``
+(once the step's ids are on the host) advances the constrained rows' matchers.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from stageserve.device.backends import to_device
 from stageserve.device.executor import SlotBuffers
 from stageserve.device.kv_cache import PagedKVCache
 from stageserve.device.forward_batch import ForwardBatch, build_forward_batch
+from stageserve.device.grammar import GrammarRows, GrammarTable
 from stageserve.device.model import LlamaModel
 from stageserve.device.sampler import sample
 from stageserve.device.sequence_table import SequenceTable, StagedStarts
@@ -41,6 +45,7 @@ class StagedStep:
         placeholder_seq: ``[num_decode]`` int64 seq_index of the single-token rows, in the batch's
             decode order; ``None`` when the step has no placeholder.
         starts: the new sequences' table writes; ``None`` when none start.
+        grammar: the constrained sampling rows; ``None`` when no row is constrained.
     """
 
     admitted: AdmittedStep
@@ -48,13 +53,15 @@ class StagedStep:
     sampled: torch.Tensor | None
     placeholder_seq: torch.Tensor | None
     starts: StagedStarts | None
+    grammar: GrammarRows | None = None
 
 
 class ModelStepRunner:
-    """Runs steps of ``model`` over ``kv_cache``, keeping per-sequence state in ``table``."""
+    """Runs steps of ``model`` over ``kv_cache``, keeping per-sequence state in ``table`` and the
+    constrained sequences' grammar state in ``grammar`` (``None``: constraints are not served)."""
 
-    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, table: SequenceTable) -> None:
-        self.model, self.kv_cache, self.table = model, kv_cache, table
+    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, table: SequenceTable, grammar: GrammarTable | None = None) -> None:
+        self.model, self.kv_cache, self.table, self.grammar = model, kv_cache, table, grammar
         self.device = model.device
 
     def stage(self, admitted: AdmittedStep) -> StagedStep:
@@ -75,7 +82,8 @@ class ModelStepRunner:
             sampled = to_device([step.sampled_seq_index, admitted.sampled_step_index], torch.int64, self.device)
         if step.started:
             starts = self.table.stage_starts(step.started)
-        return StagedStep(admitted, batch, sampled, placeholder_seq, starts)
+        grammar = self.grammar.stage(step) if self.grammar is not None else None
+        return StagedStep(admitted, batch, sampled, placeholder_seq, starts, grammar)
 
     def run(self, staged: StagedStep, out: SlotBuffers) -> None:
         """Enqueue the step's device work (see the module docstring); no host synchronisation."""
@@ -91,6 +99,8 @@ class ModelStepRunner:
         logits = self.model.forward(batch, self.kv_cache)  # [S, vocab], the activation dtype
         if staged.sampled is None:
             return
+        if staged.grammar is not None:
+            self.grammar.mask_logits(staged.grammar, logits)
         rows, step_index = staged.sampled[0], staged.sampled[1]
         tensors = table.sampling_tensors(staged.admitted, rows, step_index)
         result = sample(logits, tensors, table.presence[rows] if tensors.any_penalty else None, fused_argmax=self.model.cpu_kernels)
@@ -102,3 +112,9 @@ class ModelStepRunner:
             out.logprobs[:count].copy_(result.logprobs, non_blocking=True)
             out.top_token_ids[:count, :top].copy_(result.top_ids, non_blocking=True)
             out.top_logprobs[:count, :top].copy_(result.top_logprobs, non_blocking=True)
+
+    def observe(self, staged: StagedStep, token_ids: list[int] | None) -> dict[int, str]:
+        """Advance the constrained rows' matchers (see `GrammarTable.observe`); ``{row: error}``."""
+        if staged.grammar is None:
+            return {}
+        return self.grammar.observe(staged.grammar, token_ids)

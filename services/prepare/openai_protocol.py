@@ -1,23 +1,28 @@
 """The OpenAI API's request bodies (pydantic models) and their mapping onto ``GenerateRequest``.
 
-Only what stageserve serves is declared; any other field (``tools``, ``response_format``,
-``audio``, ...) is refused with a 400 naming it, never ignored, and so is a declared field with a
+Only what stageserve serves is declared; any other field (``tools``, ``audio``, ...) is refused with a 400 naming it, never ignored, and so is a declared field with a
 value stageserve does not serve (``echo: true``, ``best_of > 1``, several prompts). A field sent
 as ``null`` counts as not sent, as in OpenAI's API. Field meanings follow OpenAI's API reference
 (``/v1/chat/completions``, ``/v1/completions``); besides them, vLLM's sampling extensions
 ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``
 and ``include_stop_str_in_output`` are accepted, with the gRPC API's meanings. Range checks are
 not made here: ``validation.py`` makes them for both APIs (and names the field in its message).
+
+Structured output: OpenAI's ``response_format`` (``{"type": "json_object"}``, or ``{"type":
+"json_schema", "json_schema": {"name", "schema", "strict"}}``; ``text`` = none) and vLLM's
+``structured_outputs`` (one of ``json``, ``json_object``, ``regex``, ``choice``, ``grammar``) map
+onto ``GenerateRequest.constraint``; a ``json_schema`` without ``schema`` is any JSON object.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stageserve.prepare.errors import invalid_argument
-from stageserve.v1 import prepare_pb2
+from stageserve.v1 import common_pb2, prepare_pb2
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """``/v1/completions`` without ``max_tokens`` generates this many tokens at most (OpenAI's default)."""
@@ -56,6 +61,30 @@ class ChatMessage(StrictModel):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(StrictModel):
+    name: str
+    description: str = ""
+    schema_: Union[dict, bool, None] = Field(default=None, alias="schema")
+    strict: bool = False
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's ``response_format``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's ``structured_outputs``: set one field."""
+
+    json_: Union[str, dict, bool, None] = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class SamplingFields(StrictModel):
     """Fields both endpoints share."""
 
@@ -80,6 +109,8 @@ class SamplingFields(StrictModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -123,7 +154,38 @@ def _common_fields(body: SamplingFields, max_tokens: int | None) -> prepare_pb2.
         request.n = _unsigned("n", body.n)
     if body.seed is not None:
         request.seed = body.seed & ((1 << 64) - 1)  # a negative seed keeps its bits
+    if (constraint := _constraint(body)) is not None:
+        request.constraint.CopyFrom(constraint)
     return request
+
+
+def _constraint(body: SamplingFields) -> common_pb2.Constraint | None:
+    """``response_format`` or ``structured_outputs`` as a ``Constraint`` (checked later by validation)."""
+    form, outputs = body.response_format, body.structured_outputs
+    if form is not None and form.type != "text" and outputs is not None:
+        raise invalid_argument("response_format: cannot be combined with structured_outputs; set one of them")
+    if outputs is not None:
+        return _structured_outputs(outputs)
+    if form is None or form.type == "text":
+        return None
+    if form.type == "json_schema" and form.json_schema is None:
+        raise invalid_argument("response_format.json_schema: required with type json_schema; give {name, schema}")
+    if form.type == "json_object" or form.json_schema.schema_ is None:
+        return common_pb2.Constraint(json_object=True)
+    return common_pb2.Constraint(json_schema=json.dumps(form.json_schema.schema_))
+
+
+def _structured_outputs(outputs: StructuredOutputs) -> common_pb2.Constraint:
+    given = [name for name in ("json_", "json_object", "regex", "choice", "grammar") if getattr(outputs, name) is not None]
+    if len(given) != 1:
+        raise invalid_argument(f"structured_outputs: set exactly one of json, json_object, regex, choice, grammar; got {len(given)}")
+    name = given[0]
+    value = getattr(outputs, name)
+    if name == "json_":
+        return common_pb2.Constraint(json_schema=value if isinstance(value, str) else json.dumps(value))
+    if name == "choice":
+        return common_pb2.Constraint(choice=common_pb2.Choice(options=value))
+    return common_pb2.Constraint(**{name: value})
 
 
 def chat_request(body: ChatCompletionRequest) -> prepare_pb2.GenerateRequest:

@@ -90,6 +90,7 @@ def build_step_plan(step: ScheduledStep) -> device_pb2.StepPlan:
                 sampling=seq.request.sampling,
                 stop=seq.request.stop,
                 prompt_token_ids=seq.request.prompt_token_ids,
+                constraint=seq.request.constraint,
             )
             for seq in step.started
         ],

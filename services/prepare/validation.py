@@ -12,6 +12,9 @@ exact values):
 - ``temperature`` 1.0, ``top_p`` 1.0, ``repetition_penalty`` 1.0 (off), ``n`` 1.
 - ``seed``: a random 63-bit number per request (63 bits so it also fits a signed 64-bit integer).
 
+A ``constraint`` (structured output) is parsed here, so a bad schema, regex or grammar is refused
+before admission; the device compiles it (``stageserve.device.grammar``).
+
 Prompt forms: ``prompt`` is tokenized as is (with the tokenizer's own special tokens, e.g. a
 BOS for llama-family tokenizers); ``messages`` are rendered with the model's chat template
 (``apply_chat_template(..., add_generation_prompt=True)``), then tokenized without adding special
@@ -28,6 +31,7 @@ from typing import Sequence
 from stageserve.prepare.errors import invalid_argument
 from stageserve.prepare.limits import MAX_CHOICES, MAX_REQUEST_ID_CHARS, at_most, check_generate_bounds
 from stageserve.sampling_rules import first_violation, logit_bias_problem
+from stageserve.structured_output import ConstraintError, constraint_grammar
 from stageserve.v1 import common_pb2, prepare_pb2
 
 DEFAULT_MAX_TOKENS = 256
@@ -58,6 +62,7 @@ class GenerationRequest:
         sampling: concrete sampling parameters for the device.
         stop: stop conditions for reclaim (``max_tokens`` and ``prompt_tokens`` filled in).
         cache_salt: prefix-cache blocks are shared only between requests of the same salt.
+        constraint: the structured-output constraint, checked (it parses); ``None`` = free text.
     """
 
     request_id: str
@@ -66,6 +71,7 @@ class GenerationRequest:
     sampling: common_pb2.SamplingParams
     stop: common_pb2.StopParams
     cache_salt: str = ""
+    constraint: common_pb2.Constraint | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -180,7 +186,25 @@ def validate_generate_request(
         prompt_tokens=len(ids),
     )
     return GenerationRequest(request_id=request_id, prompt_token_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stop,
-                             cache_salt=request.cache_salt)
+                             cache_salt=request.cache_salt, constraint=_constraint(request))
+
+
+def _constraint(request: prepare_pb2.GenerateRequest) -> common_pb2.Constraint | None:
+    """The request's constraint once it parses (`stageserve.structured_output`), or ``None``.
+
+    The constraint decides where the completion ends, so ``ignore_eos`` and ``min_tokens``, which
+    would sample past that end, are refused with it.
+    """
+    if not request.HasField("constraint"):
+        return None
+    for field, value in (("ignore_eos", request.ignore_eos), ("min_tokens", request.min_tokens)):
+        if value:
+            raise invalid_argument(f"{field}: cannot be combined with a constraint (the constraint decides where the completion ends); leave it unset")
+    try:
+        constraint_grammar(request.constraint)
+    except ConstraintError as exc:
+        raise invalid_argument(str(exc)) from None
+    return request.constraint
 
 
 @functools.lru_cache(maxsize=4)

@@ -6,7 +6,9 @@ and leaves the table with its terminal event. Each completed step becomes one ``
 1. aborted request ids of the step's ticket → terminal ``FINISH_REASON_ABORT`` events;
 2. each sampling row → look up ``(seq_index, generation)``; a row of a sequence that has already
    finished is discarded (finish lag); otherwise append the token, detokenize, check stops and add
-   a ``SequenceEvent`` (terminal when the sequence finished).
+   a ``SequenceEvent`` (terminal when the sequence finished); a row listed in
+   ``StepOutput.row_errors`` (e.g. its constraint rejected the token) instead fails its request
+   alone (``INTERNAL``, the device's message) and its token is not published.
 
 A failed step (``StepOutput.error``, a completion timeout, a lost device stream) instead gives
 every live sequence of the step a terminal event carrying a gRPC status code.
@@ -142,6 +144,11 @@ class StepProcessor:
             state = live.get(seq_index)
             if state is None or state.generation != generation:
                 continue  # finish lag: this sequence already finished
+            if row in output.row_errors:
+                log.error("step %d: request fails: %s", ticket.step_id, output.row_errors[row], extra={REQUEST_ID: state.request_id})
+                step.events.append(self._error_event(state, INTERNAL, output.row_errors[row]))
+                self._remove(state)
+                continue
             event = step.events.add(request_id=state.request_id, seq_index=seq_index, generation=generation)
             if with_logprobs and state.wants_logprobs:
                 event.logprobs.append(output.logprobs[row])

@@ -11,7 +11,9 @@ themselves, on the embedded model unless ``--model`` says otherwise:
 - ``stageserve bench compare-weights``: quantized against bfloat16 weights against llama.cpp's ``llama-server``;
 - ``stageserve bench sweep``: tokens/s and p99 ITL against concurrency, with a PNG plot;
 - ``stageserve bench compare-prefix-cache``: prefix caching on against off (shared system prompt,
-  multi-turn chat against llama-server too, no shared prefix).
+  multi-turn chat against llama-server too, no shared prefix);
+- ``stageserve bench compare-structured``: every request constrained by a JSON schema against the
+  same prompts unconstrained, plus the time to compile a new and a cached schema.
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prefix.add_argument("--streams", type=int, default=16, dest="compare_streams", help="concurrent streams of the loaded runs (default %(default)s)")
     prefix.add_argument("--system-tokens", type=int, default=1500, metavar="TOKENS", help="shared system prompt length (default %(default)s)")
     prefix.add_argument("--llama-server", type=Path, default=None, metavar="PATH", help=LLAMA_SERVER_HELP + " (the multi-turn chat)")
+    structured = _comparison(sub, "compare-structured", "JSON-schema constrained against unconstrained requests: tokens/s, step period, compile time")
+    structured.add_argument("--streams", type=int, default=32, dest="compare_streams", help="concurrent streams (default %(default)s)")
+    structured.add_argument("--json-schema", type=Path, default=None, dest="compare_schema", metavar="FILE",
+                            help="the constrained side's JSON schema (default: a mid-sized record schema repeated beyond --output-len)")
     sweep.add_argument("--plot", type=Path, default=Path("docs/benchmarks-concurrency.png"), help="PNG path (default %(default)s)")
 
 
@@ -78,6 +84,8 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-ignore-eos", action="store_true", help="let requests end at EOS (lengths then vary)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     parser.add_argument("--seed", type=int, default=0, help="prompt order, length draws and arrival gaps (default %(default)s)")
+    parser.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
+                        help="constrain every request's output to the JSON schema in FILE (structured output; needs --no-ignore-eos)")
 
 
 def _comparison(sub, name: str, help_text: str) -> argparse.ArgumentParser:
@@ -122,7 +130,7 @@ def _run_load(args: argparse.Namespace) -> int:
     from stageserve.bench.workload import Shape, Workload, load_prompts
 
     shape = Shape(output_len=args.output_len, input_len=args.input_len, spread=args.len_spread,
-                  ignore_eos=not args.no_ignore_eos, temperature=args.temperature)
+                  ignore_eos=not args.no_ignore_eos, temperature=args.temperature, constraint=_constraint(args.json_schema))
     workload = Workload(load_prompts(args.prompts), shape, args.seed, grpc_tokenizer(args.target, args.tls_ca, args.api_key) if args.input_len else None)
     streams = args.streams if args.streams is not None or args.rate is not None else 8
     requests = args.requests if args.requests is not None or args.duration is not None else 64
@@ -131,7 +139,8 @@ def _run_load(args: argparse.Namespace) -> int:
     config = {"target": args.openai or args.target, "streams": load.streams, "rate": load.rate, "max_concurrency": load.max_concurrency,
               "requests": load.requests, "duration_s": load.duration_s, "prompts": str(args.prompts) if args.prompts else "built-in",
               "output_len": shape.output_len, "input_len": shape.input_len, "spread": shape.spread,
-              "ignore_eos": shape.ignore_eos, "temperature": shape.temperature, "seed": args.seed}
+              "ignore_eos": shape.ignore_eos, "temperature": shape.temperature, "seed": args.seed,
+              "json_schema": str(args.json_schema) if args.json_schema else None}
     report = build_report(records, config)
     json_to_stdout = args.json is not None and str(args.json) == "-"
     print(format_table(report), file=sys.stderr if json_to_stdout else sys.stdout)  # stdout stays pure JSON
@@ -146,6 +155,22 @@ def _run_load(args: argparse.Namespace) -> int:
         errors = ", ".join(f"{code} {n}" for code, n in report["errors"].items())
         print(f"error: every request failed ({errors}); is prepare running and ready at {args.target}?", file=sys.stderr)
     return 0 if requests["failed"] == 0 else 1
+
+
+def _constraint(schema_path: Path | None):
+    """The ``Constraint`` of the JSON schema in ``schema_path``, or ``None``. Raises ValueError: not JSON."""
+    if schema_path is None:
+        return None
+    from stageserve.v1 import common_pb2
+
+    return common_pb2.Constraint(json_schema=json.dumps(_read_schema(schema_path)))
+
+
+def _read_schema(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--json-schema {path}: not JSON ({exc})") from None
 
 
 def _transport(args: argparse.Namespace):
@@ -184,6 +209,10 @@ def _run_comparison(args: argparse.Namespace) -> str:
         from stageserve.bench.prefix_cache import compare_prefix_cache
 
         return compare_prefix_cache(common, args.compare_streams, args.system_tokens, llama_server=llama_server_program(args.llama_server))
+    if args.comparison == "compare-structured":
+        from stageserve.bench.structured import compare_structured
+
+        return compare_structured(common, args.compare_streams, _read_schema(args.compare_schema) if args.compare_schema else None)
     if args.comparison == "compare-peers":
         return compare.compare_peers(common, args.compare_streams)
     if args.comparison == "compare-weights":

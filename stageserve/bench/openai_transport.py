@@ -28,6 +28,8 @@ def openai_body(request: prepare_pb2.GenerateRequest, model: str) -> tuple[str, 
     for field in ("max_tokens", "temperature", "top_p", "seed"):
         if request.HasField(field):
             body[field] = getattr(request, field)
+    if request.constraint.WhichOneof("kind") == "json_schema":
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": json.loads(request.constraint.json_schema)}}
     if request.messages:
         body["messages"] = [MessageToDict(m) for m in request.messages]
         return "/chat/completions", body

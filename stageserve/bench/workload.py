@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from stageserve.v1 import prepare_pb2
+from stageserve.v1 import common_pb2, prepare_pb2
 
 BUILTIN_PROMPTS = "prompts.jsonl"
 
@@ -35,6 +35,7 @@ class Shape:
         spread: 0 for fixed lengths, else the relative half-width of the uniform draw, in [0, 1).
         ignore_eos: generate exactly ``max_tokens`` tokens (no early EOS).
         temperature: sampling temperature (0 = greedy).
+        constraint: structured output of every request (``None``: free text); needs ``ignore_eos`` off.
     """
 
     output_len: int = 128
@@ -42,6 +43,7 @@ class Shape:
     spread: float = 0.0
     ignore_eos: bool = True
     temperature: float = 0.0
+    constraint: common_pb2.Constraint | None = None
 
 
 def load_prompts(path: Path | None = None) -> list[dict]:
@@ -103,6 +105,8 @@ class Workload:
             raise ValueError(f"length spread must be in [0, 1), got {shape.spread}")
         if shape.input_len is not None and tokenize is None:
             raise ValueError("a fixed input length needs a tokenizer")
+        if shape.constraint is not None and shape.ignore_eos:
+            raise ValueError("a constraint decides where the output ends: it needs --no-ignore-eos")
         self.shape, self.seed = shape, seed
         self._prompts = [base_request(entry) for entry in prompts]
         self._order = list(range(len(prompts)))
@@ -117,7 +121,7 @@ class Workload:
         prompt = self._order[index % len(self._order)]
         request = prepare_pb2.GenerateRequest(
             request_id=f"bench-{self.seed}-{index}", max_tokens=self._length(shape.output_len, draw),
-            ignore_eos=shape.ignore_eos, temperature=shape.temperature, seed=index,
+            ignore_eos=shape.ignore_eos, temperature=shape.temperature, seed=index, constraint=shape.constraint,
         )
         if shape.input_len is None:
             request.MergeFrom(self._prompts[prompt])

@@ -106,20 +106,29 @@ class CompletionTicket(_message.Message):
     def __init__(self, ticket: _Optional[int] = ..., step_id: _Optional[int] = ..., slot: _Optional[int] = ..., started: _Optional[_Iterable[_Union[_common_pb2.SequenceStart, _Mapping]]] = ..., seq_index: _Optional[_Iterable[int]] = ..., generation: _Optional[_Iterable[int]] = ..., aborted: _Optional[_Iterable[str]] = ..., submitted_unix_ns: _Optional[int] = ...) -> None: ...
 
 class StepOutput(_message.Message):
-    __slots__ = ("ticket", "step_id", "token_ids", "logprobs", "error", "completed_unix_ns")
+    __slots__ = ("ticket", "step_id", "token_ids", "logprobs", "error", "completed_unix_ns", "row_errors")
+    class RowErrorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
     TICKET_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    ROW_ERRORS_FIELD_NUMBER: _ClassVar[int]
     ticket: int
     step_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     error: str
     completed_unix_ns: int
-    def __init__(self, ticket: _Optional[int] = ..., step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., error: _Optional[str] = ..., completed_unix_ns: _Optional[int] = ...) -> None: ...
+    row_errors: _containers.ScalarMap[int, str]
+    def __init__(self, ticket: _Optional[int] = ..., step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., error: _Optional[str] = ..., completed_unix_ns: _Optional[int] = ..., row_errors: _Optional[_Mapping[int, str]] = ...) -> None: ...
 
 class CompletionEvent(_message.Message):
     __slots__ = ("ticket", "output")

