@@ -9,6 +9,13 @@
 - ``stageserve_steps_total{outcome}``: ``ok`` or ``failed`` steps.
 - ``stageserve_tickets_in_flight``: tickets submitted whose output is not delivered yet.
 - ``stageserve_model_info{model_name, backend, dtype}``: the served model (always 1).
+- Speculative decoding (a device with ``--speculative-method``), per decode row verified:
+  ``stageserve_spec_draft_tokens_total`` (drafts the proposer made),
+  ``stageserve_spec_accepted_tokens_total`` (drafts the target accepted),
+  ``stageserve_spec_position_drafted_total{position}`` / ``..._position_accepted_total{position}``
+  (position 0 = the first draft; their ratio is the acceptance rate per position) and
+  ``stageserve_spec_accepted_length`` (tokens a drafting row emitted: 1 + accepted; its mean is
+  the mean accepted length). Rows cut by a stop condition count what the device accepted.
 
 Times come from the ticket's wall-clock ``submitted_unix_ns`` and the moment the output is handed
 on (``time.time_ns``): no per-step state is kept here beyond the previous submit time.
@@ -26,6 +33,7 @@ from stageserve.device.executor import StepResult, StepTicket
 # Seconds per step: sub-millisecond (a simulated or tiny step) to seconds (a long prefill).
 STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+ACCEPTED_LENGTH_BUCKETS = tuple(range(1, 17))
 TIMING_SOURCES = {"async": "submit_to_completion", "sync": "blocking_span"}
 
 
@@ -52,6 +60,14 @@ class DeviceMetrics:
         self._steps_ok, self._steps_failed = steps.labels("ok"), steps.labels("failed")
         self._in_flight = Gauge("stageserve_tickets_in_flight", "Tickets submitted whose output is not delivered yet", registry=registry)
         self._model = Info("stageserve_model", "The model this device serves", registry=registry)
+        self._spec_drafted = Counter("stageserve_spec_draft_tokens", "Drafts the proposer made (speculative decoding)", registry=registry)
+        self._spec_accepted = Counter("stageserve_spec_accepted_tokens", "Drafts the target model accepted", registry=registry)
+        self._position_drafted = Counter("stageserve_spec_position_drafted", "Rows with a draft at this position (0 = first draft)",
+                                         ["position"], registry=registry)
+        self._position_accepted = Counter("stageserve_spec_position_accepted", "Rows whose draft at this position was accepted",
+                                          ["position"], registry=registry)
+        self._accepted_length = Histogram("stageserve_spec_accepted_length", "Tokens a row with drafts emitted in one step (1 + accepted)",
+                                          buckets=ACCEPTED_LENGTH_BUCKETS, registry=registry)
         self._last_submit_ns = 0
         self._measuring = False
 
@@ -82,3 +98,18 @@ class DeviceMetrics:
             return
         self._device_time.observe((time.time_ns() - ticket.submitted_unix_ns) / 1e9)
         (self._steps_failed if error is not None else self._steps_ok).inc()
+        if result is not None and result.num_drafted is not None:
+            self._observe_speculation(result.num_tokens, result.num_drafted)
+
+    def _observe_speculation(self, num_tokens: list[int], num_drafted: list[int]) -> None:
+        for emitted, drafted in zip(num_tokens, num_drafted):
+            if not drafted:
+                continue
+            accepted = emitted - 1
+            self._spec_drafted.inc(drafted)
+            self._spec_accepted.inc(accepted)
+            self._accepted_length.observe(emitted)
+            for position in range(drafted):
+                self._position_drafted.labels(str(position)).inc()
+                if position < accepted:
+                    self._position_accepted.labels(str(position)).inc()
