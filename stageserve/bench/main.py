@@ -11,7 +11,9 @@ themselves, on the embedded model unless ``--model`` says otherwise:
 - ``stageserve bench compare-weights``: quantized against bfloat16 weights against llama.cpp's ``llama-server``;
 - ``stageserve bench sweep``: tokens/s and p99 ITL against concurrency, with a PNG plot;
 - ``stageserve bench compare-prefix-cache``: prefix caching on against off (shared system prompt,
-  multi-turn chat, no shared prefix).
+  multi-turn chat, no shared prefix);
+- ``stageserve bench compare-speculative``: n-gram speculative decoding against none (input-grounded
+  and open-ended workloads): tokens/s, ITL, acceptance per position.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prefix = _comparison(sub, "compare-prefix-cache", "prefix caching on against off: shared system prompt, multi-turn chat, no shared prefix")
     prefix.add_argument("--streams", type=int, default=16, dest="compare_streams", help="concurrent streams of the loaded runs (default %(default)s)")
     prefix.add_argument("--system-tokens", type=int, default=1500, metavar="TOKENS", help="shared system prompt length (default %(default)s)")
+    spec = _comparison(sub, "compare-speculative", "n-gram speculative decoding against none: tokens/s, ITL p50, acceptance rate")
+    spec.add_argument("--streams", type=int, nargs="+", default=[1, 8], dest="compare_streams", help="stream counts (default 1 8)")
+    spec.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[3, 5], metavar="K", help="K values to run (default 3 5)")
     sweep.add_argument("--plot", type=Path, default=Path("docs/benchmarks-concurrency.png"), help="PNG path (default %(default)s)")
 
 
@@ -161,6 +166,10 @@ def _run_comparison(args: argparse.Namespace) -> str:
         from stageserve.bench.prefix_cache import compare_prefix_cache
 
         return compare_prefix_cache(common, args.compare_streams, args.system_tokens)
+    if args.comparison == "compare-speculative":
+        from stageserve.bench.compare_speculative import compare_speculative
+
+        return compare_speculative(common, args.compare_streams, args.num_speculative_tokens)
     if args.comparison == "compare-peers":
         return compare.compare_peers(common, args.compare_streams)
     if args.comparison == "compare-weights":
