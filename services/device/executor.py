@@ -131,7 +131,8 @@ class StepTicket:
         submitted_unix_ns: wall-clock submit time.
         uploads_freed: 0 until resolution, then 1.
 
-    ``tracer`` records the ``device.copy_out`` span of the resolution (outputs out of the slot).
+    ``tracer`` records the ``device.copy_out`` span of the resolution (outputs out of the slot; with
+    speculative decoding its args ``draft_tokens`` and ``accepted_tokens`` sum the step's rows).
     """
 
     def __init__(self, ticket_id: int, admitted: AdmittedStep, slot: int, buffers: SlotBuffers, tracer: Tracer) -> None:
@@ -187,8 +188,10 @@ class StepTicket:
         try:
             if not self._completion.wait(timeout):
                 raise TicketTimeout(f"ticket {self.ticket_id} (step {self.step_id}) not completed within {timeout} s")
-            with self._tracer.span("device.copy_out", step_id=self.step_id, ticket=self.ticket_id):
+            with self._tracer.span("device.copy_out", step_id=self.step_id, ticket=self.ticket_id) as span:
                 self._result = self._read_outputs()
+                if self._result.num_drafted is not None and self._tracer.enabled:  # the trace analyzer's acceptance
+                    span.set(draft_tokens=sum(self._result.num_drafted), accepted_tokens=len(self._result.token_ids) - len(self._result.num_tokens))
         except TicketTimeout:
             raise
         except BaseException as exc:  # noqa: BLE001 - stored and re-raised to every waiter

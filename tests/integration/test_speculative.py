@@ -1,6 +1,6 @@
 """Speculative decoding (n-gram prompt lookup) end to end, through three real service processes.
 
-The reference is the shared non-speculative pipeline: with the same request (and seed) the
+The reference is a pipeline without speculation: with the same request (and seed) the
 speculative pipeline must return the same tokens, at temperature 0 and above (the verification
 draws the target's token with the same per-output-index noise), with every finish cut at the same
 token. Speculation must also actually happen: the repetitive prompts get drafts accepted.
@@ -25,8 +25,14 @@ REPEAT = f"Repeat this sentence exactly, twice: {PASSAGE}"
 PROMPTS = [REPEAT, "Count from 1 to 15, separated by commas.", "What is the capital of France?"]
 
 
-def start_speculative(tmp_path_factory, name: str, *extra: str):
-    started = launch(tmp_path_factory, name, device_args=[*SPECULATIVE, *extra])
+# A loaded shared machine can take seconds per step: the comparison is of tokens, never of time.
+pytestmark = pytest.mark.timeout(1800)  # three pipelines start in this module
+PATIENT = dict(prepare_args=["--stall-timeout", "600"], reclaim_args=["--completion-timeout", "600"])
+
+
+def start(tmp_path_factory, name: str, *device_args: str):
+    """Yield (pipeline, Generation stub); stop the pipeline afterwards."""
+    started = launch(tmp_path_factory, name, device_args=list(device_args), **PATIENT)
     try:
         with grpc.insecure_channel(started.prepare.address) as channel:
             yield started, prepare_pb2_grpc.GenerationStub(channel)
@@ -37,7 +43,14 @@ def start_speculative(tmp_path_factory, name: str, *extra: str):
 @pytest.fixture(scope="module")
 def speculative(tmp_path_factory):
     """(pipeline, Generation stub) with n-gram speculation, async dispatch."""
-    yield from start_speculative(tmp_path_factory, "speculative-async")
+    yield from start(tmp_path_factory, "speculative-async", *SPECULATIVE)
+
+
+@pytest.fixture(scope="module")
+def generation(tmp_path_factory):
+    """The reference: a Generation stub on a pipeline without speculation."""
+    for _, stub in start(tmp_path_factory, "speculative-reference"):
+        yield stub
 
 
 def generate(stub, prompt: str, **fields) -> prepare_pb2.GenerateResponse:
@@ -130,7 +143,7 @@ def test_abort_mid_generation_frees_kv_and_metrics_count_acceptance(speculative)
 
 
 def test_sync_dispatch_gives_the_same_tokens(tmp_path_factory, generation):
-    for _, stub in start_speculative(tmp_path_factory, "speculative-sync", "--dispatch", "sync"):
+    for _, stub in start(tmp_path_factory, "speculative-sync", *SPECULATIVE, "--dispatch", "sync"):
         for prompt in PROMPTS[:2]:
             assert list(generate(stub, prompt, temperature=0.0).token_ids) == list(reference(generation, prompt, temperature=0.0).token_ids)
 
