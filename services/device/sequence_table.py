@@ -140,7 +140,7 @@ class SequenceTable:
                     if token_ids[offset] == -1 and not has_token:
                         raise PlanError(f"{where}: token_ids placeholder -1 but no token has been sampled for this sequence yet")
                 elif -1 in token_ids[offset : offset + n]:
-                    raise PlanError(f"{where}: placeholder -1 is only allowed in decode rows (1 + num_draft_tokens tokens)")
+                    raise PlanError(f"{where}: placeholder -1 is only allowed in single-token (decode) rows, or in rows of 1 + num_draft_tokens placeholders")
             if drafts and start is None and self._flags[seq] & (_PENALTY | _ADDITIVE):
                 raise PlanError(f"{where}: num_draft_tokens must be 0 for a sequence with a repetition, presence or frequency penalty")
             if (blocks + num_new_blocks[row]) * self.block_size < step.start_pos[row] + n:

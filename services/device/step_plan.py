@@ -187,8 +187,9 @@ def _decode_drafts(plan: device_pb2.StepPlan, limits: PlanLimits, num_tokens: li
         raise PlanError(f"{where}: num_draft_tokens {max(drafts)} exceeds the device's num_speculative_tokens={limits.num_speculative_tokens}")
     offset = 0
     for row, (n, k) in enumerate(zip(num_tokens, drafts)):
-        if k and (n != 1 + k or any(t != -1 for t in token_ids[offset : offset + n])):
-            raise PlanError(f"{where} row {row}: a row with num_draft_tokens {k} must carry 1 + {k} placeholders (-1), got {n} tokens")
+        placeholders = token_ids[offset : offset + n].count(-1)
+        if k and (n != 1 + k or placeholders != n):
+            raise PlanError(f"{where} row {row}: a row with num_draft_tokens {k} must carry 1 + {k} placeholders (-1), got {n} tokens, {placeholders} of them placeholders")
         offset += n
     return drafts
 

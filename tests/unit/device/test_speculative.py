@@ -7,6 +7,7 @@ a point-mass draft ``d`` must be accepted with probability ``p(d)`` (Leviathan e
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -14,9 +15,13 @@ import torch
 
 from stageserve.device.proposer import NgramProposer, TokenHistory
 from stageserve.device.sampler import sample
+from stageserve.device.sequence_table import SequenceTable
 from stageserve.device.speculative import accept_drafts
+from stageserve.device.step_plan import PlanError, decode_plan
+from stageserve.v1 import common_pb2
 
 from .sampling_tensors import tensors_from_lists
+from .test_sequence_table import LIMITS, VOCAB, check_sampling, decode, prefill
 
 CPU = torch.device("cpu")
 
@@ -108,9 +113,35 @@ def test_verification_follows_the_target_distribution_and_accepts_with_p_of_the_
 
 def test_history_records_prompts_of_started_sequences():
     from stageserve.device.step_plan import StartedSequence
-    from stageserve.v1 import common_pb2
 
     history = TokenHistory(3, 8, CPU)
     history.apply_starts(history.stage_starts([StartedSequence(2, 1, common_pb2.SamplingParams(), [4, 5, 6])]))
     assert history.tokens[2, :3].tolist() == [4, 5, 6]
     assert history.length.tolist() == [0, 0, 3] and history.prompt_len.tolist() == [0, 0, 3]
+
+
+SPECULATING = dataclasses.replace(LIMITS, num_speculative_tokens=3)
+
+
+@pytest.mark.parametrize(
+    ("plan", "limits", "message"),
+    [
+        (decode(2, 0, num_tokens=[3], token_ids=[-1] * 3, num_draft_tokens=[2]), LIMITS, "this device does not speculate"),
+        (decode(2, 0, num_tokens=[5], token_ids=[-1] * 5, num_draft_tokens=[4]), SPECULATING, "exceeds the device's num_speculative_tokens=3"),
+        (decode(2, 0, num_tokens=[3], token_ids=[-1, 5, 6], num_draft_tokens=[2]), SPECULATING, "must carry 1 \\+ 2 placeholders"),
+        (decode(2, 0, num_tokens=[3], token_ids=[-1] * 3, num_draft_tokens=[2, 0]), SPECULATING, "num_draft_tokens has 2 entries"),
+    ],
+)
+def test_plans_with_drafts_are_checked(plan, limits, message):
+    with pytest.raises(PlanError, match=message):
+        decode_plan(plan, limits, check_sampling)
+
+
+def test_a_penalised_sequence_may_not_draft():
+    table = SequenceTable(SPECULATING.max_num_seqs, VOCAB, SPECULATING.block_size, CPU)
+    penalised = common_pb2.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.2)
+    table.admit(decode_plan(prefill(1, 0, sampling=penalised, blocks=(0, 1)), SPECULATING, check_sampling))
+    with pytest.raises(PlanError, match="num_draft_tokens must be 0"):
+        table.admit(decode_plan(decode(2, 0, num_tokens=[3], token_ids=[-1] * 3, num_draft_tokens=[2]), SPECULATING, check_sampling))
+    step = table.admit(decode_plan(decode(3, 0, num_draft_tokens=[0]), SPECULATING, check_sampling))
+    assert step.step.speculative and step.step.sampled_num_drafts == [0]
