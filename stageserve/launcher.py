@@ -256,6 +256,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "npu"])
     parser.add_argument("--dispatch", default="async", choices=["async", "sync"])
     parser.add_argument("--pipeline-depth", type=int, default=2)
+    parser.add_argument("--speculative-method", default="none", choices=["none", "ngram"], help="the device's speculative decoding (docs/speculative.md)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K", help="drafts per decode row and step, with a --speculative-method")
     parser.add_argument("--trace-dir", type=Path, default=None, metavar="DIR",
                         help="all three services record a Chrome trace from start-up into DIR, written at shutdown "
                              "(then: stageserve trace merge DIR)")
@@ -296,7 +298,8 @@ def _service_args(args: argparse.Namespace) -> tuple[list[str], list[str], list[
               *(["--model", args.model] if args.model else []), *(["--trace-dir", str(args.trace_dir)] if args.trace_dir else [])]
     prepare_metrics, device_metrics, reclaim_metrics = _metrics_ports(args.metrics_port_base)
     device = [*common, "--metrics-port", device_metrics, "--dtype", args.dtype, "--backend", args.backend, "--dispatch", args.dispatch,
-              "--pipeline-depth", str(args.pipeline_depth)]
+              "--pipeline-depth", str(args.pipeline_depth), "--speculative-method", args.speculative_method,
+              "--num-speculative-tokens", str(args.num_speculative_tokens)]
     keys = ["--api-keys-file", str(args.api_keys_file)] if args.api_keys_file else []
     return (device, [*common, "--metrics-port", reclaim_metrics],
             [*common, "--metrics-port", prepare_metrics, "--http-port", args.http_port, *keys])

@@ -25,6 +25,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
+from itertools import accumulate
 from typing import Protocol
 
 import torch
@@ -55,16 +56,21 @@ class SlotBuffers:
     """Host buffers of one output slot (pinned on accelerators), written by the step's device-to-host copy.
 
     Attributes:
-        token_ids: ``[max_rows]`` int64, sampled id of sampling row ``r`` at ``[r]``.
+        token_ids: ``[max_rows]`` int64, sampled id of sampling row ``r`` at ``[r]`` (speculative
+            decoding: of sampling entry ``e``, a decode row having ``1 + k`` consecutive entries).
         logprobs: ``[max_rows]`` float32, log-probability of the sampled id.
         top_token_ids: ``[max_rows, max_top_logprobs]`` int64, most likely first.
         top_logprobs: ``[max_rows, max_top_logprobs]`` float32.
+        num_tokens, num_drafted: ``[max_rows]`` int64, speculative decoding only: per sampling row,
+            tokens it emits (its first entries) and drafts the proposer made for it.
     """
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor
     top_token_ids: torch.Tensor
     top_logprobs: torch.Tensor
+    num_tokens: torch.Tensor
+    num_drafted: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -82,17 +88,27 @@ class StepResult:
     """What one completed step produced, in the ticket's sampling-row order.
 
     Attributes:
-        token_ids: one sampled id per sampling row.
-        logprobs: one entry per sampling row when any row asked for logprobs (``None`` for rows
+        token_ids: one sampled id per sampling row (speculative decoding: ``num_tokens[r]`` per row).
+        logprobs: one entry per token id when any row asked for logprobs (``None`` for rows
             that did not), else ``None``.
         completed_unix_ns: wall-clock time the completion was observed.
+        num_tokens, num_drafted: per sampling row, tokens emitted and drafts proposed, on a
+            speculating device; else ``None``.
         row_errors: sampling row -> why that row's request fails (the runner's `StepRunner.observe`).
     """
 
     token_ids: list[int]
     logprobs: list[SampledLogprob | None] | None
     completed_unix_ns: int
+    num_tokens: list[int] | None = None
+    num_drafted: list[int] | None = None
     row_errors: dict[int, str] = field(default_factory=dict)
+
+    def first_tokens(self) -> list[int]:
+        """Each sampling row's first token (speculative decoding: the one after its pending token)."""
+        if self.num_tokens is None:
+            return self.token_ids
+        return [self.token_ids[start] for start in accumulate([0, *self.num_tokens[:-1]])]
 
 
 class StepRunner(Protocol):
@@ -130,7 +146,8 @@ class StepTicket:
         submitted_unix_ns: wall-clock submit time.
         uploads_freed: 0 until resolution, then 1.
 
-    ``tracer`` records the ``device.copy_out`` span of the resolution (outputs out of the slot).
+    ``tracer`` records the ``device.copy_out`` span of the resolution (outputs out of the slot; with
+    speculative decoding its args ``draft_tokens`` and ``accepted_tokens`` sum the step's rows).
     """
 
     def __init__(self, ticket_id: int, admitted: AdmittedStep, slot: int, buffers: SlotBuffers, tracer: Tracer) -> None:
@@ -187,9 +204,11 @@ class StepTicket:
         try:
             if not self._completion.wait(timeout):
                 raise TicketTimeout(f"ticket {self.ticket_id} (step {self.step_id}) not completed within {timeout} s")
-            with self._tracer.span("device.copy_out", step_id=self.step_id, ticket=self.ticket_id):
+            with self._tracer.span("device.copy_out", step_id=self.step_id, ticket=self.ticket_id) as span:
                 result = self._read_outputs()
-                self._result = replace(result, row_errors=self._observe(self._uploads, result.token_ids)) if self._uploads is not None else result
+                if result.num_drafted is not None and self._tracer.enabled:  # the trace analyzer's acceptance
+                    span.set(draft_tokens=sum(result.num_drafted), accepted_tokens=len(result.token_ids) - len(result.num_tokens))
+                self._result = replace(result, row_errors=self._observe(self._uploads, result.first_tokens())) if self._uploads is not None else result
         except TicketTimeout:
             raise
         except BaseException as exc:  # noqa: BLE001 - stored and re-raised to every waiter
@@ -210,19 +229,30 @@ class StepTicket:
             log.exception("observing failed step %d", self.step_id)
 
     def _read_outputs(self) -> StepResult:
-        rows = len(self.admitted.step.sampled_seq_index)
-        token_ids = self._buffers.token_ids[:rows].tolist()
+        step, buffers = self.admitted.step, self._buffers
+        rows = len(step.sampled_seq_index)
+        entries = [1 + k for k in step.sampled_num_drafts] if step.speculative else [1] * rows
+        count = sum(entries)
+        token_ids = buffers.token_ids[:count].tolist()
+        # Entry e belongs to row owner[e]; a speculative row keeps its first num_tokens[r] entries.
+        owner = [r for r, n in enumerate(entries) for _ in range(n)]
+        num_tokens = num_drafted = None
+        kept = range(count)
+        if step.speculative:
+            num_tokens, num_drafted = buffers.num_tokens[:rows].tolist(), buffers.num_drafted[:rows].tolist()
+            starts = [0, *accumulate(entries)]
+            kept = [e for r in range(rows) for e in range(starts[r], starts[r] + num_tokens[r])]
         logprobs = None
         top_n = self.admitted.sampled_top_logprobs
         if any(top_n):
-            lp = self._buffers.logprobs[:rows].tolist()
-            top_ids = self._buffers.top_token_ids[:rows].tolist()
-            top_lp = self._buffers.top_logprobs[:rows].tolist()
+            lp = buffers.logprobs[:count].tolist()
+            top_ids = buffers.top_token_ids[:count].tolist()
+            top_lp = buffers.top_logprobs[:count].tolist()
             logprobs = [
-                SampledLogprob(token_ids[r], lp[r], top_ids[r][:n], top_lp[r][:n]) if n else None
-                for r, n in enumerate(top_n)
+                SampledLogprob(token_ids[e], lp[e], top_ids[e][: top_n[owner[e]]], top_lp[e][: top_n[owner[e]]]) if top_n[owner[e]] else None
+                for e in kept
             ]
-        return StepResult(token_ids, logprobs, time.time_ns())
+        return StepResult([token_ids[e] for e in kept], logprobs, time.time_ns(), num_tokens, num_drafted)
 
 
 class StepExecutor:
@@ -232,7 +262,8 @@ class StepExecutor:
         backend: where the device work runs.
         runner: the step's device work (stage + run).
         pipeline_depth: output slots, i.e. steps submitted and not yet released, at most.
-        max_rows: sampling rows one step may have (the sequence table size).
+        max_rows: sampling entries one step may have (the sequence table size; times 1 + K with
+            speculative decoding, each decode row sampling after its pending token and every draft).
         max_top_logprobs: top-n alternatives a row may ask for, at most.
         dispatch: ``async`` or ``sync`` (wait each step inside ``submit``).
         on_ticket: called in ``submit`` with each new ticket, before its output can be delivered.
@@ -407,4 +438,6 @@ def _make_slot_buffers(backend: Backend, max_rows: int, max_top: int) -> SlotBuf
         logprobs=backend.host_buffer((max_rows,), torch.float32),
         top_token_ids=backend.host_buffer((max_rows, max_top), torch.int64),
         top_logprobs=backend.host_buffer((max_rows, max_top), torch.float32),
+        num_tokens=backend.host_buffer((max_rows,), torch.int64),
+        num_drafted=backend.host_buffer((max_rows,), torch.int64),
     )

@@ -218,10 +218,12 @@ class GrammarTable:
 
     # ---- the step's device work ------------------------------------------------------------
 
-    def mask_logits(self, staged: GrammarRows, logits: torch.Tensor) -> None:
+    def mask_logits(self, staged: GrammarRows, logits: torch.Tensor, logit_rows: list[int] | None = None) -> None:
         """Set the logits of tokens a constrained row's grammar forbids to -inf, in place.
 
-        ``logits``: ``[S, V]`` of the step's sampling rows, any float dtype, on ``device``. Waits
+        ``logits``: ``[S, V]`` of the step's sampling rows, any float dtype, on ``device``;
+        ``logit_rows``: each constrained row's row of ``logits`` when they differ from its sampling
+        row (speculative decoding: a row's entries precede the next row's). Waits
         on the host until each constrained row's previous token has been observed (its mask is
         then final); unconstrained rows are untouched. A row whose sequence already failed or
         ended keeps every token (its output is discarded by reclaim).
@@ -231,17 +233,18 @@ class GrammarTable:
         """
         masks = torch.empty(logits.shape[0], self._words, dtype=torch.int32)
         deadline = time.monotonic() + MASK_WAIT_S
-        for row, state, before in zip(staged.rows, staged.states, staged.observed_before):
+        targets = staged.rows if logit_rows is None else logit_rows
+        for row, target, state, before in zip(staged.rows, targets, staged.states, staged.observed_before):
             state.ready.result(timeout=max(0.0, deadline - time.monotonic()))
             with self._observed:
                 if not self._observed.wait_for(lambda: state.observed >= before, max(0.0, deadline - time.monotonic())):
                     raise TimeoutError(f"structured output: row {row}'s previous token was not observed within {MASK_WAIT_S} s")
             usable = state.error is None and not state.matcher.is_terminated()
             if usable:
-                masks[row].copy_(state.bitmask)
+                masks[target].copy_(state.bitmask)
             else:
-                masks[row].fill_(_ALL_ALLOWED)
-        _apply_bitmask(logits, masks, staged.rows)
+                masks[target].fill_(_ALL_ALLOWED)
+        _apply_bitmask(logits, masks, targets)
 
     # ---- resolving thread --------------------------------------------------------------------
 

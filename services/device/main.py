@@ -24,6 +24,7 @@ DEFAULT_PORT = 50052
 DEFAULT_METRICS_PORT = 9102
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("auto", "dequantize", "int8", "int4")  # the same as stageserve.device.quant.WEIGHT_FORMATS, which imports torch
+PROPOSER_NAMES = ("ngram",)  # the keys of stageserve.device.proposer.PROPOSERS, which imports torch
 CPU_DEFAULT_KV_BYTES = 512 * 1024**2
 ACCELERATOR_DEFAULT_KV_FRACTION = 0.85
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -58,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-dense-copy", action="store_true",
                         help="quantized weights: keep no dense copy for inputs of more than 4 rows, dequantize per call instead (least memory; steps of many rows run several times slower)")
     parser.add_argument("--dispatch", choices=("async", "sync"), default="async", help="async: submit without waiting; sync: wait each step before the next (for comparison)")
+    spec = parser.add_argument_group("speculative decoding (docs/speculative.md)")
+    spec.add_argument("--speculative-method", choices=("none", *PROPOSER_NAMES), default="none",
+                      help="ngram: prompt lookup, drafts copied from the sequence's own prompt and output (default %(default)s)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K", help="drafts per decode row and step at most, with a --speculative-method (default %(default)s)")
     parser.add_argument("--pipeline-depth", type=int, default=2, metavar="N", help="output slots = steps in flight at most (default %(default)s)")
     kv = parser.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES", help="KV pool size, e.g. 512MiB (default: 512MiB on cpu)")
@@ -199,6 +204,10 @@ def _check_flags(args: argparse.Namespace) -> str | None:
     for flag, value in (("--sim-step-ms", args.sim_step_ms), ("--sim-token-us", args.sim_token_us)):
         if value < 0:
             return f"{flag} must not be negative, got {value}"
+    if args.speculative_method != "none" and args.num_speculative_tokens < 1:
+        return f"--num-speculative-tokens must be at least 1 with --speculative-method {args.speculative_method}, got {args.num_speculative_tokens}"
+    if args.speculative_method != "none" and args.backend == "sim":
+        return "--speculative-method needs a model: the sim backend samples without one; choose --backend cpu, cuda or npu"
     if args.kv_cache_fraction is not None and not 0.0 < args.kv_cache_fraction <= 1.0:
         return f"--kv-cache-fraction must be in (0, 1], got {args.kv_cache_fraction}"
     return None
@@ -234,7 +243,9 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
     from stageserve.device.sampler import validate_sampling_params
     from stageserve.device.sequence_table import SequenceTable
     from stageserve.device.service import CompletionOutbox, DeviceCore
+    from stageserve.device.proposer import PROPOSERS
     from stageserve.device.sim import SimStepRunner
+    from stageserve.device.speculative import Speculation
     from stageserve.device.step_plan import PlanLimits
     from stageserve.device.step_runner import ModelStepRunner
     from stageserve.sampling_rules import MAX_LOGPROBS
@@ -254,12 +265,7 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
             raise RuntimeError(f"--max-model-len {args.max_model_len} exceeds the model's context of {model_len} tokens")
         model_len = args.max_model_len
     table = SequenceTable(args.max_num_seqs, config.vocab_size, args.block_size, backend.device)
-    grammar = None
-    if model is None:
-        runner = SimStepRunner(args.sim_step_ms / 1e3, args.sim_token_us / 1e6, config.vocab_size, config.eos_token_ids)
-    else:
-        grammar = _grammar_table(model_path, config, backend.device, metrics)
-        runner = ModelStepRunner(model, PagedKVCache(config, num_blocks, args.block_size, dtype, backend.device), table, grammar)
+    num_drafts = args.num_speculative_tokens if args.speculative_method != "none" else 0
     limits = PlanLimits(
         max_num_seqs=args.max_num_seqs,
         vocab_size=config.vocab_size,
@@ -267,14 +273,24 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
         block_size=args.block_size,
         max_step_tokens=args.max_step_tokens,
         max_model_len=min(model_len, num_blocks * args.block_size),
+        num_speculative_tokens=num_drafts,
     )
+    grammar = None
+    if model is None:
+        runner = SimStepRunner(args.sim_step_ms / 1e3, args.sim_token_us / 1e6, config.vocab_size, config.eos_token_ids)
+    else:
+        grammar = _grammar_table(model_path, config, backend.device, metrics)
+        speculation = None
+        if num_drafts:
+            speculation = Speculation(PROPOSERS[args.speculative_method](), num_drafts, args.max_num_seqs, limits.max_model_len, args.block_size, backend.device)
+        runner = ModelStepRunner(model, PagedKVCache(config, num_blocks, args.block_size, dtype, backend.device), table, grammar, speculation)
     outbox = CompletionOutbox()
     on_ticket, on_output = outbox.push_ticket, outbox.push_output
     if metrics is not None:
         on_ticket, on_output = _both(outbox.push_ticket, metrics.on_ticket), _both(outbox.push_output, metrics.on_output)
     executor = StepExecutor(
         backend, runner,
-        pipeline_depth=args.pipeline_depth, max_rows=args.max_num_seqs, max_top_logprobs=MAX_LOGPROBS,
+        pipeline_depth=args.pipeline_depth, max_rows=args.max_num_seqs * (1 + num_drafts), max_top_logprobs=MAX_LOGPROBS,
         dispatch=args.dispatch, on_ticket=on_ticket, on_output=on_output, tracer=tracer,
     )
     if metrics is not None:
@@ -366,6 +382,8 @@ def _attach_reply(args: argparse.Namespace, model_path: Path, config, limits, ba
         dtype=dtype_name,
         dispatch=args.dispatch,
         instance_id=uuid.uuid4().hex,
+        num_speculative_tokens=limits.num_speculative_tokens,
+        speculative_method=args.speculative_method if limits.num_speculative_tokens else "",
     )
 
 

@@ -12,6 +12,13 @@
 - ``stageserve_constrained_sequences``: sequences with a structured-output matcher held.
 - ``stageserve_grammar_compile_seconds{cached}``: time to get a constraint's compiled grammar on
   the grammar worker (``cached="false"``: compiled; ``"true"``: found in the cache).
+- Speculative decoding (a device with ``--speculative-method``), per decode row verified:
+  ``stageserve_spec_draft_tokens_total`` (drafts the proposer made),
+  ``stageserve_spec_accepted_tokens_total`` (drafts the target accepted),
+  ``stageserve_spec_position_drafted_total{position}`` / ``..._position_accepted_total{position}``
+  (position 0 = the first draft; their ratio is the acceptance rate per position) and
+  ``stageserve_spec_accepted_length`` (tokens a drafting row emitted: 1 + accepted; its mean is
+  the mean accepted length). Rows cut by a stop condition count what the device accepted.
 
 Times come from the ticket's wall-clock ``submitted_unix_ns`` and the moment the output is handed
 on (``time.time_ns``): no per-step state is kept here beyond the previous submit time.
@@ -30,6 +37,7 @@ from stageserve.device.executor import StepResult, StepTicket
 STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 10.0)
 COMPILE_BUCKETS_S = (0.00001, 0.0001, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+ACCEPTED_LENGTH_BUCKETS = tuple(range(1, 17))
 TIMING_SOURCES = {"async": "submit_to_completion", "sync": "blocking_span"}
 
 
@@ -59,6 +67,14 @@ class DeviceMetrics:
         self._constrained = Gauge("stageserve_constrained_sequences", "Sequences with a structured-output matcher held", registry=registry)
         self._compile = Histogram("stageserve_grammar_compile_seconds", "Getting a constraint's compiled grammar, by whether it was cached",
                                   ["cached"], buckets=COMPILE_BUCKETS_S, registry=registry)
+        self._spec_drafted = Counter("stageserve_spec_draft_tokens", "Drafts the proposer made (speculative decoding)", registry=registry)
+        self._spec_accepted = Counter("stageserve_spec_accepted_tokens", "Drafts the target model accepted", registry=registry)
+        self._position_drafted = Counter("stageserve_spec_position_drafted", "Rows with a draft at this position (0 = first draft)",
+                                         ["position"], registry=registry)
+        self._position_accepted = Counter("stageserve_spec_position_accepted", "Rows whose draft at this position was accepted",
+                                          ["position"], registry=registry)
+        self._accepted_length = Histogram("stageserve_spec_accepted_length", "Tokens a row with drafts emitted in one step (1 + accepted)",
+                                          buckets=ACCEPTED_LENGTH_BUCKETS, registry=registry)
         self._last_submit_ns = 0
         self._measuring = False
 
@@ -97,3 +113,18 @@ class DeviceMetrics:
             return
         self._device_time.observe((time.time_ns() - ticket.submitted_unix_ns) / 1e9)
         (self._steps_failed if error is not None else self._steps_ok).inc()
+        if result is not None and result.num_drafted is not None:
+            self._observe_speculation(result.num_tokens, result.num_drafted)
+
+    def _observe_speculation(self, num_tokens: list[int], num_drafted: list[int]) -> None:
+        for emitted, drafted in zip(num_tokens, num_drafted):
+            if not drafted:
+                continue
+            accepted = emitted - 1
+            self._spec_drafted.inc(drafted)
+            self._spec_accepted.inc(accepted)
+            self._accepted_length.observe(emitted)
+            for position in range(drafted):
+                self._position_drafted.labels(str(position)).inc()
+                if position < accepted:
+                    self._position_accepted.labels(str(position)).inc()

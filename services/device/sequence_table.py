@@ -147,13 +147,15 @@ class SequenceTable:
                 raise PlanError(f"{where}: sequence is not started; send its SequenceStart in started first")
             if generation != current:
                 raise PlanError(f"{where}: generation {generation} is stale; the sequence's generation is {current}")
-            n = num_tokens[row]
+            n, drafts = num_tokens[row], step.num_draft_tokens[row] if step.num_draft_tokens else 0
             if step.has_placeholder:
-                if n == 1:
+                if n == 1 + drafts:
                     if token_ids[offset] == -1 and not has_token:
                         raise PlanError(f"{where}: token_ids placeholder -1 but no token has been sampled for this sequence yet")
                 elif -1 in token_ids[offset : offset + n]:
-                    raise PlanError(f"{where}: placeholder -1 is only allowed in single-token (decode) rows")
+                    raise PlanError(f"{where}: placeholder -1 is only allowed in single-token (decode) rows, or in rows of 1 + num_draft_tokens placeholders")
+            if drafts and start is None and self._flags[seq] & (_PENALTY | _ADDITIVE):
+                raise PlanError(f"{where}: num_draft_tokens must be 0 for a sequence with a repetition, presence or frequency penalty")
             if (blocks + num_new_blocks[row]) * self.block_size < step.start_pos[row] + n:
                 raise PlanError(
                     f"{where}: block table of {blocks + num_new_blocks[row]} blocks cannot hold "

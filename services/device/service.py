@@ -71,6 +71,9 @@ class CompletionOutbox:
         else:
             assert result is not None
             output.token_ids.extend(result.token_ids)
+            if result.num_tokens is not None:
+                output.num_tokens.extend(result.num_tokens)
+                output.num_drafted.extend(result.num_drafted)
             if result.logprobs is not None:
                 output.logprobs.extend(
                     common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stageserve.v1 import common_pb2, device_pb2
 
@@ -30,6 +30,7 @@ class PlanLimits:
         block_size: tokens per KV block.
         max_step_tokens: tokens one step may carry.
         max_model_len: positions a sequence may reach (tokens).
+        num_speculative_tokens: drafts a decode row may ask for (0: the device does not speculate).
     """
 
     max_num_seqs: int
@@ -38,6 +39,7 @@ class PlanLimits:
     block_size: int
     max_step_tokens: int
     max_model_len: int
+    num_speculative_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -67,6 +69,9 @@ class Step:
         finished: ``seq_index`` whose state is dropped after this step.
         sampled_seq_index, sampled_generation: per sampling row (``sample`` true), in row order.
         has_placeholder: some token is ``-1``.
+        num_draft_tokens: per row, drafts it asks for (on a speculating device; else empty).
+        sampled_num_drafts: the same per sampling row.
+        speculative: the device speculates (decode rows take their positions from its own state).
     """
 
     plan: device_pb2.StepPlan
@@ -84,6 +89,9 @@ class Step:
     sampled_seq_index: list[int]
     sampled_generation: list[int]
     has_placeholder: bool
+    num_draft_tokens: list[int] = field(default_factory=list)
+    sampled_num_drafts: list[int] = field(default_factory=list)
+    speculative: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,14 +161,38 @@ def decode_plan(
     started = [_decode_start(plan.step_id, start, limits, check_sampling) for start in plan.started]
     if len({s.seq_index for s in started}) != len(started):
         raise PlanError(f"step {plan.step_id}: started lists a seq_index twice")
+    num_draft_tokens = _decode_drafts(plan, limits, num_tokens, token_ids)
     sampled_rows = [r for r, s in enumerate(sample) if s]
     return Step(
         plan=plan, step_id=plan.step_id, seq_index=seq_index, generation=generation, start_pos=start_pos,
         num_tokens=num_tokens, token_ids=token_ids, sample=sample, num_new_blocks=num_new_blocks,
         new_block_ids=new_block_ids, started=started, finished=finished,
         sampled_seq_index=[seq_index[r] for r in sampled_rows], sampled_generation=[generation[r] for r in sampled_rows],
-        has_placeholder=-1 in token_ids,
+        has_placeholder=-1 in token_ids, num_draft_tokens=num_draft_tokens,
+        sampled_num_drafts=[num_draft_tokens[r] for r in sampled_rows] if num_draft_tokens else [], speculative=limits.num_speculative_tokens > 0,
     )
+
+
+def _decode_drafts(plan: device_pb2.StepPlan, limits: PlanLimits, num_tokens: list[int], token_ids: list[int]) -> list[int]:
+    """``plan.num_draft_tokens`` checked (one per row, at most the device's K, a drafting row all
+    placeholders); all 0 when a plan to a speculating device sent none, empty for any other device."""
+    drafts = list(plan.num_draft_tokens)
+    if not drafts:
+        return [0] * len(num_tokens) if limits.num_speculative_tokens else []
+    where = f"step {plan.step_id}"
+    if limits.num_speculative_tokens == 0:
+        raise PlanError(f"{where}: num_draft_tokens given but this device does not speculate (--num-speculative-tokens 0); send none")
+    if len(drafts) != len(num_tokens):
+        raise PlanError(f"{where}: num_draft_tokens has {len(drafts)} entries, seq_index has {len(num_tokens)}; send one per row")
+    if max(drafts) > limits.num_speculative_tokens:
+        raise PlanError(f"{where}: num_draft_tokens {max(drafts)} exceeds the device's num_speculative_tokens={limits.num_speculative_tokens}")
+    offset = 0
+    for row, (n, k) in enumerate(zip(num_tokens, drafts)):
+        placeholders = token_ids[offset : offset + n].count(-1)
+        if k and (n != 1 + k or placeholders != n):
+            raise PlanError(f"{where} row {row}: a row with num_draft_tokens {k} must carry 1 + {k} placeholders (-1), got {n} tokens, {placeholders} of them placeholders")
+        offset += n
+    return drafts
 
 
 def _check_indices(step_id: int, name: str, values: list[int], bound: int) -> None:

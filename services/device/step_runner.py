@@ -12,6 +12,11 @@ rows, the new sequences' parameters. ``run`` (backend compute context, in submis
 5. scatter the sampled ids into ``last_token`` (and the presence mask), on the device;
 6. copy the sampled ids (+ logprobs) into the step's slot-local host buffers (non-blocking).
 
+With speculative decoding (``speculation``), steps 2, 4 and 5 are those of `speculative`: each
+decode row verifies the proposer's drafts in the same forward pass and emits 1 + accepted tokens
+(a constrained row asks for no drafts: prepare plans it with none, so its one entry is masked as
+in step 3b).
+
 Nothing here synchronises with the host, except step 3b, on constrained rows only. ``observe``
 (once the step's ids are on the host) advances the constrained rows' matchers.
 """
@@ -29,8 +34,9 @@ from stageserve.device.kv_cache import PagedKVCache
 from stageserve.device.forward_batch import ForwardBatch, build_forward_batch
 from stageserve.device.grammar import GrammarRows, GrammarTable
 from stageserve.device.model import LlamaModel
-from stageserve.device.sampler import sample
+from stageserve.device.sampler import SampleResult, sample
 from stageserve.device.sequence_table import SequenceTable, StagedStarts
+from stageserve.device.speculative import Speculation, StagedSpeculation
 from stageserve.device.step_plan import AdmittedStep
 
 
@@ -46,6 +52,8 @@ class StagedStep:
             decode order; ``None`` when the step has no placeholder.
         starts: the new sequences' table writes; ``None`` when none start.
         grammar: the constrained sampling rows; ``None`` when no row is constrained.
+        speculation: the step's speculative bookkeeping (a speculating device), else ``None``.
+        history_starts: the new sequences' prompts for the speculative token history, else ``None``.
     """
 
     admitted: AdmittedStep
@@ -54,18 +62,24 @@ class StagedStep:
     placeholder_seq: torch.Tensor | None
     starts: StagedStarts | None
     grammar: GrammarRows | None = None
+    speculation: StagedSpeculation | None = None
+    history_starts: tuple | None = None
 
 
 class ModelStepRunner:
-    """Runs steps of ``model`` over ``kv_cache``, keeping per-sequence state in ``table`` and the
-    constrained sequences' grammar state in ``grammar`` (``None``: constraints are not served)."""
+    """Runs steps of ``model`` over ``kv_cache``, keeping per-sequence state in ``table``, the
+    constrained sequences' grammar state in ``grammar`` (``None``: constraints are not served); with
+    ``speculation``, decode rows verify drafts (see the module docstring)."""
 
-    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, table: SequenceTable, grammar: GrammarTable | None = None) -> None:
-        self.model, self.kv_cache, self.table, self.grammar = model, kv_cache, table, grammar
+    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, table: SequenceTable, grammar: GrammarTable | None = None,
+                 speculation: Speculation | None = None) -> None:
+        self.model, self.kv_cache, self.table, self.grammar, self.speculation = model, kv_cache, table, grammar, speculation
         self.device = model.device
 
     def stage(self, admitted: AdmittedStep) -> StagedStep:
         """Build the step's device inputs, right after ``SequenceTable.admit`` (its block tables are live)."""
+        if self.speculation is not None:
+            return self._stage_speculative(admitted)
         step = admitted.step
         batch = placeholder_seq = sampled = starts = None
         if step.seq_index:
@@ -82,15 +96,33 @@ class ModelStepRunner:
             sampled = to_device([step.sampled_seq_index, admitted.sampled_step_index], torch.int64, self.device)
         if step.started:
             starts = self.table.stage_starts(step.started)
-        grammar = self.grammar.stage(step) if self.grammar is not None else None
-        return StagedStep(admitted, batch, sampled, placeholder_seq, starts, grammar)
+        return StagedStep(admitted, batch, sampled, placeholder_seq, starts, self._stage_grammar(step))
+
+    def _stage_grammar(self, step) -> GrammarRows | None:
+        return self.grammar.stage(step) if self.grammar is not None else None
+
+    def _stage_speculative(self, admitted: AdmittedStep) -> StagedStep:
+        step, speculation = admitted.step, self.speculation
+        batch = staged = starts = history_starts = None
+        if step.seq_index:
+            rows, staged = speculation.stage_rows(admitted)
+            batch = build_forward_batch(rows, self.table.block_size, self.device)
+        if step.started:
+            starts = self.table.stage_starts(step.started)
+            history_starts = speculation.history.stage_starts(step.started)
+        return StagedStep(admitted, batch, None, None, starts, self._stage_grammar(step), staged, history_starts)
 
     def run(self, staged: StagedStep, out: SlotBuffers) -> None:
         """Enqueue the step's device work (see the module docstring); no host synchronisation."""
         table = self.table
         if staged.starts is not None:
             table.apply_starts(staged.starts)
+        if staged.history_starts is not None:
+            self.speculation.history.apply_starts(staged.history_starts)
         if staged.batch is None:
+            return
+        if staged.speculation is not None:
+            self._run_speculative(staged, out)
             return
         batch = staged.batch
         if staged.placeholder_seq is not None:
@@ -107,14 +139,40 @@ class ModelStepRunner:
         table.record_sampled(rows, result.token_ids, tensors)
         count = rows.shape[0]
         out.token_ids[:count].copy_(result.token_ids, non_blocking=True)
-        if result.logprobs is not None:
-            top = tensors.max_logprobs
-            out.logprobs[:count].copy_(result.logprobs, non_blocking=True)
-            out.top_token_ids[:count, :top].copy_(result.top_ids, non_blocking=True)
-            out.top_logprobs[:count, :top].copy_(result.top_logprobs, non_blocking=True)
+        _copy_logprobs(result, tensors.max_logprobs, count, out)
 
     def observe(self, staged: StagedStep, token_ids: list[int] | None) -> dict[int, str]:
-        """Advance the constrained rows' matchers (see `GrammarTable.observe`); ``{row: error}``."""
+        """Advance the constrained rows' matchers (see `GrammarTable.observe`); ``{row: error}``.
+        ``token_ids``: each sampling row's first token (`StepResult.first_tokens`)."""
         if staged.grammar is None:
             return {}
         return self.grammar.observe(staged.grammar, token_ids)
+
+    def _run_speculative(self, staged: StagedStep, out: SlotBuffers) -> None:
+        """Draft, verify in one forward pass, sample every entry, accept, copy out (`speculative`)."""
+        table, speculation, spec, batch = self.table, self.speculation, staged.speculation, staged.batch
+        drafts, valid = speculation.fill_inputs(spec, batch, table.last_token)
+        logits = self.model.forward(batch, self.kv_cache)  # [S, vocab]
+        entries, rows = spec.sample_seq, spec.row_seq
+        if entries.numel() == 0:
+            return
+        if staged.grammar is not None:  # a constrained row has no drafts: one entry, at its row's first
+            first_entry = list(accumulate([0, *(1 + k for k in staged.admitted.step.sampled_num_drafts)]))
+            self.grammar.mask_logits(staged.grammar, logits, [first_entry[row] for row in staged.grammar.rows])
+        tensors = table.sampling_tensors(staged.admitted, entries, speculation.output_index(spec, batch))
+        result = sample(logits, tensors, table.presence[entries] if tensors.any_penalty else None, fused_argmax=self.model.cpu_kernels)
+        verified = speculation.verify(spec, batch, result.token_ids, drafts, valid)
+        table.record_sampled(rows, verified.last_token, tensors)  # penalised rows never draft: one token each
+        count, num_rows = entries.shape[0], rows.shape[0]
+        out.token_ids[:count].copy_(result.token_ids, non_blocking=True)
+        out.num_tokens[:num_rows].copy_(verified.num_tokens, non_blocking=True)
+        out.num_drafted[:num_rows].copy_(verified.num_drafted, non_blocking=True)
+        _copy_logprobs(result, tensors.max_logprobs, count, out)
+
+
+def _copy_logprobs(result: SampleResult, top: int, count: int, out: SlotBuffers) -> None:
+    """Copy the first ``count`` rows' logprobs (when computed) into the slot's host buffers, non-blocking."""
+    if result.logprobs is not None:
+        out.logprobs[:count].copy_(result.logprobs, non_blocking=True)
+        out.top_token_ids[:count, :top].copy_(result.top_ids, non_blocking=True)
+        out.top_logprobs[:count, :top].copy_(result.top_logprobs, non_blocking=True)

@@ -59,6 +59,7 @@ def stream_chunk(request_id: str, event: reclaim_pb2.SequenceEvent, index: int =
         chunk.usage.prompt_tokens = event.prompt_tokens
         chunk.usage.completion_tokens = event.completion_tokens
         chunk.usage.cached_tokens = cached_tokens
+        chunk.usage.draft_tokens, chunk.usage.accepted_tokens = event.draft_tokens, event.accepted_tokens
     return chunk
 
 
@@ -122,6 +123,8 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         response.usage.prompt_tokens = submission.num_prompt_tokens
         response.usage.completion_tokens = sum(choice.usage.completion_tokens for choice in choices)
         response.usage.cached_tokens = first.usage.cached_tokens
+        response.usage.draft_tokens = sum(choice.usage.draft_tokens for choice in choices)
+        response.usage.accepted_tokens = sum(choice.usage.accepted_tokens for choice in choices)
         return response
 
     async def Abort(self, request: prepare_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> prepare_pb2.AbortResponse:

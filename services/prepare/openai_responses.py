@@ -34,6 +34,8 @@ class _ChoiceState:
     finish_reason: str | None = None
     completion_tokens: int = 0
     text_offset: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class ResponseBuilder:
@@ -109,7 +111,11 @@ class ResponseBuilder:
 
     def usage(self) -> dict:
         completion = sum(state.completion_tokens for state in self._choices)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion, "total_tokens": self.prompt_tokens + completion}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion, "total_tokens": self.prompt_tokens + completion}
+        drafts = sum(state.draft_tokens for state in self._choices)
+        if drafts:  # speculative decoding: drafts proposed and accepted (an extension of OpenAI's usage)
+            usage["draft_tokens"], usage["accepted_tokens"] = drafts, sum(state.accepted_tokens for state in self._choices)
+        return usage
 
     # ---- helpers ------------------------------------------------------------------------------
     def _chunk(self, choice: dict | None) -> dict:
@@ -123,6 +129,7 @@ class ResponseBuilder:
         if event.finish_reason:
             state.finish_reason = FINISH_REASONS.get(event.finish_reason, "stop")
             state.completion_tokens = event.completion_tokens
+            state.draft_tokens, state.accepted_tokens = event.draft_tokens, event.accepted_tokens
         if self.top_logprobs is None or not event.logprobs:
             return None
         entries = [self._entry(state, logprob) for logprob in event.logprobs]

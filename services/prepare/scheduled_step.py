@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from stageserve.prepare.block_manager import BlockTable
+from stageserve.prepare.draft_governor import DraftGovernor
 from stageserve.prepare.validation import GenerationRequest
 from stageserve.v1 import common_pb2, device_pb2
 
@@ -19,7 +20,9 @@ class SequenceState:
     """An admitted request's state in the scheduler (identity compares).
 
     Attributes:
-        num_kv_tokens: positions ``[0, num_kv_tokens)`` are written by steps already scheduled.
+        num_kv_tokens: positions ``[0, num_kv_tokens)`` are written by steps already scheduled. With
+            speculative decoding an upper bound while a decode row is in flight (it assumes every
+            draft accepted), lowered to the real count as each step is published.
         num_sampled: sampling rows scheduled so far (at most ``request.max_tokens``).
         steps_in_flight: scheduled steps with a row of this sequence, not yet published or refused.
         stopped: gets no more rows.
@@ -29,6 +32,7 @@ class SequenceState:
         num_cached_tokens: prompt tokens it started with from the prefix cache (never prefilled).
         num_blocks_sent: entries of ``blocks.block_ids`` already sent to the device.
         cache_poisoned: a step of it failed; none of its blocks may become shareable.
+        drafts: how many drafts its decode rows ask for (speculative decoding).
     """
 
     request: GenerationRequest
@@ -45,6 +49,7 @@ class SequenceState:
     num_cached_tokens: int = 0
     num_blocks_sent: int = 0
     cache_poisoned: bool = False
+    drafts: DraftGovernor = field(default_factory=lambda: DraftGovernor(0))
 
     @property
     def in_prefill(self) -> bool:
@@ -56,7 +61,9 @@ class ScheduledStep:
     """One step as the scheduler built it: the ``StepPlan`` fields as flat lists (row ``r`` has
     ``num_tokens[r]`` tokens in ``token_ids`` and ``num_new_blocks[r]`` ids in ``new_block_ids``),
     plus ``rows``, the host-side sequence of each row, and ``cache_writes``: ``(sequence, block
-    index)`` of each prompt block whose last token a row writes (shareable once the step is published)."""
+    index)`` of each prompt block whose last token a row writes (shareable once the step is published).
+    With speculative decoding ``num_draft_tokens`` has one entry per row and ``decode_drafts`` the
+    drafts each decode row asked for."""
 
     step_id: int
     finished: list[int]
@@ -72,6 +79,8 @@ class ScheduledStep:
     num_new_blocks: list[int] = field(default_factory=list)
     new_block_ids: list[int] = field(default_factory=list)
     cache_writes: list[tuple[SequenceState, int]] = field(default_factory=list)
+    num_draft_tokens: list[int] = field(default_factory=list)
+    decode_drafts: dict[SequenceState, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -104,6 +113,7 @@ def build_step_plan(step: ScheduledStep) -> device_pb2.StepPlan:
         num_new_blocks=step.num_new_blocks,
         new_block_ids=step.new_block_ids,
         aborted=step.aborted,
+        num_draft_tokens=step.num_draft_tokens,
     )
 
 

@@ -10,7 +10,15 @@ One step, built in this order within ``max_step_tokens`` tokens:
 1. ``finished`` = seq indices freed since the last plan, ``aborted`` = request ids aborted since.
 2. a decode row (1 token, the placeholder ``-1``) for every running sequence past its prompt.
    These always fit: a sequence starts decoding only after a prompt row that sampled, and that
-   row took a budget token of the step before, so decode rows never outnumber ``max_step_tokens``;
+   row took a budget token of the step before, so decode rows never outnumber ``max_step_tokens``.
+   With speculative decoding (``num_speculative_tokens`` K > 0) a decode row also asks for up to K
+   drafts (`draft_governor`), one more placeholder each, from the budget left after every decode
+   row has its token, and never past ``max_tokens``. Its ``start_pos`` assumes the steps in flight
+   accepted every draft (an upper bound: blocks are reserved for the worst case); each published
+   event lowers ``num_kv_tokens`` by the drafts that row did not accept, and the device takes the
+   real positions from its own state. A sequence whose bound may already have reached
+   ``max_tokens`` waits for its events. Only prompt blocks are ever shared, and they are written by
+   prefill rows, which speculation does not change;
 3. the next prefill chunk (at most ``max_prefill_chunk`` tokens) of every admitted sequence still
    in its prompt, first admitted first;
 4. admissions from the waiting queue (first come, first served), each with its first chunk.
@@ -51,6 +59,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from stageserve.prepare.block_manager import BlockManager
+from stageserve.prepare.draft_governor import DraftGovernor, may_draft
 from stageserve.prepare.errors import QUEUE_FULL_RETRY_S, resource_exhausted
 from stageserve.prepare.prefix_cache import BlockHash, cache_namespace, chain_hashes
 from stageserve.prepare.scheduled_step import PLACEHOLDER_TOKEN, ScheduledStep, SequenceState
@@ -70,6 +79,7 @@ class SchedulerConfig:
         max_waiting: requests the waiting queue holds at most.
         enable_prefix_caching: share published full prompt blocks between requests.
         model_identity: what else changes a block's KV (the model); part of every block hash.
+        num_speculative_tokens: drafts a decode row may ask the device for (0: it does not speculate).
     """
 
     max_num_seqs: int
@@ -80,6 +90,7 @@ class SchedulerConfig:
     max_waiting: int
     enable_prefix_caching: bool = True
     model_identity: str = ""
+    num_speculative_tokens: int = 0
 
     @classmethod
     def from_attach(cls, reply: device_pb2.AttachReply, max_prefill_chunk: int, max_waiting: int,
@@ -94,6 +105,7 @@ class SchedulerConfig:
             max_waiting=max_waiting,
             enable_prefix_caching=enable_prefix_caching,
             model_identity=f"{reply.model_name}|{reply.dtype}",
+            num_speculative_tokens=reply.num_speculative_tokens,
         )
 
 
@@ -236,7 +248,7 @@ class Scheduler:
     # ---- schedule --------------------------------------------------------------------------------
     def has_work(self) -> bool:
         """Whether :meth:`schedule` would return a step now."""
-        if self._pending_aborts or any(not seq.stopped for seq in self._running):
+        if self._pending_aborts or any(self._has_row(seq) for seq in self._running):
             return True
         if not self._waiting:
             return False
@@ -262,10 +274,25 @@ class Scheduler:
         return step
 
     def _schedule_decode_rows(self, step: ScheduledStep, budget: int) -> int:
-        for seq in self._running:
-            if not (seq.stopped or seq.in_prefill):
-                budget -= self._add_row(step, seq, 1)
+        decoding = [seq for seq in self._running if not seq.in_prefill and self._has_row(seq)]
+        spare = budget - len(decoding)  # budget tokens left for drafts once every row has its one
+        for seq in decoding:
+            drafts = 0
+            if self.config.num_speculative_tokens:
+                drafts = min(seq.drafts.next_row(), self._draft_room(seq), spare)
+                spare -= drafts
+            budget -= self._add_row(step, seq, 1, drafts)
         return budget
+
+    def _draft_room(self, seq: SequenceState) -> int:
+        """Drafts a decode row of ``seq`` may carry before its tokens would pass ``max_tokens``
+        (``num_kv_tokens`` is an upper bound of its pending token's position)."""
+        return seq.request.num_prompt_tokens + seq.request.max_tokens - 2 - seq.num_kv_tokens
+
+    def _has_row(self, seq: SequenceState) -> bool:
+        """Whether ``seq`` gets a row in the next step. Not when stopped, nor (speculative decoding)
+        when the steps in flight may have taken it to ``max_tokens``: it waits for their events."""
+        return not seq.stopped and (seq.in_prefill or not self.config.num_speculative_tokens or self._draft_room(seq) >= 0)
 
     def _schedule_prefill_chunks(self, step: ScheduledStep, budget: int) -> int:
         for seq in self._running:
@@ -288,16 +315,20 @@ class Scheduler:
             shared = self.prefix_hit(request, hashes)
             seq = SequenceState(request, index, self._generations[index], self.block_manager.allocate(self.max_kv_tokens(request), shared),
                                 num_kv_tokens=len(shared) * self.config.kv_block_size, block_hashes=hashes,
-                                num_cached_tokens=len(shared) * self.config.kv_block_size)
+                                num_cached_tokens=len(shared) * self.config.kv_block_size,
+                                drafts=DraftGovernor(self.config.num_speculative_tokens if may_draft(request) else 0))
             self._running.append(seq)
             self._by_index[index] = seq
             self._by_request[request] = seq
             step.started.append(seq)
             budget -= self._add_row(step, seq, min(request.num_prompt_tokens - seq.num_kv_tokens, self.config.max_prefill_chunk, budget))
 
-    def _add_row(self, step: ScheduledStep, seq: SequenceState, num_tokens: int) -> int:
-        """Append one row of ``num_tokens`` tokens for ``seq``; return ``num_tokens``."""
-        start, end = seq.num_kv_tokens, seq.num_kv_tokens + num_tokens
+    def _add_row(self, step: ScheduledStep, seq: SequenceState, num_tokens: int, drafts: int = 0) -> int:
+        """Append one row of ``num_tokens`` tokens for ``seq`` (a decode row: plus ``drafts``
+        placeholders for the device's drafts); return the tokens it takes from the budget."""
+        start = seq.num_kv_tokens
+        num_tokens += drafts
+        end = start + num_tokens
         prompt_tokens = seq.request.num_prompt_tokens
         self.block_manager.append_slots(seq.blocks, end)
         new_blocks = seq.blocks.block_ids[seq.num_blocks_sent :]  # the shared ones too, in a first row
@@ -313,7 +344,11 @@ class Scheduler:
         if start < prompt_tokens:
             step.token_ids.extend(seq.request.prompt_token_ids[start:end])
         else:
-            step.token_ids.append(PLACEHOLDER_TOKEN)
+            step.token_ids.extend([PLACEHOLDER_TOKEN] * num_tokens)
+            if self.config.num_speculative_tokens:
+                step.decode_drafts[seq] = drafts
+        if self.config.num_speculative_tokens:
+            step.num_draft_tokens.append(drafts)
         step.sample.append(sample)
         step.num_new_blocks.append(len(new_blocks))
         step.new_block_ids.extend(new_blocks)
@@ -335,6 +370,8 @@ class Scheduler:
         """
         routed = []
         touched = []
+        step = self._in_flight.pop(step_events.step_id, None)
+        decode_drafts = step.decode_drafts if step is not None else {}
         for event in step_events.events:
             seq = self._by_index.get(event.seq_index)
             if seq is None or seq.generation != event.generation or seq.request.request_id != event.request_id:
@@ -343,8 +380,11 @@ class Scheduler:
             if event.finish_reason or event.error_code:
                 seq.stopped = seq.finished = True
                 touched.append(seq)
+            elif seq in decode_drafts:
+                asked = decode_drafts[seq]
+                seq.num_kv_tokens -= asked + 1 - len(event.token_ids)  # the drafts it did not accept
+                seq.drafts.observe(asked, event.draft_tokens, event.accepted_tokens)
             seq.cache_poisoned |= bool(event.error_code)
-        step = self._in_flight.pop(step_events.step_id, None)
         if step is not None:
             if step_events.error_code:
                 self._poison(step)

@@ -6,9 +6,12 @@ and leaves the table with its terminal event. Each completed step becomes one ``
 1. aborted request ids of the step's ticket → terminal ``FINISH_REASON_ABORT`` events;
 2. each sampling row → look up ``(seq_index, generation)``; a row of a sequence that has already
    finished is discarded (finish lag); otherwise append the token, detokenize, check stops and add
-   a ``SequenceEvent`` (terminal when the sequence finished); a row listed in
-   ``StepOutput.row_errors`` (e.g. its constraint rejected the token) instead fails its request
-   alone (``INTERNAL``, the device's message) and its token is not published.
+   a ``SequenceEvent`` (terminal when the sequence finished). With speculative decoding a row
+   carries several tokens (``StepOutput.num_tokens``): they are appended in order and the run is
+   cut right after the token that finishes the sequence (a stop token or string, ``max_tokens``),
+   so nothing past a finish is ever published. A row listed in ``StepOutput.row_errors`` (e.g. its
+   constraint rejected the token) instead fails its request alone (``INTERNAL``, the device's
+   message) and its tokens are not published.
 
 A failed step (``StepOutput.error``, a completion timeout, a lost device stream) instead gives
 every live sequence of the step a terminal event carrying a gRPC status code.
@@ -47,6 +50,8 @@ class RequestState:
     detok: DetokenizerState
     stops: StopChecker
     completion_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class StepProcessor:
@@ -127,12 +132,15 @@ class StepProcessor:
         if output.error:
             return self.fail_step(ticket, INTERNAL, f"step {ticket.step_id} failed on the device: {output.error}")
         rows = len(ticket.seq_index)
-        if len(output.token_ids) != rows or len(ticket.generation) != rows or len(output.logprobs) not in (0, rows):
+        counts = list(output.num_tokens) or [1] * rows
+        tokens = len(output.token_ids)
+        if (len(counts) != rows or tokens != sum(counts) or len(ticket.generation) != rows or len(output.logprobs) not in (0, tokens)
+                or len(output.num_drafted) not in (0, rows)):
             return self.fail_step(
                 ticket,
                 INTERNAL,
-                f"step {ticket.step_id}: output has {len(output.token_ids)} token ids and {len(output.logprobs)} logprobs "
-                f"for {rows} sampling rows ({len(ticket.generation)} generations)",
+                f"step {ticket.step_id}: output has {tokens} token ids, {len(output.logprobs)} logprobs and {len(output.num_tokens)} "
+                f"token counts for {rows} sampling rows ({len(ticket.generation)} generations)",
             )
         if rows and not (0 <= min(output.token_ids) and max(output.token_ids) < self._vocab_size):
             return self.fail_step(ticket, INTERNAL, f"step {ticket.step_id}: a sampled token id is outside [0, {self._vocab_size})")
@@ -140,7 +148,10 @@ class StepProcessor:
         self._abort(ticket.aborted, step)
         live = self._live
         with_logprobs = len(output.logprobs) > 0
-        for row, (seq_index, generation, token_id) in enumerate(zip(ticket.seq_index, ticket.generation, output.token_ids)):
+        drafted = output.num_drafted or [0] * rows
+        first = 0
+        for row, (seq_index, generation, count, row_drafts) in enumerate(zip(ticket.seq_index, ticket.generation, counts, drafted)):
+            start, first = first, first + count
             state = live.get(seq_index)
             if state is None or state.generation != generation:
                 continue  # finish lag: this sequence already finished
@@ -150,9 +161,17 @@ class StepProcessor:
                 self._remove(state)
                 continue
             event = step.events.add(request_id=state.request_id, seq_index=seq_index, generation=generation)
-            if with_logprobs and state.wants_logprobs:
-                event.logprobs.append(output.logprobs[row])
-            if self._advance(state, token_id, event):
+            finished = False
+            for i in range(start, first):
+                if with_logprobs and state.wants_logprobs:
+                    event.logprobs.append(output.logprobs[i])
+                if finished := self._advance(state, output.token_ids[i], event):
+                    break
+            # Of the row's run, the accepted drafts come first: those published are accepted.
+            state.draft_tokens += row_drafts
+            state.accepted_tokens += min(len(event.token_ids), count - 1)
+            event.draft_tokens, event.accepted_tokens = state.draft_tokens, state.accepted_tokens
+            if finished:
                 self._remove(state)
         return step
 
@@ -183,7 +202,8 @@ class StepProcessor:
         return steps
 
     def _advance(self, state: RequestState, token_id: int, event: reclaim_pb2.SequenceEvent) -> bool:
-        """Append one token to ``state``, fill ``event``; return whether the sequence finished."""
+        """Append one token to ``state``, add it to ``event`` (its text appended to what the row's
+        earlier tokens put there); return whether the sequence finished."""
         n = state.completion_tokens = state.completion_tokens + 1
         event.token_ids.append(token_id)
         event.completion_tokens = n
@@ -192,22 +212,21 @@ class StepProcessor:
         stop_token_id = stops.stop_token(token_id, n)
         if stop_token_id is not None:
             text = detok.step(state.detok, token_id) if stops.include_stop_str_in_output else ""
-            event.text = stops.release(text + detok.flush(state.detok))
+            event.text += stops.release(text + detok.flush(state.detok))
             event.finish_reason = STOP
             event.stop_token_id = stop_token_id
             return True
         text, stop_string = stops.scan(detok.step(state.detok, token_id), n)
         if stop_string is not None:
-            event.text = text
+            event.text += text
             event.finish_reason = STOP
             event.stop_string = stop_string
             return True
         if stops.length_reached(n):
-            event.text = text + stops.release(detok.flush(state.detok))
+            event.text += text + stops.release(detok.flush(state.detok))
             event.finish_reason = LENGTH
             return True
-        if text:
-            event.text = text
+        event.text += text
         return False
 
     def _abort(self, request_ids: Iterable[str], step: reclaim_pb2.StepEvents) -> None:

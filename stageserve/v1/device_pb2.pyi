@@ -14,7 +14,7 @@ class AttachRequest(_message.Message):
     def __init__(self, peer: _Optional[str] = ...) -> None: ...
 
 class AttachReply(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "max_model_len", "kv_block_size", "kv_num_blocks", "max_num_seqs", "max_step_tokens", "pipeline_depth", "backend", "dtype", "dispatch", "instance_id")
+    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "max_model_len", "kv_block_size", "kv_num_blocks", "max_num_seqs", "max_step_tokens", "pipeline_depth", "backend", "dtype", "dispatch", "instance_id", "num_speculative_tokens", "speculative_method")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,8 @@ class AttachReply(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DISPATCH_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -41,10 +43,12 @@ class AttachReply(_message.Message):
     dtype: str
     dispatch: str
     instance_id: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., pipeline_depth: _Optional[int] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., dispatch: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    num_speculative_tokens: int
+    speculative_method: str
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., pipeline_depth: _Optional[int] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., dispatch: _Optional[str] = ..., instance_id: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., speculative_method: _Optional[str] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "started", "finished", "seq_index", "generation", "start_pos", "num_tokens", "token_ids", "sample", "num_new_blocks", "new_block_ids", "aborted")
+    __slots__ = ("step_id", "started", "finished", "seq_index", "generation", "start_pos", "num_tokens", "token_ids", "sample", "num_new_blocks", "new_block_ids", "aborted", "num_draft_tokens")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +61,7 @@ class StepPlan(_message.Message):
     NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     started: _containers.RepeatedCompositeFieldContainer[_common_pb2.SequenceStart]
     finished: _containers.RepeatedScalarFieldContainer[int]
@@ -69,7 +74,8 @@ class StepPlan(_message.Message):
     num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     aborted: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., started: _Optional[_Iterable[_Union[_common_pb2.SequenceStart, _Mapping]]] = ..., finished: _Optional[_Iterable[int]] = ..., seq_index: _Optional[_Iterable[int]] = ..., generation: _Optional[_Iterable[int]] = ..., start_pos: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., aborted: _Optional[_Iterable[str]] = ...) -> None: ...
+    num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., started: _Optional[_Iterable[_Union[_common_pb2.SequenceStart, _Mapping]]] = ..., finished: _Optional[_Iterable[int]] = ..., seq_index: _Optional[_Iterable[int]] = ..., generation: _Optional[_Iterable[int]] = ..., start_pos: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., aborted: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepReceipt(_message.Message):
     __slots__ = ("step_id", "ticket", "slot", "error", "submitted_unix_ns")
@@ -106,7 +112,7 @@ class CompletionTicket(_message.Message):
     def __init__(self, ticket: _Optional[int] = ..., step_id: _Optional[int] = ..., slot: _Optional[int] = ..., started: _Optional[_Iterable[_Union[_common_pb2.SequenceStart, _Mapping]]] = ..., seq_index: _Optional[_Iterable[int]] = ..., generation: _Optional[_Iterable[int]] = ..., aborted: _Optional[_Iterable[str]] = ..., submitted_unix_ns: _Optional[int] = ...) -> None: ...
 
 class StepOutput(_message.Message):
-    __slots__ = ("ticket", "step_id", "token_ids", "logprobs", "error", "completed_unix_ns", "row_errors")
+    __slots__ = ("ticket", "step_id", "token_ids", "logprobs", "error", "completed_unix_ns", "num_tokens", "num_drafted", "row_errors")
     class RowErrorsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +126,8 @@ class StepOutput(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ROW_ERRORS_FIELD_NUMBER: _ClassVar[int]
     ticket: int
     step_id: int
@@ -127,8 +135,10 @@ class StepOutput(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     error: str
     completed_unix_ns: int
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_drafted: _containers.RepeatedScalarFieldContainer[int]
     row_errors: _containers.ScalarMap[int, str]
-    def __init__(self, ticket: _Optional[int] = ..., step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., error: _Optional[str] = ..., completed_unix_ns: _Optional[int] = ..., row_errors: _Optional[_Mapping[int, str]] = ...) -> None: ...
+    def __init__(self, ticket: _Optional[int] = ..., step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., error: _Optional[str] = ..., completed_unix_ns: _Optional[int] = ..., num_tokens: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[_Iterable[int]] = ..., row_errors: _Optional[_Mapping[int, str]] = ...) -> None: ...
 
 class CompletionEvent(_message.Message):
     __slots__ = ("ticket", "output")

@@ -1,0 +1,117 @@
+"""`compare_speculative`: n-gram speculative decoding (``--num-speculative-tokens`` K for each K
+given) against none, on two workloads, all sides up together and run alternately (``--repeats``).
+
+- **input-grounded**: each request asks the model to repeat a given passage (n-gram lookup finds
+  the continuation in the prompt), greedy, ending at EOS or ``output_len``;
+- **open-ended**: the built-in prompts, ``output_len`` tokens each (``ignore_eos``).
+
+Per side, workload and stream count: output tokens/s, ITL p50 (a step emitting several tokens
+counts its gap once per token, as the load generator does), and the acceptance rate, read from the
+device's ``stageserve_spec_*`` counters around each run (accepted / drafted, overall and per draft
+position). Ratios are the medians of the per-round ratios against no speculation.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from stageserve.bench.compare import Common, ServicesSide, _fmt, _median, _ratio, _save, local_tokenize
+from stageserve.bench.loadgen import Load
+from stageserve.bench.workload import Shape, Workload, load_prompts
+
+OFF = "off"
+PASSAGES = (
+    "The river rose slowly through the night, and by morning the lower fields were under water. Farmers moved their animals to the hill, "
+    "where the old church stood, and waited for the rain to stop.",
+    "To reset the device, hold the power button for ten seconds until the light blinks twice, then release it and wait for the light to turn green. "
+    "If the light stays red, unplug the device and try again.",
+    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen. It takes place in the chloroplasts of plant cells, "
+    "which hold the green pigment chlorophyll that absorbs the light.",
+    "The meeting is moved to Thursday at three in the afternoon, in room 204 on the second floor. Please bring the quarterly report "
+    "and the list of open questions from last week.",
+)
+
+
+def grounded_prompts() -> list[dict]:
+    """Chat prompts asking to repeat each passage exactly."""
+    return [{"messages": [{"role": "user", "content": f"Repeat the following passage exactly, word for word:\n\n{passage}"}]} for passage in PASSAGES]
+
+
+def spec_counters(metrics_port: int | None) -> dict[str, float]:
+    """The device's ``stageserve_spec_*`` samples now (name, with position label, -> value)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if not metrics_port:
+        return {}
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    counters: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("stageserve_spec_") and sample.name.endswith("_total"):
+                counters[sample.name + sample.labels.get("position", "")] = sample.value
+    return counters
+
+
+def _acceptance(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Accepted / drafted between two `spec_counters` readings: overall (``all``) and per position."""
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    rates = {"all": _ratio(delta.get("stageserve_spec_accepted_tokens_total"), delta.get("stageserve_spec_draft_tokens_total"))}
+    for name, drafted in delta.items():
+        if name.startswith("stageserve_spec_position_drafted_total"):
+            position = name.removeprefix("stageserve_spec_position_drafted_total")
+            rates[position] = _ratio(delta.get(f"stageserve_spec_position_accepted_total{position}"), drafted)
+    return rates
+
+
+def compare_speculative(common: Common, streams: list[int], num_tokens: list[int]) -> str:
+    """No speculation against ``ngram`` with each K in ``num_tokens``, at each stream count, on both
+    workloads (module docstring); returns Markdown."""
+    tokenize = local_tokenize(common.model_path)
+    workloads = {
+        "input-grounded": Workload(grounded_prompts(), Shape(output_len=common.output_len, ignore_eos=False), common.seed, tokenize),
+        "open-ended": Workload(load_prompts(), Shape(output_len=common.output_len), common.seed, tokenize),
+    }
+    raw: dict[str, Any] = defaultdict(lambda: defaultdict(list))
+    with tempfile.TemporaryDirectory(prefix="stageserve-bench-") as tmp:
+        sides: list[ServicesSide] = []
+        try:
+            sides.append(ServicesSide(OFF, Path(tmp), common.model_path, common.model_device_args()))
+            for k in num_tokens:
+                args = [*common.model_device_args(), "--speculative-method", "ngram", "--num-speculative-tokens", str(k)]
+                sides.append(ServicesSide(f"ngram K={k}", Path(tmp), common.model_path, args))
+            for side in sides:  # warm-up: the first steps of a shape build the kernels' plans
+                side.run(workloads["open-ended"], Load(streams=2, requests=2), progress=False)
+            for _ in range(common.repeats):
+                for label, workload in workloads.items():
+                    for count in streams:
+                        for side in sides:
+                            before = spec_counters(side.pipeline.device.metrics_port)
+                            report = side.run(workload, Load(streams=count, requests=max(2 * count, 4)), common.progress).report
+                            report["acceptance"] = _acceptance(before, spec_counters(side.pipeline.device.metrics_port))
+                            raw[f"{label}, {count} stream{'s' * (count > 1)}"][side.name].append(report)
+        finally:
+            for side in sides:
+                side.close()
+    _save(common, "compare-speculative", raw)
+    return _table(raw, common, [side_name for side_name in next(iter(raw.values()))])
+
+
+def _table(raw: dict[str, Any], common: Common, names: list[str]) -> str:
+    lines = [f"{common.dtype}, greedy, {common.output_len} output tokens at most per request, median of {common.repeats} interleaved rounds\n",
+             "| workload | side | tok/s | x off | ITL p50 (ms) | acceptance | per position |", "|---|---|---:|---:|---:|---:|---|"]
+    for label, by_side in raw.items():
+        for name in names:
+            reports = by_side[name]
+            tps = _median([r["output_tokens_per_s"] for r in reports])
+            ratio = _median([_ratio(r["output_tokens_per_s"], base["output_tokens_per_s"]) for r, base in zip(reports, by_side[OFF])])
+            itl = _median([r["itl_ms"]["p50"] for r in reports])
+            accept = _median([r["acceptance"]["all"] for r in reports])
+            positions = sorted({p for r in reports for p in r["acceptance"] if p != "all"}, key=int)
+            per_position = " ".join(_fmt(_median([r["acceptance"].get(p) for r in reports]), 2) for p in positions)
+            lines.append(f"| {label} | {name} | {_fmt(tps)} | {_fmt(ratio, 2)}x | {_fmt(itl)} | {_fmt(accept, 2)} | {per_position or '-'} |")
+    return "\n".join(lines)

@@ -1,0 +1,147 @@
+"""Speculative decoding on the device: the n-gram proposer, the acceptance rule and its exactness.
+
+The exactness test samples the target with the real sampler (its counter-based noise, one seed
+per row) and applies `accept_drafts`: the emitted tokens must follow the target distribution, and
+a point-mass draft ``d`` must be accepted with probability ``p(d)`` (Leviathan et al. 2023).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from stageserve.device.proposer import NgramProposer, TokenHistory
+from stageserve.device.sampler import sample
+from stageserve.device.sequence_table import SequenceTable
+from stageserve.device.speculative import accept_drafts
+from stageserve.device.step_plan import PlanError, decode_plan
+from stageserve.v1 import common_pb2
+
+from .sampling_tensors import tensors_from_lists
+from .test_sequence_table import LIMITS, VOCAB, check_sampling, decode, prefill
+
+CPU = torch.device("cpu")
+
+
+def history_of(*sequences: list[int], width: int = 32) -> TokenHistory:
+    history = TokenHistory(len(sequences), width, CPU)
+    for row, tokens in enumerate(sequences):
+        history.tokens[row, : len(tokens)] = torch.tensor(tokens)
+        history.length[row] = len(tokens)
+    return history
+
+
+def propose(proposer: NgramProposer, history: TokenHistory, num_drafts: int) -> list[list[int]]:
+    """Valid drafts per row, as lists."""
+    rows = torch.arange(history.length.shape[0])
+    drafts, valid = proposer.propose(history, rows, num_drafts, int(history.length.max()))
+    return [d[v].tolist() for d, v in zip(drafts, valid)]
+
+
+def test_ngram_proposes_what_followed_the_latest_earlier_occurrence():
+    """The suffix [5, 6, 7] occurred at the start: propose what followed it, as far as known."""
+    history = history_of([5, 6, 7, 8, 9, 5, 6, 7])
+    assert propose(NgramProposer(1, 3), history, 3) == [[8, 9, 5]]
+    assert propose(NgramProposer(1, 3), history, 6) == [[8, 9, 5, 6, 7]]  # the known tokens only
+
+
+def test_ngram_prefers_the_longest_match_then_the_latest():
+    """n = 2 ([1, 2]) matches once, early; n = 1 ([2]) matches later: the longer wins. Among equal
+    lengths the most recent occurrence wins."""
+    assert propose(NgramProposer(1, 2), history_of([1, 2, 3, 4, 2, 9, 1, 2]), 2) == [[3, 4]]
+    assert propose(NgramProposer(1, 1), history_of([4, 1, 4, 2, 4]), 1) == [[2]]
+
+
+def test_ngram_without_a_match_proposes_nothing():
+    history = history_of([1, 2, 3, 4], [7, 7, 7, 7])
+    assert propose(NgramProposer(2, 3), history, 3) == [[], [7]]  # [7, 7, 7] at 0 is followed by one known token
+
+
+def test_ngram_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="min_n <= max_n"):
+        NgramProposer(3, 2)
+
+
+def test_accept_drafts_stops_at_the_first_mismatch_or_invalid_draft():
+    target = torch.tensor([[1, 2, 3, 4], [1, 9, 3, 4], [5, 6, 7, 8], [1, 2, 3, 4]])
+    drafts = torch.tensor([[1, 2, 3], [1, 2, 3], [0, 6, 7], [1, 2, 3]])
+    valid = torch.tensor([[True] * 3, [True] * 3, [True] * 3, [True, False, False]])
+    assert accept_drafts(target, drafts, valid).tolist() == [3, 1, 0, 1]
+    empty = torch.zeros(2, 0, dtype=torch.int64)
+    assert accept_drafts(target[:2, :1], empty, empty.bool()).tolist() == [0, 0]
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+# Chi-square critical values at p = 0.001 by degrees of freedom (a fixed seed: the test is deterministic).
+CHI2_999 = {4: 18.47, 5: 20.52}
+
+
+def test_verification_follows_the_target_distribution_and_accepts_with_p_of_the_draft():
+    """Rows = independent trials (one seed each) of one speculative row: target p at the pending
+    position, q = a point mass on draft d. P(accept) = p(d); the first emitted token ~ p; the token
+    emitted on rejection ~ p without d, renormalised (max(0, p - q) normalised)."""
+    trials, temperature = 20000, 0.7
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, 1.5])  # [V]
+    p = torch.softmax(logits / temperature, dim=0)
+    draft = 1
+    tensors = tensors_from_lists(
+        temperature=[temperature] * trials, top_p=[1.0] * trials, top_k=[0] * trials, min_p=[0.0] * trials,
+        repetition_penalty=[1.0] * trials, seed=list(range(trials)), step_index=[3] * trials, logprobs=[0] * trials, device=CPU,
+    )
+    target = sample(logits.expand(trials, -1).contiguous(), tensors).token_ids  # [trials]
+    accepted = accept_drafts(target.unsqueeze(1), torch.full((trials, 1), draft), torch.ones(trials, 1, dtype=torch.bool))
+    emitted = target  # accepted: the draft itself (== target); rejected: the target's token
+    rate = accepted.float().mean().item()
+    assert abs(rate - p[draft].item()) < 4 * math.sqrt(p[draft] * (1 - p[draft]) / trials)
+    counts = torch.bincount(emitted, minlength=6).float()
+    assert chi_square(counts, p) < CHI2_999[5]
+    residual = p.clone()
+    residual[draft] = 0
+    residual /= residual.sum()
+    rejected = torch.bincount(emitted[accepted == 0], minlength=6).float()
+    assert rejected[draft] == 0
+    keep = torch.arange(6) != draft
+    assert chi_square(rejected[keep], residual[keep]) < CHI2_999[4]
+
+
+def test_history_records_prompts_of_started_sequences():
+    from stageserve.device.step_plan import StartedSequence
+
+    history = TokenHistory(3, 8, CPU)
+    history.apply_starts(history.stage_starts([StartedSequence(2, 1, common_pb2.SamplingParams(), [4, 5, 6])]))
+    assert history.tokens[2, :3].tolist() == [4, 5, 6]
+    assert history.length.tolist() == [0, 0, 3] and history.prompt_len.tolist() == [0, 0, 3]
+
+
+SPECULATING = dataclasses.replace(LIMITS, num_speculative_tokens=3)
+
+
+@pytest.mark.parametrize(
+    ("plan", "limits", "message"),
+    [
+        (decode(2, 0, num_tokens=[3], token_ids=[-1] * 3, num_draft_tokens=[2]), LIMITS, "this device does not speculate"),
+        (decode(2, 0, num_tokens=[5], token_ids=[-1] * 5, num_draft_tokens=[4]), SPECULATING, "exceeds the device's num_speculative_tokens=3"),
+        (decode(2, 0, num_tokens=[3], token_ids=[-1, 5, 6], num_draft_tokens=[2]), SPECULATING, "must carry 1 \\+ 2 placeholders"),
+        (decode(2, 0, num_tokens=[3], token_ids=[-1] * 3, num_draft_tokens=[2, 0]), SPECULATING, "num_draft_tokens has 2 entries"),
+    ],
+)
+def test_plans_with_drafts_are_checked(plan, limits, message):
+    with pytest.raises(PlanError, match=message):
+        decode_plan(plan, limits, check_sampling)
+
+
+def test_a_penalised_sequence_may_not_draft():
+    table = SequenceTable(SPECULATING.max_num_seqs, VOCAB, SPECULATING.block_size, CPU)
+    penalised = common_pb2.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.2)
+    table.admit(decode_plan(prefill(1, 0, sampling=penalised, blocks=(0, 1)), SPECULATING, check_sampling))
+    with pytest.raises(PlanError, match="num_draft_tokens must be 0"):
+        table.admit(decode_plan(decode(2, 0, num_tokens=[3], token_ids=[-1] * 3, num_draft_tokens=[2]), SPECULATING, check_sampling))
+    step = table.admit(decode_plan(decode(3, 0, num_draft_tokens=[0]), SPECULATING, check_sampling))
+    assert step.step.speculative and step.step.sampled_num_drafts == [0]
