@@ -147,3 +147,24 @@ def test_sync_dispatch_gives_the_same_tokens(tmp_path_factory, generation):
         for prompt in PROMPTS[:2]:
             assert list(generate(stub, prompt, temperature=0.0).token_ids) == list(reference(generation, prompt, temperature=0.0).token_ids)
 
+
+
+def test_a_constrained_request_on_a_speculating_device_is_valid_and_never_drafts(speculative):
+    """Structured output composes with speculation: a constrained row asks for no drafts (its mask
+    at a draft's position would depend on the drafts before it), its one entry is masked; an
+    unconstrained request in the same steps still gets drafts accepted."""
+    _, stub = speculative
+    options = ["alpha", "beta", "gamma"]
+    constrained = chat("Pick one of alpha, beta, gamma.", max_tokens=8, temperature=1.0, seed=3)
+    constrained.constraint.choice.options.extend(options)
+    free = chat(REPEAT, max_tokens=24)
+    results: dict[str, prepare_pb2.GenerateResponse] = {}
+    threads = [threading.Thread(target=lambda key=key, request=request: results.__setitem__(key, stub.Generate(request)))
+               for key, request in (("constrained", constrained), ("free", free))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results["constrained"].text in options
+    assert results["constrained"].usage.draft_tokens == 0
+    assert results["free"].usage.accepted_tokens > 0

@@ -8,7 +8,10 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
+from stageserve.device.executor import StepResult
 from stageserve.device.metrics import DeviceMetrics
+
+RESULT = StepResult(token_ids=[1], logprobs=None, completed_unix_ns=0)  # a step's output; its contents are not measured
 
 
 def ticket(submitted_ns: int, rows: int = 4) -> SimpleNamespace:
@@ -24,13 +27,13 @@ def test_steps_before_start_are_not_measured_and_periods_pair_submits():
     metrics = DeviceMetrics(CollectorRegistry(), "async")
     warm_up = ticket(time.time_ns())
     metrics.on_ticket(warm_up)
-    metrics.on_output(warm_up, object(), None)
+    metrics.on_output(warm_up, RESULT, None)
     metrics.start()
     now = time.time_ns()
     first, second = ticket(now - 30_000_000), ticket(now - 10_000_000, rows=8)
     metrics.on_ticket(first)
     metrics.on_ticket(second)
-    metrics.on_output(first, object(), None)
+    metrics.on_output(first, RESULT, None)
     metrics.on_output(second, None, RuntimeError("device fault"))
     assert sample(metrics, "stageserve_step_period_seconds_count") == 1
     assert sample(metrics, "stageserve_step_period_seconds_sum") == pytest.approx(0.02)
@@ -47,7 +50,7 @@ def test_sync_dispatch_is_labelled_blocking_span_and_in_flight_is_read_at_scrape
     metrics.start()
     step = ticket(time.time_ns())
     metrics.on_ticket(step)
-    metrics.on_output(step, object(), None)
+    metrics.on_output(step, RESULT, None)
     assert sample(metrics, "stageserve_step_device_time_seconds_count", timing_source="blocking_span") == 1
     assert sample(metrics, "stageserve_step_device_time_seconds_count", timing_source="submit_to_completion") == 0
     assert sample(metrics, "stageserve_tickets_in_flight") == 2
