@@ -189,7 +189,9 @@ class StepTicket:
                 raise TicketTimeout(f"ticket {self.ticket_id} (step {self.step_id}) not completed within {timeout} s")
             with self._tracer.span("device.copy_out", step_id=self.step_id, ticket=self.ticket_id):
                 result = self._read_outputs()
-                self._result = replace(result, row_errors=self._observe(self._uploads, result.token_ids)) if self._uploads is not None else result
+                if self._uploads is not None:
+                    result = replace(result, row_errors=self._observe(self._uploads, result.token_ids))
+                self._result = result
         except TicketTimeout:
             raise
         except BaseException as exc:  # noqa: BLE001 - stored and re-raised to every waiter

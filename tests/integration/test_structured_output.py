@@ -24,12 +24,16 @@ from .test_observability import metric, scrape
 
 STOP = common_pb2.FINISH_REASON_STOP
 DEVICE_ARGS = ["--max-model-len", "1024"]
+# The first batches prefill ~60 prompts at once: on a loaded shared machine one step can take longer
+# than the default timeouts, which would fail these correctness tests for timing alone.
+PREPARE_ARGS = ["--http-port", "0", "--stall-timeout", "300", "--step-timeout", "600"]
+RECLAIM_ARGS = ["--completion-timeout", "600"]
 MAX_TOKENS = 400  # every case's longest output is far shorter, so each one ends by its grammar
 SEEDS = (1, 2, 3)
 
 
 def start(tmp_path_factory, name: str, device_args: list[str] = ()):
-    pipeline = launch(tmp_path_factory, name, device_args=[*DEVICE_ARGS, *device_args], prepare_args=["--http-port", "0"])
+    pipeline = launch(tmp_path_factory, name, device_args=[*DEVICE_ARGS, *device_args], prepare_args=PREPARE_ARGS, reclaim_args=RECLAIM_ARGS)
     channel = grpc.insecure_channel(pipeline.prepare.address)
     return pipeline, channel, prepare_pb2_grpc.GenerationStub(channel)
 
