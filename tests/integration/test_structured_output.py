@@ -143,7 +143,7 @@ def test_aborting_a_constrained_request_frees_its_matcher_and_kv(served):
     (common_pb2.Constraint(json_schema='{"type": "objec"}'), 'constraint.json_schema: Unsupported type "objec"'),
     (common_pb2.Constraint(json_schema='{"type": '), "constraint.json_schema: not JSON"),
     (common_pb2.Constraint(regex="[a-"), "constraint.regex: Regex parsing error at position 4: Unclosed '['"),
-    (common_pb2.Constraint(grammar='start ::= "a"'), 'constraint.grammar: The root rule with name "root" is not found'),
+    (common_pb2.Constraint(grammar='start ::= "a"'), 'constraint.grammar: EBNF parser error at line 1, column 1: The root rule with name "root" is not found'),
     (common_pb2.Constraint(choice=common_pb2.Choice()), "constraint.choice.options: empty"),
 ])
 def test_a_bad_constraint_is_invalid_argument_and_the_service_keeps_serving(stub, constraint, message):
