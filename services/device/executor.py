@@ -208,7 +208,9 @@ class StepTicket:
                 result = self._read_outputs()
                 if result.num_drafted is not None and self._tracer.enabled:  # the trace analyzer's acceptance
                     span.set(draft_tokens=sum(result.num_drafted), accepted_tokens=len(result.token_ids) - len(result.num_tokens))
-                self._result = replace(result, row_errors=self._observe(self._uploads, result.first_tokens())) if self._uploads is not None else result
+                if self._uploads is not None:
+                    result = replace(result, row_errors=self._observe(self._uploads, result.first_tokens()))
+                self._result = result
         except TicketTimeout:
             raise
         except BaseException as exc:  # noqa: BLE001 - stored and re-raised to every waiter

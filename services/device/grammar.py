@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import xgrammar
 
-from stageserve.device.step_plan import Step
+from stageserve.device.step_plan import StartedSequence, Step
 from stageserve.structured_output import ConstraintError, constraint_grammar, readable_error
 from stageserve.v1 import common_pb2
 
@@ -107,6 +107,7 @@ class SequenceGrammar:
 
     Attributes:
         generation: the sequence's generation (a new start at its index replaces this object).
+        request_id: the request it serves (an abort of that id drops the state).
         ready: done once the matcher exists and ``bitmask`` holds its first mask (or it failed).
         matcher: advanced by one token per observed sampling row.
         bitmask: ``[ceil(V / 32)]`` int32, host: the tokens the matcher allows next.
@@ -117,6 +118,7 @@ class SequenceGrammar:
     """
 
     generation: int
+    request_id: str
     ready: Future[None]
     matcher: xgrammar.GrammarMatcher | None = None
     bitmask: torch.Tensor | None = None
@@ -172,21 +174,26 @@ class GrammarTable:
 
     def stage(self, step: Step) -> GrammarRows | None:
         """Register the step's new constrained sequences, stage its constrained sampling rows and
-        drop its finished sequences. ``None`` when no sampling row is constrained."""
+        drop its finished and aborted sequences (an abort rides in a plan at once, a finish only
+        in the next one). ``None`` when no sampling row is constrained."""
         for start in step.started:
             self._states.pop(start.seq_index, None)
             if start.constraint is not None:
-                self._states[start.seq_index] = self._start(start.generation, start.constraint)
+                self._states[start.seq_index] = self._start(start)
         staged = None
         if self._states:
             staged = self._stage_rows(step)
         for seq_index in step.finished:
             self._states.pop(seq_index, None)
+        if step.plan.aborted and self._states:
+            aborted = set(step.plan.aborted)
+            for seq_index in [s for s, state in self._states.items() if state.request_id in aborted]:
+                del self._states[seq_index]
         return staged
 
-    def _start(self, generation: int, constraint: common_pb2.Constraint) -> SequenceGrammar:
-        compiled = self.grammars.get(constraint)
-        state = SequenceGrammar(generation, ready=Future())
+    def _start(self, start: StartedSequence) -> SequenceGrammar:
+        compiled = self.grammars.get(start.constraint)
+        state = SequenceGrammar(start.generation, start.request_id, ready=Future())
 
         def make_matcher() -> None:
             try:

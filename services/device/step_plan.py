@@ -51,6 +51,7 @@ class StartedSequence:
     sampling: common_pb2.SamplingParams
     prompt_token_ids: list[int]
     constraint: common_pb2.Constraint | None = None  # structured output; None = free text
+    request_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,4 +218,4 @@ def _decode_start(
     if prompt and (min(prompt) < 0 or max(prompt) >= limits.vocab_size):
         raise PlanError(f"{where}: prompt_token_ids must be in [0, {limits.vocab_size})")
     constraint = start.constraint if start.HasField("constraint") else None
-    return StartedSequence(start.seq_index, start.generation, start.sampling, prompt, constraint)
+    return StartedSequence(start.seq_index, start.generation, start.sampling, prompt, constraint, start.request_id)

@@ -1,8 +1,8 @@
 """The OpenAI API's request bodies (pydantic models) and their mapping onto ``GenerateRequest``.
 
-Only what stageserve serves is declared; any other field (``tools``, ``audio``, ...) is refused with a 400 naming it, never ignored, and so is a declared field with a
-value stageserve does not serve (``echo: true``, ``best_of > 1``, several prompts). A field sent
-as ``null`` counts as not sent, as in OpenAI's API. Field meanings follow OpenAI's API reference
+Only what stageserve serves is declared; any other field (``tools``, ``audio``, ...) is refused
+with a 400 naming it, never ignored, and so is a declared field with a value stageserve does not
+serve (``echo: true``, ``best_of > 1``, several prompts). A field sent as ``null`` counts as not sent, as in OpenAI's API. Field meanings follow OpenAI's API reference
 (``/v1/chat/completions``, ``/v1/completions``); besides them, vLLM's sampling extensions
 ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``
 and ``include_stop_str_in_output`` are accepted, with the gRPC API's meanings. Range checks are

@@ -157,7 +157,7 @@ def test_a_constrained_request_on_a_speculating_device_is_valid_and_never_drafts
     options = ["alpha", "beta", "gamma"]
     constrained = chat("Pick one of alpha, beta, gamma.", max_tokens=8, temperature=1.0, seed=3)
     constrained.constraint.choice.options.extend(options)
-    free = chat(REPEAT, max_tokens=24)
+    free = chat(REPEAT, max_tokens=24, temperature=0.0)
     results: dict[str, prepare_pb2.GenerateResponse] = {}
     threads = [threading.Thread(target=lambda key=key, request=request: results.__setitem__(key, stub.Generate(request)))
                for key, request in (("constrained", constrained), ("free", free))]

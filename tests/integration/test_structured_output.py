@@ -24,12 +24,16 @@ from .test_observability import metric, scrape
 
 STOP = common_pb2.FINISH_REASON_STOP
 DEVICE_ARGS = ["--max-model-len", "1024"]
+# The first batches prefill ~60 prompts at once: on a loaded shared machine one step can take longer
+# than the default timeouts, which would fail these correctness tests for timing alone.
+PREPARE_ARGS = ["--http-port", "0", "--stall-timeout", "300", "--step-timeout", "600"]
+RECLAIM_ARGS = ["--completion-timeout", "600"]
 MAX_TOKENS = 400  # every case's longest output is far shorter, so each one ends by its grammar
 SEEDS = (1, 2, 3)
 
 
 def start(tmp_path_factory, name: str, device_args: list[str] = ()):
-    pipeline = launch(tmp_path_factory, name, device_args=[*DEVICE_ARGS, *device_args], prepare_args=["--http-port", "0"])
+    pipeline = launch(tmp_path_factory, name, device_args=[*DEVICE_ARGS, *device_args], prepare_args=PREPARE_ARGS, reclaim_args=RECLAIM_ARGS)
     channel = grpc.insecure_channel(pipeline.prepare.address)
     return pipeline, channel, prepare_pb2_grpc.GenerationStub(channel)
 
@@ -139,7 +143,7 @@ def test_aborting_a_constrained_request_frees_its_matcher_and_kv(served):
     (common_pb2.Constraint(json_schema='{"type": "objec"}'), 'constraint.json_schema: Unsupported type "objec"'),
     (common_pb2.Constraint(json_schema='{"type": '), "constraint.json_schema: not JSON"),
     (common_pb2.Constraint(regex="[a-"), "constraint.regex: Regex parsing error at position 4: Unclosed '['"),
-    (common_pb2.Constraint(grammar='start ::= "a"'), 'constraint.grammar: The root rule with name "root" is not found'),
+    (common_pb2.Constraint(grammar='start ::= "a"'), 'constraint.grammar: EBNF parser error at line 1, column 1: The root rule with name "root" is not found'),
     (common_pb2.Constraint(choice=common_pb2.Choice()), "constraint.choice.options: empty"),
 ])
 def test_a_bad_constraint_is_invalid_argument_and_the_service_keeps_serving(stub, constraint, message):

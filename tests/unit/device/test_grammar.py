@@ -38,7 +38,7 @@ def step(step_id: int, rows: list[int], started: dict[int, common_pb2.Constraint
     plan = device_pb2.StepPlan(
         step_id=step_id, seq_index=rows, generation=[1] * len(rows), start_pos=[0] * len(rows), num_tokens=[1] * len(rows),
         token_ids=[0] * len(rows), sample=[True] * len(rows), num_new_blocks=[0] * len(rows), finished=list(finished),
-        started=[common_pb2.SequenceStart(seq_index=s, generation=1, constraint=c) for s, c in (started or {}).items()],
+        started=[common_pb2.SequenceStart(seq_index=s, generation=1, request_id=f"r{s}", constraint=c) for s, c in (started or {}).items()],
     )
     return decode_plan(plan, LIMITS, lambda sampling: None)
 
@@ -64,6 +64,15 @@ def test_only_constrained_rows_are_masked_and_eos_comes_where_the_grammar_may_en
     table.observe(third, [token("z"), EOS])
     table.stage(step(4, [0], finished=[1]))
     assert table.active_count() == 0
+
+
+def test_an_abort_drops_the_state_at_once(table):
+    table.stage(step(1, [0, 1], {0: common_pb2.Constraint(regex="a+"), 1: common_pb2.Constraint(regex="b+")}))
+    plan = step(2, [0, 1]).plan
+    plan.aborted.append("r1")
+    table.stage(decode_plan(plan, LIMITS, lambda sampling: None))
+    assert table.active_count() == 1
+    assert table.stage(step(3, [0, 1])).rows == [0]  # r1's row is free text now (reclaim discards it)
 
 
 def test_a_rejected_token_fails_its_row_alone(table):

@@ -153,7 +153,7 @@ def test_request_id_checks():
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"constraint": common_pb2.Constraint(regex="[a-")}, "constraint.regex: Regex parsing error at position 3: Unclosed '['"),
+    ({"constraint": common_pb2.Constraint(regex="[a-")}, "constraint.regex: Regex parsing error at position 4: Unclosed '['"),
     ({"constraint": common_pb2.Constraint(regex="a"), "ignore_eos": True}, "ignore_eos: cannot be combined with a constraint"),
     ({"constraint": common_pb2.Constraint(regex="a"), "min_tokens": 2}, "min_tokens: cannot be combined with a constraint"),
 ])
