@@ -226,21 +226,22 @@ def test_async_submit_overlaps_the_previous_completion(startup_window):
     assert report["requests"]["itl_ms"]["n"] == STREAMS * (MAX_TOKENS - 1)
 
 
-def test_start_and_stop_profile_through_prepare(traced, startup_window, tmp_path):
-    pipeline, _ = traced
+def test_start_and_stop_profile_through_prepare(traced, startup_window):
+    pipeline, trace_dir = traced
     stub = admin(pipeline)
-    with pytest.raises(grpc.RpcError) as empty:
-        stub.StartProfile(admin_pb2.StartProfileRequest(trace_dir=""), timeout=30)
-    assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as outside:
+        stub.StartProfile(admin_pb2.StartProfileRequest(name="../window"), timeout=30)
+    assert outside.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not (trace_dir.parent / "window").exists()
     with pytest.raises(grpc.RpcError) as idle:
         stub.StopProfile(admin_pb2.StopProfileRequest(), timeout=30)
     assert idle.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
-    window = tmp_path / "window"
-    started = stub.StartProfile(admin_pb2.StartProfileRequest(trace_dir=str(window)), timeout=30)
+    window = trace_dir / "window"  # --profile-dir defaults to --trace-dir
+    started = stub.StartProfile(admin_pb2.StartProfileRequest(name="window"), timeout=30)
     assert sorted(part.service for part in started.services) == ["device", "prepare", "reclaim"]
     with pytest.raises(grpc.RpcError) as twice:
-        stub.StartProfile(admin_pb2.StartProfileRequest(trace_dir=str(window)), timeout=30)
+        stub.StartProfile(admin_pb2.StartProfileRequest(name="window"), timeout=30)
     assert twice.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     run_streams(pipeline.prepare.address, 2, 6, "window")
     stopped = stub.StopProfile(admin_pb2.StopProfileRequest(), timeout=30)

@@ -134,7 +134,7 @@ def test_penalties_and_logit_bias_change_the_tokens(client, model, generation):
     ({"n": 0}, "n"),
     ({"max_tokens": 100000}, "max_tokens"),
     ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
-    ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+    ({"extra_body": {"response_format": {"type": "json_schema"}}}, "response_format"),  # json_schema missing
 ])
 def test_invalid_or_unsupported_parameter_is_a_bad_request_naming_it(client, model, fields, param):
     with pytest.raises(openai.BadRequestError) as refused:
