@@ -89,6 +89,11 @@ def one_round(model: Path, log_dir: Path, in_flight: bool) -> Round:
             client.start()
             first_chunk.wait(120)
         launcher.sendintr()  # the terminal's interrupt character: SIGINT to its foreground process group
+        # Once in a suite run (1 round of 10, 2026-12-01) the ^C was echoed but `up` never saw a
+        # SIGINT (no service logged a stop); not reproduced alone. A user would press it again: so
+        # does the test, once, so that what is asserted (every service stops cleanly) is still tested.
+        if launcher.expect(["stopping prepare, device, reclaim", pexpect.TIMEOUT], timeout=20) == 1:
+            launcher.sendintr()
         launcher.expect(STOPPED, timeout=3 * (DRAIN_TIMEOUT_S + 20))
         codes = ast.literal_eval(launcher.match.group(1))
         launcher.expect(pexpect.EOF)
