@@ -146,8 +146,14 @@ def test_shared_prefix_blocks_are_read_by_several_sequences_but_written_by_none(
     full = dict(num_tokens=[4], token_ids=[5, 6, 7, 8], sample=[False])
     admit(table, prefill(1, 0, blocks=(0,), **full))  # seq 0 writes block 0 whole
     # seq 1 starts with block 0 as its cached prefix (read only) and writes its own block 1
-    admit(table, prefill(2, 1, blocks=(0, 1), start_pos=[4], num_tokens=[1], token_ids=[9]))
-    admit(table, decode(3, 1, start_pos=5))
+    shared = admit(table, prefill(2, 1, blocks=(0, 1), start_pos=[4], num_tokens=[1], token_ids=[9]))
+    assert shared.block_tables == [[0, 1]]
+    assert admit(table, decode(3, 1, start_pos=5)).block_tables == [[0, 1]]
+    # writing into the shared block is refused, for either holder
+    with pytest.raises(PlanError, match="row 0 \\(seq_index 1\\): writes KV block 0"):
+        admit(table, decode(4, 1, start_pos=3))
+    with pytest.raises(PlanError, match="row 0 \\(seq_index 0\\): writes KV block 0"):
+        admit(table, decode(4, 0, start_pos=3, token=12))
 
 
 def test_a_block_freed_by_a_sequence_finished_in_the_same_plan_may_be_handed_on(table):
