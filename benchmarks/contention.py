@@ -30,6 +30,7 @@ BUSY = [sys.executable, "-c", "while True: pass"]
 
 
 def bench(target: str, streams: int, requests: int, output_len: int) -> dict:
+    """One ``stageserve bench`` run against prepare at ``target``: output tokens/s and ITL p50/p99 (ms)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         subprocess.run([sys.executable, "-m", "stageserve", "bench", "--target", target, "--streams", str(streams),
                         "--requests", str(requests), "--output-len", str(output_len), "--no-progress", "--json", out.name],

@@ -16,10 +16,16 @@ FIGURES = (("output tokens/s", ("output_tokens_per_s",)), ("TTFT p50 ms", ("ttft
 
 
 def runs(out: Path, side: str) -> list[dict]:
+    """The ``stageserve bench --json`` reports ``out/<side>-*.json``, in name order."""
     return [json.loads(path.read_text()) for path in sorted(out.glob(f"{side}-*.json"))]
 
 
 def median(reports: list[dict], keys: tuple[str, ...]) -> float:
+    """The median over ``reports`` of the figure at the nested ``keys`` (e.g. ``("ttft_ms", "p50")``).
+
+    Raises:
+        KeyError: a report lacks the figure.
+    """
     values = []
     for report in reports:
         for key in keys:

@@ -122,8 +122,8 @@ class StepRunner(Protocol):
         """Enqueue the forward pass, sampling, device-state updates and the copy into ``out``."""
         ...
 
-    def observe(self, staged: object, token_ids: list[int] | None) -> dict[int, str]:
-        """Learn the step's sampled ids once they are on the host (``None``: the step failed);
+    def observe(self, staged: object, result: StepResult | None) -> dict[int, str]:
+        """Learn the step's outputs once they are on the host (``None``: the step failed);
         called once per step, in submission order, before its output is delivered. Returns
         ``{sampling row: message}`` of the rows whose request fails (the rest of the step goes on)."""
         ...
@@ -161,7 +161,7 @@ class StepTicket:
         self._tracer = tracer
         self._completion: Completion | None = None
         self._uploads: object = None
-        self._observe: Callable[[object, list[int] | None], dict[int, str]] | None = None
+        self._observe: Callable[[object, StepResult | None], dict[int, str]] | None = None
         self._resolve_lock = threading.Lock()
         self._resolved = threading.Event()
         self._result: StepResult | None = None
@@ -209,7 +209,7 @@ class StepTicket:
                 if result.num_drafted is not None and self._tracer.enabled:  # the trace analyzer's acceptance
                     span.set(draft_tokens=sum(result.num_drafted), accepted_tokens=len(result.token_ids) - len(result.num_tokens))
                 if self._uploads is not None:
-                    result = replace(result, row_errors=self._observe(self._uploads, result.first_tokens()))
+                    result = replace(result, row_errors=self._observe(self._uploads, result))
                 self._result = result
         except TicketTimeout:
             raise

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from stageserve.device.backends import Backend, Completion
-from stageserve.device.executor import SlotBuffers
+from stageserve.device.executor import SlotBuffers, StepResult
 from stageserve.device.step_plan import AdmittedStep
 
 # Sampled ids start here, past the special and single-byte tokens, so the text decodes to words.
@@ -135,6 +135,6 @@ class SimStepRunner:
             out.top_logprobs[:count, 0] = 0.0
         return staged.seconds
 
-    def observe(self, staged: SimStagedStep, token_ids: list[int] | None) -> dict[int, str]:
+    def observe(self, staged: SimStagedStep, result: StepResult | None) -> dict[int, str]:
         """Nothing to learn: the simulated device serves no constraints (their rows sample as unconstrained)."""
         return {}

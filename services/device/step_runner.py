@@ -29,7 +29,7 @@ from itertools import accumulate
 import torch
 
 from stageserve.device.backends import to_device
-from stageserve.device.executor import SlotBuffers
+from stageserve.device.executor import SlotBuffers, StepResult
 from stageserve.device.kv_cache import PagedKVCache
 from stageserve.device.forward_batch import ForwardBatch, build_forward_batch
 from stageserve.device.grammar import GrammarRows, GrammarTable
@@ -141,12 +141,12 @@ class ModelStepRunner:
         out.token_ids[:count].copy_(result.token_ids, non_blocking=True)
         _copy_logprobs(result, tensors.max_logprobs, count, out)
 
-    def observe(self, staged: StagedStep, token_ids: list[int] | None) -> dict[int, str]:
-        """Advance the constrained rows' matchers (see `GrammarTable.observe`); ``{row: error}``.
-        ``token_ids``: each sampling row's first token (`StepResult.first_tokens`)."""
+    def observe(self, staged: StagedStep, result: StepResult | None) -> dict[int, str]:
+        """Advance the constrained rows' matchers by each row's first token (`GrammarTable.observe`,
+        `StepResult.first_tokens`); ``{row: error}``. A step without constrained rows costs nothing."""
         if staged.grammar is None:
             return {}
-        return self.grammar.observe(staged.grammar, token_ids)
+        return self.grammar.observe(staged.grammar, None if result is None else result.first_tokens())
 
     def _run_speculative(self, staged: StagedStep, out: SlotBuffers) -> None:
         """Draft, verify in one forward pass, sample every entry, accept, copy out (`speculative`)."""

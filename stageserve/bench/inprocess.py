@@ -183,9 +183,9 @@ class _TimedRunner:
         self.samples.append((rows, host_s, events))
         return result
 
-    def observe(self, staged, token_ids):
+    def observe(self, staged, result):
         """The wrapped runner's ``observe`` (structured output's matchers)."""
-        return self._runner.observe(staged[0], token_ids)
+        return self._runner.observe(staged[0], result)
 
     def stage_seconds(self, since: int = 0) -> list[tuple[int, float]]:
         """(sampling rows, device stage seconds) of steps ``since``..; waits for their timing events."""

@@ -77,6 +77,7 @@ class TlsFiles:
 
     @property
     def serves_tls(self) -> bool:
+        """Whether a listener with these files speaks TLS (a certificate is given)."""
         return self.cert is not None
 
     def server_credentials(self, require_client_cert: bool) -> grpc.ServerCredentials:
@@ -125,12 +126,14 @@ class _CertificateReloader:
         self._stamp = self._read_stamp()
 
     def initial(self) -> grpc.ServerCertificateConfiguration:
+        """The configuration to start with. Raises ValueError: the files cannot be read or used."""
         try:
             return self._configuration()
         except (OSError, ValueError) as exc:
             raise ValueError(f"--tls-cert/--tls-key/--tls-ca: cannot use them ({exc})") from exc
 
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """grpc's fetcher, called per handshake: a new configuration when the files changed, else ``None`` (keep)."""
         with self._lock:
             stamp = self._read_stamp()
             if stamp == self._stamp:

@@ -70,7 +70,7 @@ class GatedFakeRunner:
             raise RuntimeError(f"fake device fault in step {uploads.step_id}")
         out.token_ids[:2] = torch.tensor([100 * uploads.step_id, 100 * uploads.step_id + 1])
 
-    def observe(self, uploads: FakeUploads, token_ids: list[int] | None) -> dict[int, str]:
+    def observe(self, uploads: FakeUploads, result) -> dict[int, str]:
         return {}
 
 
