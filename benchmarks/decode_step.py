@@ -29,6 +29,7 @@ import torch
 from stageserve.device.kv_cache import PagedKVCache
 from stageserve.device.forward_batch import build_forward_batch
 from stageserve.device.model import LlamaModel
+from stageserve.device.quant import WEIGHT_FORMATS
 from stageserve.device.sampler import argmax_rows
 from stageserve.device.weights import load_weights
 from stageserve.model_files import embedded_model_path, transformers_source
@@ -92,6 +93,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--model", type=Path, default=None, help="GGUF file or HF directory (default: the embedded model)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | npu (default %(default)s)")
+    parser.add_argument("--weights", default="dequantize", choices=WEIGHT_FORMATS,
+                        help="stageserve's linears, as the device's --weights (default %(default)s; transformers always dequantizes)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -99,15 +102,15 @@ def main() -> None:
     if args.device.startswith("npu"):
         import torch_npu  # noqa: F401 - registers the npu device type
     device = torch.device(args.device)
-    config, weights = load_weights(path, dtype)
-    ours = LlamaModel(config, weights, device)
+    config, weights = load_weights(path, dtype, keep_quantized=args.weights != "dequantize")
+    ours = LlamaModel(config, weights, device, weight_format=args.weights)
     # The same model in plain torch ops, where the fused CPU kernels are in use.
-    ours_torch = LlamaModel(config, weights, device, cpu_kernels_allowed=False) if ours.cpu_kernels else None
+    ours_torch = LlamaModel(config, weights, device, cpu_kernels_allowed=False, weight_format=args.weights) if ours.cpu_kernels else None
     del weights
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(**transformers_source(path), dtype=dtype).to(device).eval()
-    print(f"model {path.name}, {args.device}, dtype {args.dtype}, threads {args.threads}, context {args.context}, {args.steps} decode steps, median of {args.repeats}")
+    print(f"model {path.name}, {args.device}, dtype {args.dtype}, weights {args.weights}, threads {args.threads}, context {args.context}, {args.steps} decode steps, median of {args.repeats}")
     print(f"stageserve layers: {'fused CPU kernels (plain torch ops shown alongside)' if ours_torch else 'plain torch ops'}")
     print("| batch | stageserve step ms | stageserve tokens/s | transformers step ms | transformers tokens/s | ratio |" + (" plain-torch step ms | kernels speed-up |" if ours_torch else ""))
     print("|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if ours_torch else ""))

@@ -3,15 +3,16 @@
 An OpenMP parallel region ends when its slowest thread does. A compute thread that shares its
 core with another process runs half the time, and the other threads wait for it (spinning) at
 every barrier of every step: measured on 2 cores with one kept busy by another process, 32 served
-streams ran at 213–293 tokens/s with 2 compute threads and 558–579 with 1 (docs/benchmarks.md,
+streams ran at 261–291 tokens/s with 2 compute threads and 582–622 with 1 (docs/benchmarks.md,
 "CPU contention"). `cpu_budget` sizes the threads for the CPUs the device may use; this governor
 follows the CPUs it actually gets.
 
 The signal is the run-queue wait of the device's threads (``/proc/self/task/*/schedstat``, field
 2: time runnable but not running), per second of wall time and per compute thread, over windows
 of ``window_s`` in which the compute thread was busy at least half the time (an idle device says
-nothing). Measured per compute thread at 32 streams on 2 cores: 0.18–0.23 quiet (the pipeline's
-own other threads), 0.41–0.43 with one core busy; hence ``contended_wait`` 0.33.
+nothing). Measured per compute thread at 32 streams on 2 cores (``benchmarks/run_queue_wait.py``,
+docs/benchmarks.md): 0.21–0.23 quiet (the pipeline's own other threads), 0.44–0.45 with one core
+busy, 0.15–0.26 with one compute thread either way; hence ``contended_wait`` 0.33.
 
 - Two contended windows in a row at ``t > 1`` threads: ``t - 1``.
 - Below the budget, no contention, ``probe_after_s`` since the last change: ``t + 1`` (a probe; the
