@@ -2,7 +2,7 @@
 
 Starts device, then reclaim (dials device), then prepare (dials both), each on its own port, waits
 until all three report readiness through ``grpc.health.v1``, optionally streams one chat answer, and
-serves until Ctrl-C or SIGTERM. The services' logs go to one file each in a folder that ``up``
+serves until Ctrl-C, SIGTERM or SIGHUP. The services' logs go to one file each in a folder that ``up``
 prints (``--verbose``: to the terminal instead), so the terminal shows only the launcher's lines.
 
 Shutdown: each service runs in a session of its own, so a terminal's Ctrl-C reaches only the
@@ -22,13 +22,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from stageserve.metrics_http import metrics_port_file
 from stageserve.security.tls import TlsFiles, dial
+from stageserve.stop_signals import STOP_SIGNALS, StopRequest
 
 SERVICE_NAMES = {
     "prepare": "stageserve.v1.Generation",
@@ -315,6 +315,15 @@ def _tls(args: argparse.Namespace) -> TlsFiles | None:
     return TlsFiles(*given)
 
 
+def _tell(line: str) -> None:
+    """One launcher line on stderr; a terminal that hung up (SIGHUP) fails the write, which must not
+    keep the services from being stopped."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
 def _raise_keyboard_interrupt(_signum, _frame) -> None:
     raise KeyboardInterrupt
 
@@ -335,7 +344,8 @@ def _print_ready(pipeline: Pipeline, tls: TlsFiles | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start the three services, optionally stream one chat answer, serve until Ctrl-C/SIGTERM.
+    """Start the three services, optionally stream one chat answer, serve until Ctrl-C, SIGTERM or
+    SIGHUP (the terminal closed).
 
     Exit code: 0 after a clean stop, 1 when a service failed to start or exited on its own, 130
     when interrupted while starting.
@@ -347,8 +357,9 @@ def run(args: argparse.Namespace) -> int:
         log_dir.mkdir(parents=True, exist_ok=True)
     device_args, reclaim_args, prepare_args = _service_args(args)
     tls = _tls(args)
-    # While starting, Ctrl-C or SIGTERM interrupts start_pipeline, which stops what it started.
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    # While starting, Ctrl-C, SIGTERM or a hang-up interrupts start_pipeline, which stops what it started.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _raise_keyboard_interrupt)
     with tempfile.TemporaryDirectory(prefix="stageserve-up-ports-") as ports_dir:
         logs = f"; logs in {log_dir}/" if log_dir else ""
         print(f"starting device, reclaim and prepare (loading the model and warming up){logs}...", file=sys.stderr, flush=True)
@@ -361,9 +372,8 @@ def run(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+        stop = StopRequest()
+        stop.handle_signals()
         try:
             _print_ready(pipeline, tls)
             code = client.stream_chat(pipeline.prepare.address, args.chat, tls and tls.ca, args.api_key) if args.chat else 0
@@ -375,7 +385,6 @@ def run(args: argparse.Namespace) -> int:
                     return 1
             return code
         finally:
-            print(f"stopping prepare, device, reclaim (in-flight requests get up to {args.drain_timeout:g} s)...",
-                  file=sys.stderr, flush=True)
+            _tell(f"stopping prepare, device, reclaim (in-flight requests get up to {args.drain_timeout:g} s)...")
             codes = pipeline.stop(args.drain_timeout + STOP_MARGIN_S)
-            print(f"stopped: {codes}", file=sys.stderr)
+            _tell(f"stopped: {codes}")

@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import inspect
 import logging
-import signal
 import tempfile
 import threading
 from collections.abc import Mapping
@@ -48,6 +47,7 @@ from stageserve.profiling import ADMIN_SERVICE_NAME, ProfileServicer
 from stageserve.reflection import enable_reflection
 from stageserve.security.config import ServiceSecurity, add_security_arguments
 from stageserve.security.guard import AioGuardInterceptor, SyncGuardInterceptor
+from stageserve.stop_signals import StopRequest
 from stageserve.tracing import Tracer
 from stageserve.v1 import admin_pb2_grpc
 
@@ -131,7 +131,7 @@ class ServiceServer:
         if self.security.health_port is not None:
             self.health_server = self._call(self._new_health_server, pool)
             self.health_port = self._call(self._listen, self.health_server, host, self.security.health_port, None)
-        self._stop_requested = threading.Event()
+        self._stop_requested = StopRequest()
 
     def add_servicer(self, add_fn: Callable[[object, grpc.Server], None], servicer: object) -> None:
         """Register a servicer (``add_XServicer_to_server``, servicer instance)."""
@@ -169,31 +169,28 @@ class ServiceServer:
         self.server.stop(grace_s).wait()
 
     def request_stop(self) -> None:
-        """Ask :meth:`run_until_stopped` to drain and return (what SIGTERM/SIGINT do)."""
-        self._stop_requested.set()
+        """Ask :meth:`run_until_stopped` to drain and return (what SIGTERM/SIGINT/SIGHUP do)."""
+        self._stop_requested.request()
 
     def handle_stop_signals(self) -> None:
-        """Make SIGTERM/SIGINT call :meth:`request_stop`. Main thread only (Python's rule for handlers)."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self._stop_requested.set())
+        """Make SIGTERM/SIGINT/SIGHUP call :meth:`request_stop` (:mod:`stageserve.stop_signals`: no
+        lock, so a handler never deadlocks the waiter). Main thread only (Python's rule for handlers)."""
+        self._stop_requested.handle_signals()
 
     def run_until_stopped(self, drain: Callable[[], None], grace_s: float = 5.0) -> None:
-        """Block until SIGTERM/SIGINT (or :meth:`request_stop`), then drain and stop.
+        """Block until SIGTERM/SIGINT/SIGHUP (or :meth:`request_stop`), then drain and stop.
 
         Order: readiness NOT_SERVING (load balancers stop sending), ``drain()`` (the service
         finishes or fails its in-flight work within its drain timeout), write the trace window
         still recording, then :meth:`stop` with ``grace_s``. On the main thread this installs the
         signal handlers itself; a service that calls it from another thread calls
         :meth:`handle_stop_signals` on the main thread first (and keeps that thread returning to
-        Python at least every 0.2 s, so the handlers run).
+        Python at least every 0.2 s, so the handlers run: a signal lands on whichever thread the
+        kernel picks, often a gRPC worker, and Python runs its handler on the main thread only).
         """
         if threading.current_thread() is threading.main_thread():
             self.handle_stop_signals()
-        # Wait with a timeout: a signal lands on whichever thread the kernel picks (often a gRPC
-        # worker), and Python runs its handler only when the main thread next runs bytecode; an
-        # untimed wait would never return to run it.
-        while not self._stop_requested.wait(0.2):
-            pass
+        self._stop_requested.wait()
         log.info("%s: stop requested, draining", self.service_name)
         self.set_ready(False)
         drain()

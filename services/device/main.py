@@ -160,7 +160,7 @@ def _load(args: argparse.Namespace, model_path: Path, server, tracer, metrics, b
 
 
 def _serve(args: argparse.Namespace, server, servicer, tracer, metrics, core) -> int:
-    """Serve ``core`` until SIGTERM/SIGINT, drain, stop; the exit code."""
+    """Serve ``core`` until SIGTERM/SIGINT/SIGHUP, drain, stop; the exit code."""
     # 3. Measure and trace from the first real step on (not the warm-up); serve until SIGTERM, then drain.
     metrics.start()
     if args.trace_dir:

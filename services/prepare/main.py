@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT; return the exit code (0 after a clean drain)."""
+    """Serve until SIGTERM/SIGINT/SIGHUP; return the exit code (0 after a clean drain)."""
     from prometheus_client import CollectorRegistry
 
     from stageserve.metrics_http import start_metrics_server

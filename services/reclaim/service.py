@@ -293,7 +293,7 @@ def serve(
     profile_dir: Path | None = None,
     max_subscribers: int = 16,
 ) -> int:
-    """Run the reclaim service until SIGTERM/SIGINT; return the exit code (0 after a drain, 2
+    """Run the reclaim service until SIGTERM/SIGINT/SIGHUP; return the exit code (0 after a drain, 2
     when the metrics port or the trace folder cannot be used).
 
     ``device``: the devices to follow (``--device``), re-resolved every ``device_refresh_s`` seconds.

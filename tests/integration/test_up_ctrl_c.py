@@ -1,5 +1,5 @@
 """Ctrl-C on ``stageserve up`` in a pseudo-terminal, as a user presses it: idle and with a request in
-flight, ten times. Every child exits 0, a request in flight still gets all its tokens, and no
+flight, ten times; and the terminal closing under it (SIGHUP). Every child exits 0, a request in flight still gets all its tokens, and no
 service waits out its drain timeout (each would log ``drain timeout``). The terminal shows the
 launcher's lines only; the services' logs are in the folder it names.
 
@@ -89,11 +89,6 @@ def one_round(model: Path, log_dir: Path, in_flight: bool) -> Round:
             client.start()
             first_chunk.wait(120)
         launcher.sendintr()  # the terminal's interrupt character: SIGINT to its foreground process group
-        # Once in a suite run (1 round of 10, 2026-12-01) the ^C was echoed but `up` never saw a
-        # SIGINT (no service logged a stop); not reproduced alone. A user would press it again: so
-        # does the test, once, so that what is asserted (every service stops cleanly) is still tested.
-        if launcher.expect(["stopping prepare, device, reclaim", pexpect.TIMEOUT], timeout=20) == 1:
-            launcher.sendintr()
         launcher.expect(STOPPED, timeout=3 * (DRAIN_TIMEOUT_S + 20))
         codes = ast.literal_eval(launcher.match.group(1))
         launcher.expect(pexpect.EOF)
@@ -129,3 +124,32 @@ def test_ctrl_c_stops_every_service_cleanly_idle_and_with_a_request_in_flight(ti
         if index % 2:
             assert result.streamed is not None and result.streamed.finish_reason == common_pb2.FINISH_REASON_LENGTH, where
             assert result.streamed_tokens == IN_FLIGHT_TOKENS, where
+
+
+def test_a_terminal_that_hangs_up_stops_every_service_cleanly(tiny_model, tmp_path):
+    """Closing the terminal (its master side) sends ``up``, the session leader, SIGHUP, after which
+    it can no longer write to the terminal: it still stops each service, which drains (its log
+    says so), and exits 0."""
+    launcher = pexpect.spawn(
+        sys.executable,
+        ["-m", "stageserve", "up", "--model", str(tiny_model), "--dtype", "float32", "--port", "0", "--device-port", "0",
+         "--reclaim-port", "0", "--http-port", "0", "--metrics-port-base", "off", "--log-dir", str(tmp_path), "--drain-timeout", "10"],
+        encoding="utf-8", timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    up = psutil.Process(launcher.pid)
+    services: list[psutil.Process] = []
+    try:
+        launcher.expect("Ctrl-C stops all three.")
+        services = up.children()
+        assert len(services) == 3
+        launcher.ptyproc.fileobj.close()  # the terminal goes away (not pexpect's close(), which signals the launcher itself)
+        assert up.wait(timeout=120) == 0
+        _, alive = psutil.wait_procs(services, timeout=10)
+        assert not alive
+        for role in ("prepare", "device", "reclaim"):
+            log = (tmp_path / f"{role}.log").read_text()
+            assert ": stopped" in log and "drain timeout" not in log, role
+    finally:
+        for process in [*services, up]:
+            if process.is_running():
+                process.kill()
