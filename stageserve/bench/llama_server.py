@@ -117,7 +117,10 @@ class CompletionTransport:
     def _read(self, body: dict, loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> None:
         """POST ``body`` and put ``(arrival, chunk)`` for every event on ``events``, then ``None``."""
         def put(item) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, item)
+            except RuntimeError:  # the loop has closed: its reader stopped at a failure it was given
+                pass
 
         connection = http.client.HTTPConnection("127.0.0.1", self._port, timeout=600)
         try:
