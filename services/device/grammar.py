@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import xgrammar
 
+from stageserve.device import cpu_kernels
 from stageserve.device.step_plan import StartedSequence, Step
 from stageserve.structured_output import ConstraintError, constraint_grammar, readable_error
 from stageserve.v1 import common_pb2
@@ -159,6 +160,7 @@ class GrammarTable:
     def __init__(self, grammars: CompiledGrammars, vocab_size: int, device: torch.device) -> None:
         self.grammars, self.vocab_size, self.device = grammars, vocab_size, device
         self._words = (vocab_size + 31) // 32
+        self._fused = device.type == "cpu" and cpu_kernels.load_cpu_kernels()
         self._states: dict[int, SequenceGrammar] = {}  # seq_index -> state (submitting thread)
         self._observed = threading.Condition()
 
@@ -251,7 +253,7 @@ class GrammarTable:
                 masks[target].copy_(state.bitmask)
             else:
                 masks[target].fill_(_ALL_ALLOWED)
-        _apply_bitmask(logits, masks, targets)
+        _apply_bitmask(logits, masks, targets, self._fused and logits.dtype in (torch.bfloat16, torch.float32))
 
     # ---- resolving thread --------------------------------------------------------------------
 
@@ -288,11 +290,15 @@ class GrammarTable:
             state.matcher.fill_next_token_bitmask(state.bitmask.unsqueeze(0))
 
 
-def _apply_bitmask(logits: torch.Tensor, masks: torch.Tensor, rows: list[int]) -> None:
+def _apply_bitmask(logits: torch.Tensor, masks: torch.Tensor, rows: list[int], fused: bool) -> None:
     """``logits[rows]`` [R, V] set to -inf where ``masks[rows]`` (host ``[S, ceil(V/32)]`` int32,
-    bit ``t % 32`` of word ``t // 32``) is 0. The cpu uses xgrammar's C++ kernel; accelerators its
-    torch implementation on the uploaded masks (no triton needed)."""
-    if logits.device.type == "cpu":
+    bit ``t % 32`` of word ``t // 32``) is 0. ``fused``: the CPU kernel of `cpu_kernels` (AVX-512;
+    32 rows of 49152 bfloat16 logits in 0.16 ms, where xgrammar's scalar CPU kernel takes 5.4 ms
+    and made a constrained step 8.4 ms longer); else, on the cpu, xgrammar's kernel; on
+    accelerators xgrammar's torch implementation on the uploaded masks (no triton needed)."""
+    if fused:
+        cpu_kernels.apply_token_bitmask_(logits, masks, rows)
+    elif logits.device.type == "cpu":
         xgrammar.apply_token_bitmask_inplace(logits, masks, indices=rows, backend="cpu")
     else:
         # The pinned copy stays alive until the upload has run (torch's caching host allocator).

@@ -28,6 +28,10 @@ at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& delta, const at:
 // the index [S] int64 of each row's maximum in logits [S, V]: the first one, or the first NaN  (sampling.cpp)
 at::Tensor argmax_rows(const at::Tensor& x);
 
+// logits[r] = -inf where bit t % 32 of bitmask[r][t / 32] is 0, for each r in rows; logits [S, V]
+// bfloat16 or float32, bitmask [S, ceil(V / 32)] int32 (xgrammar's token bitmask)  (sampling.cpp)
+void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, at::IntArrayRef rows);
+
 // silu(gate) * up of [T, 2 * I] -> [T, I]  (activation.cpp)
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 

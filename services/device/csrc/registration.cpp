@@ -33,6 +33,7 @@ TORCH_LIBRARY(stageserve, m) {
   m.def("add_rms_norm(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, int[] rows) -> ()");
   m.def("has_amx() -> bool", &stageserve::cpu_has_amx);
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("amx_swiglu(Tensor x, Tensor packed) -> Tensor");
@@ -45,6 +46,7 @@ TORCH_LIBRARY_IMPL(stageserve, CPU, m) {
   m.impl("add_rms_norm", &stageserve::add_rms_norm);
   m.impl("silu_and_mul", &stageserve::silu_and_mul);
   m.impl("argmax_rows", &stageserve::argmax_rows);
+  m.impl("apply_token_bitmask_", &stageserve::apply_token_bitmask_);
   m.impl("amx_linear", &stageserve::amx_linear);
   m.impl("amx_swiglu", &stageserve::amx_swiglu);
   m.impl("rope_and_cache", &stageserve::rope_and_cache);

@@ -194,6 +194,37 @@ def test_argmax_rows_refuses_other_layouts():
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [7, 49152, 49161])  # a tail of a 16-lane store; the model's vocabulary; a tail word
+def test_apply_token_bitmask_matches_xgrammar(dtype, n):
+    """-inf exactly where xgrammar's own kernel puts it, on the chosen rows only (the others keep
+    their values), for random bitmasks; logits past the mask's ``32 * words`` tokens are kept, as xgrammar."""
+    import xgrammar
+
+    generator = torch.Generator().manual_seed(n)
+    words = (min(n, 49152) + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (6, words), dtype=torch.int32, generator=generator)
+    bitmask[4] = -1  # every token allowed
+    bitmask[5] = 0  # none
+    logits = torch.randn(6, n, generator=generator).to(dtype)
+    expected = logits.clone()
+    rows = [0, 2, 4, 5]
+    xgrammar.apply_token_bitmask_inplace(expected, bitmask, indices=rows, backend="cpu")
+    cpu_kernels.apply_token_bitmask_(logits, bitmask, rows)
+    assert torch.equal(logits, expected)
+    assert torch.isinf(logits[5, : 32 * words]).all() and not torch.isinf(logits[[1, 3, 4]]).any()
+
+
+@needs_kernels
+def test_apply_token_bitmask_refuses_a_bad_row_or_mask():
+    logits = torch.zeros(2, 64)
+    with pytest.raises(RuntimeError, match="outside the 2 rows"):
+        cpu_kernels.apply_token_bitmask_(logits, torch.zeros(2, 2, dtype=torch.int32), [2])
+    with pytest.raises(RuntimeError, match="int32"):
+        cpu_kernels.apply_token_bitmask_(logits, torch.zeros(2, 2, dtype=torch.int64), [0])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 32, 300])  # 300: enough rows to split over threads
 def test_norms_and_swiglu_match_torch(dtype, rows):
     """rms_norm, add_rms_norm (residual updated in place) and silu_and_mul against the torch ops the
