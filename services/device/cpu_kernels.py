@@ -235,6 +235,21 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.stageserve.argmax_rows(x)
 
 
+def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Tensor | None, seed: torch.Tensor,
+                  step_index: torch.Tensor) -> torch.Tensor:
+    """Random sampling's draw in one pass per row: index ``[S]`` int64 of the maximum of
+    ``clamp(logits / temperature, +-float32 max)``, set to -inf below ``cutoff``, minus ``log(E)``
+    for the sampler's counter-based Exp(1) noise of (``seed``, ``step_index``, token id) (the
+    Gumbel-max trick, `sampler._log_exponential_noise`: the same bits and uniforms; the logs are
+    the kernel's own, within an ulp or two of torch's). The first index on ties, the first NaN if any.
+
+    ``logits`` ``[S, V]`` bfloat16 or float32, rows contiguous; ``temperature`` and ``cutoff``
+    (``None``: none) ``[S]`` float32; ``seed`` and ``step_index`` ``[S]`` int64. [32, 49152]
+    bfloat16 logits in ~1 ms against ~12 ms for the torch ops (scale, noise, argmax; 2-core Xeon).
+    """
+    return torch.ops.stageserve.gumbel_argmax(logits, temperature, cutoff, seed, step_index)
+
+
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set ``logits[r, t]`` to -inf where bit ``t % 32`` of ``bitmask[r, t // 32]`` is 0, for each
     ``r`` in ``rows``, in place (structured output; xgrammar's token-bitmask layout).

@@ -28,6 +28,12 @@ at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& delta, const at:
 // the index [S] int64 of each row's maximum in logits [S, V]: the first one, or the first NaN  (sampling.cpp)
 at::Tensor argmax_rows(const at::Tensor& x);
 
+// the sampled index [S] int64 of each row: argmax(clamp(logits / temperature) (-inf below cutoff) - log(E)),
+// E ~ Exp(1) from the sampler's SplitMix64 noise of (seed, step_index, token); logits [S, V] bfloat16 or
+// float32, temperature and cutoff [S] float32, seed and step_index [S] int64  (sampling.cpp)
+at::Tensor gumbel_argmax(const at::Tensor& logits, const at::Tensor& temperature, const c10::optional<at::Tensor>& cutoff,
+                         const at::Tensor& seed, const at::Tensor& step_index);
+
 // logits[r] = -inf where bit t % 32 of bitmask[r][t / 32] is 0, for each r in rows; logits [S, V]
 // bfloat16 or float32, bitmask [S, ceil(V / 32)] int32 (xgrammar's token bitmask)  (sampling.cpp)
 void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, at::IntArrayRef rows);

@@ -34,6 +34,7 @@ TORCH_LIBRARY(stageserve, m) {
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, int[] rows) -> ()");
+  m.def("gumbel_argmax(Tensor logits, Tensor temperature, Tensor? cutoff, Tensor seed, Tensor step_index) -> Tensor");
   m.def("has_amx() -> bool", &stageserve::cpu_has_amx);
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("amx_swiglu(Tensor x, Tensor packed) -> Tensor");
@@ -47,6 +48,7 @@ TORCH_LIBRARY_IMPL(stageserve, CPU, m) {
   m.impl("silu_and_mul", &stageserve::silu_and_mul);
   m.impl("argmax_rows", &stageserve::argmax_rows);
   m.impl("apply_token_bitmask_", &stageserve::apply_token_bitmask_);
+  m.impl("gumbel_argmax", &stageserve::gumbel_argmax);
   m.impl("amx_linear", &stageserve::amx_linear);
   m.impl("amx_swiglu", &stageserve::amx_swiglu);
   m.impl("rope_and_cache", &stageserve::rope_and_cache);

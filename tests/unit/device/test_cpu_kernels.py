@@ -183,6 +183,30 @@ def test_argmax_rows_matches_torch_max(dtype, n):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 17, 49152])
+def test_gumbel_argmax_draws_the_tokens_of_the_samplers_torch_ops(dtype, n):
+    """The fused draw against the sampler's own torch ops (scale, clamp, cutoff, counter-based noise,
+    argmax) on 64 rows with random temperatures, seeds (negative ones too: uint64 seeds wrap) and
+    steps, with and without cutoffs: the same token on every row."""
+    from stageserve.device.sampler import _log_exponential_noise
+
+    generator = torch.Generator().manual_seed(n)
+    logits = (torch.randn(64, n, generator=generator) * 3).to(dtype)
+    logits[0] = float("-inf")
+    logits[1, -1] = float("nan")
+    temperature = torch.rand(64, generator=generator) + 0.05
+    seed = torch.randint(-2**62, 2**62, (64,), generator=generator)
+    step_index = torch.randint(0, 10_000, (64,), generator=generator)
+    for cutoff in (None, torch.randn(64, generator=generator)):
+        scaled = (logits.float() / temperature.unsqueeze(1)).clamp_(-torch.finfo(torch.float32).max, torch.finfo(torch.float32).max)
+        if cutoff is not None:
+            scaled.masked_fill_(scaled < cutoff.unsqueeze(1), float("-inf"))
+        expected = (scaled - _log_exponential_noise(seed, step_index, n)).max(-1).indices
+        assert torch.equal(cpu_kernels.gumbel_argmax(logits, temperature, cutoff, seed, step_index), expected)
+
+
+@needs_kernels
 def test_argmax_rows_refuses_other_layouts():
     with pytest.raises(RuntimeError, match="contiguous rows"):
         cpu_kernels.argmax_rows(torch.randn(4, 8).t())
@@ -194,14 +218,14 @@ def test_argmax_rows_refuses_other_layouts():
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n", [7, 49152, 49161])  # a tail of a 16-lane store; the model's vocabulary; a tail word
+@pytest.mark.parametrize("n", [7, 49152, 49161])  # within one store; the model's vocabulary; a part-used last word
 def test_apply_token_bitmask_matches_xgrammar(dtype, n):
     """-inf exactly where xgrammar's own kernel puts it, on the chosen rows only (the others keep
-    their values), for random bitmasks; logits past the mask's ``32 * words`` tokens are kept, as xgrammar."""
+    their values), for random bitmasks whose last word may cover fewer tokens than 32."""
     import xgrammar
 
     generator = torch.Generator().manual_seed(n)
-    words = (min(n, 49152) + 31) // 32
+    words = (n + 31) // 32
     bitmask = torch.randint(-2**31, 2**31 - 1, (6, words), dtype=torch.int32, generator=generator)
     bitmask[4] = -1  # every token allowed
     bitmask[5] = 0  # none
@@ -211,7 +235,7 @@ def test_apply_token_bitmask_matches_xgrammar(dtype, n):
     xgrammar.apply_token_bitmask_inplace(expected, bitmask, indices=rows, backend="cpu")
     cpu_kernels.apply_token_bitmask_(logits, bitmask, rows)
     assert torch.equal(logits, expected)
-    assert torch.isinf(logits[5, : 32 * words]).all() and not torch.isinf(logits[[1, 3, 4]]).any()
+    assert torch.isinf(logits[5]).all() and not torch.isinf(logits[[1, 3, 4]]).any()
 
 
 @needs_kernels
