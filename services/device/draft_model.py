@@ -70,11 +70,14 @@ class DraftModelProposer:
     """Drafts with ``model`` (greedy) over its own KV pool of ``num_blocks`` (+ 1 scratch) blocks of
     ``block_size`` tokens in ``dtype``, on the model's device (see the module docstring).
 
-    ``model`` must share the target's tokenizer (the device checks the vocabulary at start-up).
+    ``model`` must share the target's tokenizer (the device checks it at start-up); its embedding
+    table may be padded to another size than the target's ``vocab_size``: drafts are argmaxes over
+    the ids both have.
     """
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, model: LlamaModel, vocab_size: int, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
         self.model, self.block_size = model, block_size
+        self.vocab_size = min(vocab_size, model.config.vocab_size)
         self.kv_cache = PagedKVCache(model.config, num_blocks + 1, block_size, dtype, model.device)
         self.scratch_slot = num_blocks * block_size  # the first slot of the scratch block
 
@@ -99,17 +102,22 @@ class DraftModelProposer:
         logits = self.model.forward(self._first_pass(history, seq_index, pos, batch, staged), self.kv_cache)  # [Rk, vocab]
         if num_drafts == 0:
             return no_drafts(seq_index.shape[0], seq_index.device)
-        fused = self.model.cpu_kernels
         rows = staged.drafting
         drafts = torch.zeros(seq_index.shape[0], num_drafts, dtype=torch.int64, device=seq_index.device)
-        drafts[rows, 0] = argmax_rows(logits, fused)
+        drafts[rows, 0] = self._argmax(logits)
         blocks, pos = batch.decode_blocks[staged.decode_entry[rows]], pos[rows]  # [Rk, W], [Rk]
         for j, later in enumerate(staged.later_rows, start=1):
             chosen = rows[later]
             entries = decode_batch(drafts[chosen, j - 1], pos[later] + j, blocks[later], self.block_size)
-            drafts[chosen, j] = argmax_rows(self.model.forward(entries, self.kv_cache), fused)
+            drafts[chosen, j] = self._argmax(self.model.forward(entries, self.kv_cache))
         valid = torch.arange(num_drafts, device=seq_index.device) < staged.draft_limit.unsqueeze(1)
         return drafts, valid
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[R]`` int64 greedy drafts from the draft's logits ``[R, draft vocab]``, among the ids the target has."""
+        if logits.shape[1] > self.vocab_size:
+            logits = logits[:, : self.vocab_size].contiguous()
+        return argmax_rows(logits, self.model.cpu_kernels)
 
     def _first_pass(self, history: TokenHistory, seq_index: torch.Tensor, pos: torch.Tensor, batch: ForwardBatch,
                     staged: StagedDraft) -> ForwardBatch:

@@ -273,7 +273,7 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
     saved_bytes = _log_weight_memory(model, dtype) if model is not None else 0
     draft = None
     if args.speculative_method == "draft":
-        draft = _load_draft(args, model_path, config, dtype, backend.device)
+        draft = _load_draft(args, model_path, dtype, backend.device)
         saved_bytes += _log_weight_memory(draft, dtype)
     kv_bytes = _kv_bytes(args, backend.device, saved_bytes)
     num_blocks = num_blocks_for_memory(config, args.block_size, dtype, kv_bytes, draft.config if draft else None)
@@ -354,40 +354,42 @@ def _speculation(args: argparse.Namespace, limits, draft, dtype, device):
     from stageserve.device.speculative import Speculation
 
     if args.speculative_method == "draft":
-        proposer = DraftModelProposer(draft, limits.num_blocks, limits.block_size, dtype)
+        proposer = DraftModelProposer(draft, limits.vocab_size, limits.num_blocks, limits.block_size, dtype)
     else:
         proposer = PROPOSERS[args.speculative_method]()
     return Speculation(proposer, limits.num_speculative_tokens, limits.max_num_seqs, limits.max_model_len, limits.block_size, device)
 
 
-def _load_draft(args: argparse.Namespace, model_path: Path, config, dtype, device):
-    """``--draft-model``, loaded as the target is, after checking that it shares the target's vocabulary.
+def _load_draft(args: argparse.Namespace, model_path: Path, dtype, device):
+    """``--draft-model``, loaded as the target is, after checking that its tokenizer is the target's
+    (the same token -> id map; the embedding tables may be padded to other sizes).
 
     Raises:
         FileNotFoundError: no such path.
-        ModelLoadError: not loadable, or its vocabulary differs from the target's (the message says what to change).
+        ModelLoadError: not loadable, or its tokenizer differs from the target's (the message says what to change).
     """
     from stageserve.device.model_config import ModelLoadError
-    from stageserve.device.weights import load_config
 
     draft_path = resolve_model_path(args.draft_model, "--draft-model")
-    draft_config = load_config(draft_path)
-    problem = None
-    if draft_config.vocab_size != config.vocab_size:
-        problem = f"its vocabulary has {draft_config.vocab_size} tokens, --model's has {config.vocab_size}"
-    elif draft_path.resolve() != model_path.resolve() and _vocabulary(draft_path) != _vocabulary(model_path):
-        problem = "its tokenizer's vocabulary differs from --model's"
-    if problem:
-        raise ModelLoadError(f"--draft-model {draft_path}: {problem}; choose a draft model that shares the target's tokenizer "
-                             "(a smaller model of the same family)")
+    if draft_path.resolve() != model_path.resolve():
+        target, draft = _vocabulary(model_path), _vocabulary(draft_path)
+        if draft != target:
+            differs = f"its tokenizer has {len(draft)} tokens, --model's has {len(target)}" if len(draft) != len(target) else \
+                "its tokenizer gives some tokens other ids than --model's"
+            raise ModelLoadError(f"--draft-model {draft_path}: {differs}; choose a draft model that shares the target's tokenizer "
+                                 "(a smaller model of the same family)")
     return _load_llama(args, draft_path, dtype, device)
 
 
 def _vocabulary(path: Path) -> dict[str, int]:
-    """Token -> id of the tokenizer of the model at ``path``."""
+    """Token -> id of the tokenizer of the model at ``path``. Raises ``ModelLoadError`` where there is none."""
+    from stageserve.device.model_config import ModelLoadError
     from stageserve.tokenizer import load_tokenizer
 
-    return load_tokenizer(path).get_vocab()
+    try:
+        return load_tokenizer(path).get_vocab()
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
 
 
 def _load_model(args: argparse.Namespace, model_path: Path, dtype, backend):

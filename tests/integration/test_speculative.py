@@ -36,13 +36,15 @@ PROMPTS = [REPEAT, "Count from 1 to 15, separated by commas.", "What is the capi
 
 
 # A loaded shared machine can take seconds per step: the comparison is of tokens, never of time.
-pytestmark = pytest.mark.timeout(1800)  # five pipelines start in this module
+pytestmark = pytest.mark.timeout(1800)  # seven pipelines start in this module
 PATIENT = dict(prepare_args=["--stall-timeout", "600"], reclaim_args=["--completion-timeout", "600"])
 
 
-def start(tmp_path_factory, name: str, *device_args: str):
-    """Yield (pipeline, Generation stub); stop the pipeline afterwards."""
-    started = launch(tmp_path_factory, name, device_args=list(device_args), **PATIENT)
+def start(tmp_path_factory, name: str, *device_args: str, model: str = ""):
+    """Yield (pipeline, Generation stub) of ``model`` (default: the embedded one); stop the pipeline afterwards."""
+    model_args = ["--model", model] if model else []
+    started = launch(tmp_path_factory, name, device_args=[*model_args, *device_args], prepare_args=[*PATIENT["prepare_args"], *model_args],
+                     reclaim_args=[*PATIENT["reclaim_args"], *model_args])
     try:
         with grpc.insecure_channel(started.prepare.address) as channel:
             yield started, prepare_pb2_grpc.GenerationStub(channel)
@@ -201,6 +203,23 @@ def test_a_constrained_request_on_a_speculating_device_is_valid_and_never_drafts
     assert results["free"].usage.accepted_tokens > 0
 
 
+def test_a_draft_model_that_is_often_wrong_leaves_the_tokens_exact(tmp_path_factory):
+    """Tiny checkpoints with one tokenizer: the target, and a one-layer draft model of other weights
+    (another path: the device compares the tokenizers and accepts). Drafts get rejected; the tokens
+    are the non-speculative run's, greedy and seeded."""
+    target = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-target"))
+    draft = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-draft"), seed=1, num_layers=1)
+    requests = [prepare_pb2.GenerateRequest(prompt=prompt, max_tokens=32, ignore_eos=True, **fields)
+                for prompt in ("abcabcabc", "Hello, world") for fields in (dict(temperature=0.0), dict(temperature=1.0, seed=5))]
+    results = {}
+    for name, flags in (("plain", []), ("draft", ["--speculative-method", "draft", "--draft-model", str(draft)])):
+        for _, stub in start(tmp_path_factory, f"tiny-{name}", *flags, model=str(target)):
+            results[name] = [stub.Generate(request) for request in requests]
+    assert [list(r.token_ids) for r in results["draft"]] == [list(r.token_ids) for r in results["plain"]]
+    drafted, accepted = (sum(getattr(r.usage, field) for r in results["draft"]) for field in ("draft_tokens", "accepted_tokens"))
+    assert 0 <= accepted < drafted
+
+
 def device_exit(*flags: str) -> tuple[int, list[str]]:
     """Run a device service with ``flags`` until it exits: (exit code, its ERROR log lines)."""
     finished = subprocess.run([sys.executable, "-m", "stageserve", "device", "--port", "0", "--metrics-port", "off", *flags],
@@ -225,4 +244,5 @@ def test_a_draft_model_with_another_vocabulary_exits_with_code_2(tmp_path):
     tiny = write_tiny_checkpoint(tmp_path / "tiny")
     code, errors = device_exit("--model", str(tiny), "--speculative-method", "draft", "--draft-model", str(embedded_model_path()))
     assert code == 2 and len(errors) == 1, errors
-    assert "--draft-model" in errors[0] and "vocabulary has 49152 tokens, --model's has 257" in errors[0] and "shares the target's tokenizer" in errors[0]
+    assert "--draft-model" in errors[0] and "its tokenizer has 49152 tokens, --model's has 257" in errors[0]
+    assert "choose a draft model that shares the target's tokenizer" in errors[0]

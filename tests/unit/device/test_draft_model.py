@@ -43,7 +43,7 @@ def greedy_continuation(model: LlamaModel, prompt: list[int], count: int) -> lis
 
 def test_drafts_are_the_greedy_continuation_and_prompt_positions_are_not_written_again(model):
     expected = greedy_continuation(model, PROMPT, 3 * K + 4)  # the tokens the four steps below emit
-    proposer = DraftModelProposer(model, NUM_BLOCKS, BLOCK_SIZE, torch.float32)
+    proposer = DraftModelProposer(model, model.config.vocab_size, NUM_BLOCKS, BLOCK_SIZE, torch.float32)
     history = TokenHistory(1, 32, CPU)
     seq = torch.tensor([0])
 
