@@ -257,7 +257,7 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
     import torch
 
     from stageserve.device.executor import StepExecutor
-    from stageserve.device.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_memory
+    from stageserve.device.kv_cache import PagedKVCache
     from stageserve.device.sampler import validate_sampling_params
     from stageserve.device.sequence_table import SequenceTable
     from stageserve.device.service import CompletionOutbox, DeviceCore
@@ -271,19 +271,11 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
     dtype = getattr(torch, dtype_name)
     backend, model, config = _load_model(args, model_path, dtype, backend)
     saved_bytes = _log_weight_memory(model, dtype) if model is not None else 0
-    draft = None
-    if args.speculative_method == "draft":
-        draft = _load_draft(args, model_path, dtype, backend.device)
-        saved_bytes += _log_weight_memory(draft, dtype)
-    kv_bytes = _kv_bytes(args, backend.device, saved_bytes)
-    num_blocks = num_blocks_for_memory(config, args.block_size, dtype, kv_bytes, draft.config if draft else None)
-    if num_blocks < 1:
-        raise RuntimeError(f"--kv-cache-memory/--kv-cache-fraction: {kv_bytes} bytes hold no KV block of {args.block_size} tokens; give more memory")
+    draft = _load_draft(args, model_path, dtype, backend.device) if args.speculative_method == "draft" else None
     if draft is not None:
-        log.info("KV memory %.1f MiB holds %d blocks of %d tokens in two pools indexed by the same block ids: the target's %.1f MiB, "
-                 "the draft model's %.1f MiB (+ 1 scratch block)", kv_bytes / 2**20, num_blocks, args.block_size,
-                 num_blocks * bytes_per_block(config, args.block_size, dtype) / 2**20, num_blocks * bytes_per_block(draft.config, args.block_size, dtype) / 2**20)
-    model_len = min(config.max_position_embeddings, draft.config.max_position_embeddings if draft else config.max_position_embeddings)
+        saved_bytes += _log_weight_memory(draft, dtype)
+    num_blocks = _num_blocks(args, config, draft and draft.config, dtype, _kv_bytes(args, backend.device, saved_bytes))
+    model_len = min(c.max_position_embeddings for c in (config, draft and draft.config) if c)
     if args.max_model_len is not None:
         if args.max_model_len > model_len:
             raise RuntimeError(f"--max-model-len {args.max_model_len} exceeds the context of the model{' and draft model' * bool(draft)} ({model_len} tokens)")
@@ -345,6 +337,26 @@ def _grammar_table(model_path: Path, config, device, metrics):
     if metrics is not None:
         metrics.watch_constrained(table.active_count)
     return table
+
+
+def _num_blocks(args: argparse.Namespace, config, draft_config, dtype, kv_bytes: int) -> int:
+    """KV blocks that fit in ``kv_bytes``: the target's pool, and with ``draft_config`` (or ``None``)
+    the draft model's pool of as many blocks beside it (`kv_cache.num_blocks_for_memory`); logs the split.
+
+    Raises:
+        RuntimeError: not even one block fits.
+    """
+    from stageserve.device.kv_cache import bytes_per_block, num_blocks_for_memory
+
+    num_blocks = num_blocks_for_memory(config, args.block_size, dtype, kv_bytes, draft_config)
+    if num_blocks < 1:
+        raise RuntimeError(f"--kv-cache-memory/--kv-cache-fraction: {kv_bytes} bytes hold no KV block of {args.block_size} tokens; give more memory")
+    if draft_config is not None:
+        log.info("KV memory %.1f MiB holds %d blocks of %d tokens in two pools indexed by the same block ids: the target's %.1f MiB, "
+                 "the draft model's %.1f MiB (+ 1 scratch block)", kv_bytes / 2**20, num_blocks, args.block_size,
+                 num_blocks * bytes_per_block(config, args.block_size, dtype) / 2**20,
+                 num_blocks * bytes_per_block(draft_config, args.block_size, dtype) / 2**20)
+    return num_blocks
 
 
 def _speculation(args: argparse.Namespace, limits, draft, dtype, device):

@@ -110,16 +110,20 @@ def test_sampled_output_with_a_seed_equals_the_non_speculative_one(generation, s
 
 
 def test_the_target_as_its_own_draft_model_has_every_greedy_draft_accepted(generation, speculative, method):
-    """``ignore_eos``: no finish falls inside a run, where reclaim would count the drafts after it as
-    drafted but not accepted."""
+    """Each prompt twice: the second time its full prompt blocks come from the prefix cache, where
+    the first request's prefill wrote the draft model's KV too. ``ignore_eos``: no finish falls
+    inside a run, where reclaim would count the drafts after it as drafted but not accepted."""
     if method != "draft":
         pytest.skip("a draft-model property")
     _, stub = speculative
+    request = dict(temperature=0.0, ignore_eos=True, max_tokens=24)
     for prompt in PROMPTS[:2]:
-        request = dict(temperature=0.0, ignore_eos=True, max_tokens=24)
-        expected, result = reference(generation, prompt, **request), generate(stub, prompt, **request)
-        assert list(result.token_ids) == list(expected.token_ids), prompt
-        assert result.usage.draft_tokens == result.usage.accepted_tokens > 0, prompt
+        expected = reference(generation, prompt, **request)
+        results = [generate(stub, prompt, **request) for _ in range(2)]
+        assert results[1].usage.cached_tokens > 0
+        for result in results:
+            assert list(result.token_ids) == list(expected.token_ids), prompt
+            assert result.usage.draft_tokens == result.usage.accepted_tokens > 0, prompt
 
 
 def test_stop_string_stop_token_and_max_tokens_inside_a_run_cut_where_the_plain_run_does(generation, speculative):
