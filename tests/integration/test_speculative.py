@@ -109,17 +109,17 @@ def test_sampled_output_with_a_seed_equals_the_non_speculative_one(generation, s
     assert first.usage.draft_tokens > 0
 
 
-def test_the_target_as_its_own_draft_model_has_every_greedy_draft_accepted(generation, speculative, method):
+def test_the_target_as_its_own_draft_model_has_every_greedy_draft_accepted(generation, method, request):
     """Each prompt twice: the second time its full prompt blocks come from the prefix cache, where
     the first request's prefill wrote the draft model's KV too. ``ignore_eos``: no finish falls
     inside a run, where reclaim would count the drafts after it as drafted but not accepted."""
     if method != "draft":
         pytest.skip("a draft-model property")
-    _, stub = speculative
-    request = dict(temperature=0.0, ignore_eos=True, max_tokens=24)
+    _, stub = request.getfixturevalue("speculative")  # only now: the skip starts no pipeline
+    fields = dict(temperature=0.0, ignore_eos=True, max_tokens=24)
     for prompt in PROMPTS[:2]:
-        expected = reference(generation, prompt, **request)
-        results = [generate(stub, prompt, **request) for _ in range(2)]
+        expected = reference(generation, prompt, **fields)
+        results = [generate(stub, prompt, **fields) for _ in range(2)]
         assert results[1].usage.cached_tokens > 0
         for result in results:
             assert list(result.token_ids) == list(expected.token_ids), prompt
