@@ -256,7 +256,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "npu"])
     parser.add_argument("--dispatch", default="async", choices=["async", "sync"])
     parser.add_argument("--pipeline-depth", type=int, default=2)
-    parser.add_argument("--speculative-method", default="none", choices=["none", "ngram"], help="the device's speculative decoding (docs/speculative.md)")
+    parser.add_argument("--speculative-method", default="none", choices=["none", "ngram", "draft"], help="the device's speculative decoding (docs/speculative.md)")
+    parser.add_argument("--draft-model", default="", metavar="PATH",
+                        help="with --speculative-method draft: GGUF file or Hugging Face directory of a smaller model sharing --model's tokenizer")
     parser.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K", help="drafts per decode row and step, with a --speculative-method")
     parser.add_argument("--trace-dir", type=Path, default=None, metavar="DIR",
                         help="all three services record a Chrome trace from start-up into DIR, written at shutdown "
@@ -299,7 +301,7 @@ def _service_args(args: argparse.Namespace) -> tuple[list[str], list[str], list[
     prepare_metrics, device_metrics, reclaim_metrics = _metrics_ports(args.metrics_port_base)
     device = [*common, "--metrics-port", device_metrics, "--dtype", args.dtype, "--backend", args.backend, "--dispatch", args.dispatch,
               "--pipeline-depth", str(args.pipeline_depth), "--speculative-method", args.speculative_method,
-              "--num-speculative-tokens", str(args.num_speculative_tokens)]
+              "--num-speculative-tokens", str(args.num_speculative_tokens), *(["--draft-model", args.draft_model] if args.draft_model else [])]
     keys = ["--api-keys-file", str(args.api_keys_file)] if args.api_keys_file else []
     return (device, [*common, "--metrics-port", reclaim_metrics],
             [*common, "--metrics-port", prepare_metrics, "--http-port", args.http_port, *keys])
@@ -347,11 +349,16 @@ def run(args: argparse.Namespace) -> int:
     """Start the three services, optionally stream one chat answer, serve until Ctrl-C, SIGTERM or
     SIGHUP (the terminal closed).
 
-    Exit code: 0 after a clean stop, 1 when a service failed to start or exited on its own, 130
-    when interrupted while starting.
+    Exit code: 0 after a clean stop, 1 when a service failed to start or exited on its own, 2 for
+    flags that do not fit together, 130 when interrupted while starting.
     """
     from stageserve import client
+    from stageserve.device.main import speculative_flags_problem
 
+    problem = speculative_flags_problem(args.speculative_method, args.draft_model)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     log_dir = None if args.verbose else (args.log_dir or Path(tempfile.mkdtemp(prefix="stageserve-up-")))
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)

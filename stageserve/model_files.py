@@ -35,17 +35,18 @@ def embedded_model_path() -> Path:
     raise FileNotFoundError(f"no .gguf file found in package {EMBEDDED_DISTRIBUTION!r}; {hint}")
 
 
-def resolve_model_path(model: str | None) -> Path:
-    """Resolve ``--model``: ``None``/empty means the embedded model, else a GGUF file or an HF directory.
+def resolve_model_path(model: str | None, flag: str = "--model") -> Path:
+    """Resolve ``--model`` (or another ``flag`` naming a model): ``None``/empty means the embedded
+    model, else a GGUF file or an HF directory.
 
     Raises:
-        FileNotFoundError: the path does not exist.
+        FileNotFoundError: the path does not exist (the message names ``flag``).
     """
     if not model:
         return embedded_model_path()
     path = Path(model).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"--model {model!r}: no such file or directory (give a .gguf file or a Hugging Face model directory)")
+        raise FileNotFoundError(f"{flag} {model!r}: no such file or directory (give a .gguf file or a Hugging Face model directory)")
     return path
 
 

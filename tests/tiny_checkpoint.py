@@ -16,10 +16,10 @@ EOS = "<|endoftext|>"
 VOCAB_SIZE = 257  # 256 byte tokens + EOS
 
 
-def write_tiny_checkpoint(directory: Path, seed: int = 0) -> Path:
+def write_tiny_checkpoint(directory: Path, seed: int = 0, num_layers: int = 2) -> Path:
     """Write the checkpoint into ``directory`` (created if needed); return ``directory``.
 
-    The model: 2 layers, hidden 64, 4 query heads over 1 KV head (GQA), tied embeddings,
+    The model: ``num_layers`` layers (weights drawn from ``seed``), hidden 64, 4 query heads over 1 KV head (GQA), tied embeddings,
     ``initializer_range`` 0.2 so logits are well separated and greedy choices are stable across
     devices in float32.
     """
@@ -38,7 +38,7 @@ def write_tiny_checkpoint(directory: Path, seed: int = 0) -> Path:
     fast.save_pretrained(directory)
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
                          num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.2,
                          bos_token_id=None, eos_token_id=vocab[EOS], pad_token_id=vocab[EOS])
     LlamaForCausalLM(config).save_pretrained(directory)

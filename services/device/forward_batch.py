@@ -136,6 +136,23 @@ def build_forward_batch(rows: list[BatchRow] | list[tuple], block_size: int, dev
     return batch if torch.device(device).type == "cpu" else batch.to(device)
 
 
+def decode_slots_and_masks(blocks: torch.Tensor, positions: torch.Tensor, block_size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat KV slots ``[E]`` int64 and attention masks ``[E, width]`` bool of single-token entries at
+    ``positions`` ``[E]`` int64, over their block tables ``blocks`` ``[E, W]`` int64; device ops only,
+    no host synchronisation (for positions known on the device alone)."""
+    slots = blocks.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1) * block_size + positions % block_size
+    return slots, torch.arange(width, device=positions.device) <= positions.unsqueeze(1)
+
+
+def decode_batch(input_ids: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor, block_size: int) -> ForwardBatch:
+    """A `ForwardBatch` of single-token rows only, built on the device from device tensors: tokens
+    ``input_ids`` ``[E]`` int64 at ``positions`` ``[E]`` int64 over block tables ``blocks`` ``[E, W]``
+    int64, every row sampling (in order)."""
+    slots, mask = decode_slots_and_masks(blocks, positions, block_size, blocks.shape[1] * block_size)
+    rows = input_ids.shape[0]
+    return ForwardBatch(input_ids, positions, slots, rows, blocks, mask, [], torch.arange(rows, device=input_ids.device))
+
+
 def _pad_tables(tables: list[list[int]], width: int) -> torch.Tensor:
     """Block tables of at most ``width`` blocks -> [rows, width] int64, padded with block 0 (read only under a mask)."""
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)

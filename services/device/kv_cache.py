@@ -72,9 +72,16 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return 2 * config.num_layers * block_size * config.kv_size * dtype.itemsize
 
 
-def num_blocks_for_memory(config: ModelConfig, block_size: int, dtype: torch.dtype, memory_bytes: int) -> int:
-    """How many whole blocks fit in ``memory_bytes`` (0 when not even one does)."""
-    return max(0, memory_bytes // bytes_per_block(config, block_size, dtype))
+def num_blocks_for_memory(config: ModelConfig, block_size: int, dtype: torch.dtype, memory_bytes: int, draft: ModelConfig | None = None) -> int:
+    """How many whole blocks fit in ``memory_bytes`` (0 when not even one does).
+
+    With a ``draft`` model (speculative decoding, `draft_model`): blocks of both pools, which have
+    the same block count, the draft's holding one more (its scratch block).
+    """
+    if draft is None:
+        return max(0, memory_bytes // bytes_per_block(config, block_size, dtype))
+    per_draft = bytes_per_block(draft, block_size, dtype)
+    return max(0, (memory_bytes - per_draft) // (bytes_per_block(config, block_size, dtype) + per_draft))
 
 
 def available_memory_bytes(device: torch.device | str) -> int:

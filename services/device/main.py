@@ -24,7 +24,8 @@ DEFAULT_PORT = 50052
 DEFAULT_METRICS_PORT = 9102
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("auto", "dequantize", "int8", "int4")  # the same as stageserve.device.quant.WEIGHT_FORMATS, which imports torch
-PROPOSER_NAMES = ("ngram",)  # the keys of stageserve.device.proposer.PROPOSERS, which imports torch
+# ngram: stageserve.device.proposer.PROPOSERS; draft: stageserve.device.draft_model (both import torch)
+PROPOSER_NAMES = ("ngram", "draft")
 CPU_DEFAULT_KV_BYTES = 512 * 1024**2
 ACCELERATOR_DEFAULT_KV_FRACTION = 0.85
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -61,7 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dispatch", choices=("async", "sync"), default="async", help="async: submit without waiting; sync: wait each step before the next (for comparison)")
     spec = parser.add_argument_group("speculative decoding (docs/speculative.md)")
     spec.add_argument("--speculative-method", choices=("none", *PROPOSER_NAMES), default="none",
-                      help="ngram: prompt lookup, drafts copied from the sequence's own prompt and output (default %(default)s)")
+                      help="ngram: prompt lookup, drafts copied from the sequence's own prompt and output; "
+                           "draft: a smaller model (--draft-model) drafts greedily (default %(default)s)")
+    spec.add_argument("--draft-model", default=None, metavar="PATH",
+                      help="with --speculative-method draft: GGUF file or Hugging Face directory of a smaller model sharing --model's tokenizer, "
+                           "loaded as --model is (--dtype, --weights); its KV pool shares the KV memory")
     spec.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K", help="drafts per decode row and step at most, with a --speculative-method (default %(default)s)")
     parser.add_argument("--pipeline-depth", type=int, default=2, metavar="N", help="output slots = steps in flight at most (default %(default)s)")
     kv = parser.add_mutually_exclusive_group()
@@ -208,8 +213,21 @@ def _check_flags(args: argparse.Namespace) -> str | None:
         return f"--num-speculative-tokens must be at least 1 with --speculative-method {args.speculative_method}, got {args.num_speculative_tokens}"
     if args.speculative_method != "none" and args.backend == "sim":
         return "--speculative-method needs a model: the sim backend samples without one; choose --backend cpu, cuda or npu"
+    problem = speculative_flags_problem(args.speculative_method, args.draft_model)
+    if problem:
+        return problem
     if args.kv_cache_fraction is not None and not 0.0 < args.kv_cache_fraction <= 1.0:
         return f"--kv-cache-fraction must be in (0, 1], got {args.kv_cache_fraction}"
+    return None
+
+
+def speculative_flags_problem(method: str, draft_model: str | None) -> str | None:
+    """What is wrong with ``--speculative-method`` and ``--draft-model`` together (a message saying
+    what to change), ``None`` when they fit; ``stageserve up`` checks its own flags with it too."""
+    if method == "draft" and not draft_model:
+        return "--speculative-method draft needs --draft-model PATH: a smaller GGUF file or Hugging Face directory sharing --model's tokenizer"
+    if draft_model and method != "draft":
+        return f"--draft-model is used only by --speculative-method draft (got {method}); add --speculative-method draft or drop --draft-model"
     return None
 
 
@@ -239,13 +257,11 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
     import torch
 
     from stageserve.device.executor import StepExecutor
-    from stageserve.device.kv_cache import PagedKVCache, num_blocks_for_memory
+    from stageserve.device.kv_cache import PagedKVCache
     from stageserve.device.sampler import validate_sampling_params
     from stageserve.device.sequence_table import SequenceTable
     from stageserve.device.service import CompletionOutbox, DeviceCore
-    from stageserve.device.proposer import PROPOSERS
     from stageserve.device.sim import SimStepRunner
-    from stageserve.device.speculative import Speculation
     from stageserve.device.step_plan import PlanLimits
     from stageserve.device.step_runner import ModelStepRunner
     from stageserve.sampling_rules import MAX_LOGPROBS
@@ -255,14 +271,14 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
     dtype = getattr(torch, dtype_name)
     backend, model, config = _load_model(args, model_path, dtype, backend)
     saved_bytes = _log_weight_memory(model, dtype) if model is not None else 0
-    kv_bytes = _kv_bytes(args, backend.device, saved_bytes)
-    num_blocks = num_blocks_for_memory(config, args.block_size, dtype, kv_bytes)
-    if num_blocks < 1:
-        raise RuntimeError(f"--kv-cache-memory/--kv-cache-fraction: {kv_bytes} bytes hold no KV block of {args.block_size} tokens; give more memory")
-    model_len = config.max_position_embeddings
+    draft = _load_draft(args, model_path, dtype, backend.device) if args.speculative_method == "draft" else None
+    if draft is not None:
+        saved_bytes += _log_weight_memory(draft, dtype)
+    num_blocks = _num_blocks(args, config, draft and draft.config, dtype, _kv_bytes(args, backend.device, saved_bytes))
+    model_len = min(c.max_position_embeddings for c in (config, draft and draft.config) if c)
     if args.max_model_len is not None:
         if args.max_model_len > model_len:
-            raise RuntimeError(f"--max-model-len {args.max_model_len} exceeds the model's context of {model_len} tokens")
+            raise RuntimeError(f"--max-model-len {args.max_model_len} exceeds the context of the model{' and draft model' * bool(draft)} ({model_len} tokens)")
         model_len = args.max_model_len
     table = SequenceTable(args.max_num_seqs, config.vocab_size, args.block_size, backend.device)
     num_drafts = args.num_speculative_tokens if args.speculative_method != "none" else 0
@@ -280,9 +296,7 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
         runner = SimStepRunner(args.sim_step_ms / 1e3, args.sim_token_us / 1e6, config.vocab_size, config.eos_token_ids)
     else:
         grammar = _grammar_table(model_path, config, backend.device, metrics)
-        speculation = None
-        if num_drafts:
-            speculation = Speculation(PROPOSERS[args.speculative_method](), num_drafts, args.max_num_seqs, limits.max_model_len, args.block_size, backend.device)
+        speculation = _speculation(args, limits, draft, dtype, backend.device) if num_drafts else None
         runner = ModelStepRunner(model, PagedKVCache(config, num_blocks, args.block_size, dtype, backend.device), table, grammar, speculation)
     outbox = CompletionOutbox()
     on_ticket, on_output = outbox.push_ticket, outbox.push_output
@@ -325,12 +339,74 @@ def _grammar_table(model_path: Path, config, device, metrics):
     return table
 
 
+def _num_blocks(args: argparse.Namespace, config, draft_config, dtype, kv_bytes: int) -> int:
+    """KV blocks that fit in ``kv_bytes``: the target's pool, and with ``draft_config`` (or ``None``)
+    the draft model's pool of as many blocks beside it (`kv_cache.num_blocks_for_memory`); logs the split.
+
+    Raises:
+        RuntimeError: not even one block fits.
+    """
+    from stageserve.device.kv_cache import bytes_per_block, num_blocks_for_memory
+
+    num_blocks = num_blocks_for_memory(config, args.block_size, dtype, kv_bytes, draft_config)
+    if num_blocks < 1:
+        raise RuntimeError(f"--kv-cache-memory/--kv-cache-fraction: {kv_bytes} bytes hold no KV block of {args.block_size} tokens; give more memory")
+    if draft_config is not None:
+        log.info("KV memory %.1f MiB holds %d blocks of %d tokens in two pools indexed by the same block ids: the target's %.1f MiB, "
+                 "the draft model's %.1f MiB (+ 1 scratch block)", kv_bytes / 2**20, num_blocks, args.block_size,
+                 num_blocks * bytes_per_block(config, args.block_size, dtype) / 2**20,
+                 num_blocks * bytes_per_block(draft_config, args.block_size, dtype) / 2**20)
+    return num_blocks
+
+
+def _speculation(args: argparse.Namespace, limits, draft, dtype, device):
+    """The device's `Speculation` for ``--speculative-method`` (``draft``: over the loaded ``draft`` model)."""
+    from stageserve.device.draft_model import DraftModelProposer
+    from stageserve.device.proposer import PROPOSERS
+    from stageserve.device.speculative import Speculation
+
+    if args.speculative_method == "draft":
+        proposer = DraftModelProposer(draft, limits.vocab_size, limits.num_blocks, limits.block_size, dtype)
+    else:
+        proposer = PROPOSERS[args.speculative_method]()
+    return Speculation(proposer, limits.num_speculative_tokens, limits.max_num_seqs, limits.max_model_len, limits.block_size, device)
+
+
+def _load_draft(args: argparse.Namespace, model_path: Path, dtype, device):
+    """``--draft-model``, loaded as the target is, after checking that its tokenizer is the target's
+    (the same token -> id map; the embedding tables may be padded to other sizes).
+
+    Raises:
+        FileNotFoundError: no such path.
+        ModelLoadError: not loadable, or its tokenizer differs from the target's (the message says what to change).
+    """
+    from stageserve.device.model_config import ModelLoadError
+
+    draft_path = resolve_model_path(args.draft_model, "--draft-model")
+    if draft_path.resolve() != model_path.resolve():
+        target, draft = _vocabulary(model_path), _vocabulary(draft_path)
+        if draft != target:
+            differs = f"its tokenizer has {len(draft)} tokens, --model's has {len(target)}" if len(draft) != len(target) else \
+                "its tokenizer gives some tokens other ids than --model's"
+            raise ModelLoadError(f"--draft-model {draft_path}: {differs}; choose a draft model that shares the target's tokenizer "
+                                 "(a smaller model of the same family)")
+    return _load_llama(args, draft_path, dtype, device)
+
+
+def _vocabulary(path: Path) -> dict[str, int]:
+    """Token -> id of the tokenizer of the model at ``path``. Raises ``ModelLoadError`` where there is none."""
+    from stageserve.device.model_config import ModelLoadError
+    from stageserve.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(path).get_vocab()
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
+
+
 def _load_model(args: argparse.Namespace, model_path: Path, dtype, backend):
     """(backend, model, model config) for ``--backend``: the sim has no model, only the config."""
-    import torch
-
     from stageserve.device.backends import create_backend
-    from stageserve.device.model import LlamaModel
     from stageserve.device.sim import SimBackend
     from stageserve.device.weights import load_config
 
@@ -338,17 +414,27 @@ def _load_model(args: argparse.Namespace, model_path: Path, dtype, backend):
         log.info("simulated device: %s's config, no weights; %g ms per step + %g us per token", model_path.name, args.sim_step_ms, args.sim_token_us)
         return SimBackend(), None, load_config(model_path)
     backend = backend or create_backend(args.backend, args.threads)
-    log.info("loading %s as %s on %s", model_path, str(dtype).removeprefix("torch."), backend.device)
+    model = _load_llama(args, model_path, dtype, backend.device)
+    return backend, model, model.config
+
+
+def _load_llama(args: argparse.Namespace, path: Path, dtype, device):
+    """The `LlamaModel` at ``path`` on ``device``, with the flags' weight format and kernels (``--model`` and ``--draft-model`` alike)."""
+    import torch
+
+    from stageserve.device.model import LlamaModel
+
+    log.info("loading %s as %s on %s", path, str(dtype).removeprefix("torch."), device)
     weight_format = args.weights
     if weight_format == "auto" and dtype != torch.bfloat16:
         # torch's int4/int8 CPU kernels are fast with bfloat16 input only (float32: ~9 ms per 576x576 int4 row, measured)
         log.info("--weights auto: %s activations keep every weight dense (the quantized kernels need bfloat16)", str(dtype).removeprefix("torch."))
         weight_format = "dequantize"
-    model = LlamaModel.from_path(model_path, dtype, backend.device, cpu_kernels_allowed=not args.no_cpu_kernels, amx_allowed=not args.no_amx_linears,
+    model = LlamaModel.from_path(path, dtype, device, cpu_kernels_allowed=not args.no_cpu_kernels, amx_allowed=not args.no_amx_linears,
                                  weight_format=weight_format, dense_copy=not args.no_dense_copy)
     log.info("layers run %s%s", "with the fused CPU kernels" if model.cpu_kernels else "in plain torch ops",
              ", decode-sized linears on AMX" if model.amx_linears else "")
-    return backend, model, model.config
+    return model
 
 
 def _kv_bytes(args: argparse.Namespace, device, saved_bytes: int = 0) -> int:

@@ -5,19 +5,22 @@ the target's forward pass, and reads only device-resident state: `TokenHistory` 
 sequence's prompt and output tokens as the device itself produced them, so it is exact even while
 the host does not know yet how many drafts the step in flight accepted.
 
-`Proposer` is the interface; `NgramProposer` (prompt lookup, no extra model) is the one there is.
-A model-provided head (MTP, EAGLE) would implement the same ``propose`` and would additionally
-need the target's hidden states of the accepted positions of the previous step (see
+`Proposer` is the interface; `NgramProposer` (prompt lookup, no extra model) implements it here,
+`draft_model.DraftModelProposer` (a smaller model with its own paged KV) in its own module. A
+model-provided head (MTP, EAGLE) would implement the same ``stage`` and ``propose`` and would
+additionally need the target's hidden states of the accepted positions of the previous step (see
 docs/speculative.md).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from stageserve.device.backends import to_device
+from stageserve.device.forward_batch import ForwardBatch
 from stageserve.device.step_plan import StartedSequence
 
 
@@ -68,18 +71,63 @@ class TokenHistory:
         self.prompt_len[seq_index] = lengths
 
 
+@dataclass(frozen=True)
+class StepLayout:
+    """Where a step's rows sit in its forward batch (host lists, known at submit time).
+
+    Attributes:
+        decode_entry: per decode row, the batch index of its first entry (the pending token; its
+            ``k`` drafts' entries follow it).
+        draft_limit: per decode row, the drafts it asks for (``k``).
+        plain_single: batch indices of the single-token rows that are not decode rows (a prefill
+            chunk of one token); the batch's rows past ``num_decode`` are the longer prefill chunks.
+    """
+
+    decode_entry: list[int]
+    draft_limit: list[int]
+    plain_single: list[int]
+
+
+@dataclass(frozen=True)
+class ProposalStep:
+    """The step a proposer drafts in, on the device.
+
+    Attributes:
+        batch: the target's forward batch as staged: prefill rows final, decode entries not yet
+            corrected (their tokens are placeholders and their positions upper bounds).
+        staged: what the proposer's ``stage`` returned for this step.
+    """
+
+    batch: ForwardBatch
+    staged: object
+
+
 class Proposer(Protocol):
     """Proposes up to ``num_drafts`` tokens for each of a step's decode rows, on the device."""
 
-    def propose(self, history: TokenHistory, seq_index: torch.Tensor, num_drafts: int, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def stage(self, layout: StepLayout) -> object:
+        """Upload what ``propose`` will need for this step (host, submit time); ``None`` if nothing."""
+        ...
+
+    def propose(self, history: TokenHistory, seq_index: torch.Tensor, num_drafts: int, max_length: int,
+                step: ProposalStep | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts for the sequences ``seq_index`` ``[R]`` int64, given their tokens so far.
 
+        Called in every step that has rows, also when no row drafts (``num_drafts`` 0), so a
+        proposer with state of its own (a draft model's KV) can follow every sequence's tokens.
         ``max_length`` bounds ``history.length[seq_index]`` (host-known: the plan's positions), so
-        the proposer reads ``history.tokens[:, :max_length]`` only. Returns ``(draft_ids, valid)``,
-        both ``[R, num_drafts]`` (int64 ids in the vocabulary; bool): draft ``j`` of row ``r`` is a
-        proposal only where ``valid[r, j]`` (and then every earlier one of the row is too).
+        the proposer reads ``history.tokens[:, :max_length]`` only. ``step``: the step's forward
+        batch and staged inputs (``None`` outside a step, where a proposer needs none). Returns
+        ``(draft_ids, valid)``, both ``[R, num_drafts]`` (int64 ids in the vocabulary; bool): draft
+        ``j`` of row ``r`` is a proposal only where ``valid[r, j]`` (and then every earlier one of
+        the row is too).
         """
         ...
+
+
+def no_drafts(rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(draft_ids, valid)`` of ``rows`` rows that propose nothing: ``[rows, 0]`` int64 and bool."""
+    return torch.zeros(rows, 0, dtype=torch.int64, device=device), torch.zeros(rows, 0, dtype=torch.bool, device=device)
 
 
 class NgramProposer:
@@ -97,8 +145,15 @@ class NgramProposer:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, history: TokenHistory, seq_index: torch.Tensor, num_drafts: int, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """See `Proposer.propose`."""
+    def stage(self, layout: StepLayout) -> None:
+        """Nothing to upload: the history is all the lookup reads."""
+        return None
+
+    def propose(self, history: TokenHistory, seq_index: torch.Tensor, num_drafts: int, max_length: int,
+                step: ProposalStep | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """See `Proposer.propose` (``step`` is not used)."""
+        if num_drafts == 0:
+            return no_drafts(seq_index.shape[0], seq_index.device)
         width = min(max_length, history.width)
         tokens = history.tokens[seq_index, :width]  # [R, W]
         length = history.length[seq_index]  # [R]
@@ -124,4 +179,5 @@ class NgramProposer:
 
 
 PROPOSERS = {"ngram": NgramProposer}
-"""``--speculative-method`` name -> proposer class (constructed without arguments)."""
+"""``--speculative-method`` name -> proposer class constructed without arguments (``draft`` needs
+its model: `draft_model.DraftModelProposer`)."""

@@ -27,8 +27,9 @@ removed. Drawing the target's token ``y ~ p`` (independent noise per output inde
 iff ``y == d`` is that rule: ``P(accept) = p(d)``, and on rejection ``y`` is distributed as ``p``
 conditioned on ``y != d``. Because the noise depends only on (seed, output index), the emitted
 tokens are exactly those the non-speculative run draws with the same seed, at any temperature
-(temperature 0: the argmax). A proposer with a proper draft distribution (a draft model) needs the
-general rule instead; see docs/speculative.md.
+(temperature 0: the argmax). Both proposers draft point masses (the draft model its argmax); one
+with a proper draft distribution (sampled drafts, an MTP head's ``q``) needs the general rule
+instead; see docs/speculative.md.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from itertools import accumulate
 import torch
 
 from stageserve.device.backends import to_device
-from stageserve.device.forward_batch import ForwardBatch
-from stageserve.device.proposer import Proposer, TokenHistory
+from stageserve.device.forward_batch import ForwardBatch, decode_slots_and_masks
+from stageserve.device.proposer import ProposalStep, Proposer, StepLayout, TokenHistory
 from stageserve.device.step_plan import AdmittedStep
 
 PLACEHOLDER = -1
@@ -75,6 +76,7 @@ class StagedSpeculation:
         sample_seq: ``[S]`` seq_index of each sampling entry (logits row order).
         row_seq: ``[Rs]`` seq_index of each sampling row; ``row_entries``: ``[Rs, 1 + K]`` its
             entries (indices into S), padded with its last one.
+        proposer_inputs: what the proposer staged for the step (`Proposer.stage`).
     """
 
     entry_index: torch.Tensor
@@ -88,6 +90,7 @@ class StagedSpeculation:
     sample_seq: torch.Tensor
     row_seq: torch.Tensor
     row_entries: torch.Tensor
+    proposer_inputs: object = None
 
 
 @dataclass
@@ -123,7 +126,7 @@ class Speculation:
         rows: list[tuple] = []
         entry_index, entry_row, entry_offset = [], [], []
         decode_seq, draft_limit, decode_sample_row, max_length = [], [], [], 0
-        sample_seq, row_seq, row_entries = [], [], []
+        sample_seq, row_seq, row_entries, plain_single = [], [], [], []
         single = 0  # single-token rows so far: the forward batch puts them first, in row order
         for seq, n, end, start, table, sample in zip(step.seq_index, step.num_tokens, accumulate(step.num_tokens),
                                                      step.start_pos, admitted.block_tables, step.sample):
@@ -142,13 +145,17 @@ class Speculation:
                 entries = list(range(len(sample_seq), len(sample_seq) + n))
             else:
                 rows.append((tokens, start, table, sample))
-                single += n == 1
+                if n == 1:
+                    plain_single.append(single)
+                    single += 1
                 entries = [len(sample_seq)] if sample else []
             if entries:
                 row_seq.append(seq)
                 sample_seq += [seq] * len(entries)
                 row_entries.append(entries)
         width = 1 + max(draft_limit, default=0)
+        decode_entry = [index for index, offset in zip(entry_index, entry_offset) if offset == 0]
+        proposer_inputs = self.proposer.stage(StepLayout(decode_entry, draft_limit, plain_single))
         padded = [entries + [entries[-1]] * (width - len(entries)) for entries in row_entries]
         device = self.device
 
@@ -159,7 +166,7 @@ class Speculation:
             entry_index=up(entry_index), entry_row=up(entry_row), entry_offset=up(entry_offset),
             decode_seq=up(decode_seq), draft_limit=up(draft_limit), decode_sample_row=up(decode_sample_row),
             num_drafts=width - 1, max_length=max_length, sample_seq=up(sample_seq), row_seq=up(row_seq),
-            row_entries=up(padded) if padded else up([]).view(0, width),
+            row_entries=up(padded) if padded else up([]).view(0, width), proposer_inputs=proposer_inputs,
         )
 
     def fill_inputs(self, staged: StagedSpeculation, batch: ForwardBatch, last_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,12 +177,8 @@ class Speculation:
         Returns the decode rows' ``(draft_ids, valid)``, ``[Rd, K]``.
         """
         seq, k = staged.decode_seq, staged.num_drafts
-        if k:
-            drafts, valid = self.proposer.propose(self.history, seq, k, staged.max_length)
-            valid &= torch.arange(k, device=seq.device) < staged.draft_limit.unsqueeze(1)
-        else:
-            drafts = torch.zeros(seq.shape[0], 0, dtype=torch.int64, device=seq.device)
-            valid = torch.zeros(seq.shape[0], 0, dtype=torch.bool, device=seq.device)
+        drafts, valid = self.proposer.propose(self.history, seq, k, staged.max_length, ProposalStep(batch, staged.proposer_inputs))
+        valid &= torch.arange(k, device=seq.device) < staged.draft_limit.unsqueeze(1)
         if staged.entry_index.numel() == 0:
             return drafts, valid
         inputs = torch.cat([last_token[seq].unsqueeze(1), drafts], dim=1)  # [Rd, 1 + K]
@@ -185,10 +188,8 @@ class Speculation:
         # broken plan inside the row's block table).
         position = torch.minimum((self.history.length[seq] - 1)[row] + offset, batch.positions[index])
         batch.positions[index] = position
-        block_size = self.block_size
-        blocks = batch.decode_blocks[index]  # [E, W]
-        batch.slot_mapping[index] = blocks.gather(1, (position // block_size).unsqueeze(1)).squeeze(1) * block_size + position % block_size
-        batch.decode_mask[index] = torch.arange(batch.decode_mask.shape[1], device=position.device) <= position.unsqueeze(1)
+        batch.slot_mapping[index], batch.decode_mask[index] = decode_slots_and_masks(
+            batch.decode_blocks[index], position, self.block_size, batch.decode_mask.shape[1])
         return drafts, valid
 
     def output_index(self, staged: StagedSpeculation, batch: ForwardBatch) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """`compare_speculative`: n-gram speculative decoding (``--num-speculative-tokens`` K for each K
-given) against none, on two workloads, all sides up together and run alternately (``--repeats``).
+given), and with ``--draft-model`` draft-model speculative decoding at each K too, against none,
+on two workloads, all sides up together and run alternately (``--repeats``).
 
 - **input-grounded**: each request asks the model to repeat a given passage (n-gram lookup finds
   the continuation in the prompt), greedy, ending at EOS or ``output_len``;
@@ -68,9 +69,17 @@ def _acceptance(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     return rates
 
 
-def compare_speculative(common: Common, streams: list[int], num_tokens: list[int]) -> str:
-    """No speculation against ``ngram`` with each K in ``num_tokens``, at each stream count, on both
-    workloads (module docstring); returns Markdown."""
+def speculative_sides(num_tokens: list[int], draft_model: Path | None) -> list[tuple[str, list[str]]]:
+    """(side name, ``stageserve device`` flags) of each speculating side: ``ngram`` at each K, then,
+    with ``draft_model``, ``draft`` at each K."""
+    methods = [("ngram", [])] + ([("draft", ["--draft-model", str(draft_model)])] if draft_model else [])
+    return [(f"{method} K={k}", ["--speculative-method", method, *extra, "--num-speculative-tokens", str(k)])
+            for method, extra in methods for k in num_tokens]
+
+
+def compare_speculative(common: Common, streams: list[int], num_tokens: list[int], draft_model: Path | None = None) -> str:
+    """No speculation against ``ngram`` (and, with ``draft_model``, ``draft``) with each K in
+    ``num_tokens``, at each stream count, on both workloads (module docstring); returns Markdown."""
     tokenize = local_tokenize(common.model_path)
     workloads = {
         "input-grounded": Workload(grounded_prompts(), Shape(output_len=common.output_len, ignore_eos=False), common.seed, tokenize),
@@ -81,9 +90,8 @@ def compare_speculative(common: Common, streams: list[int], num_tokens: list[int
         sides: list[ServicesSide] = []
         try:
             sides.append(ServicesSide(OFF, Path(tmp), common.model_path, common.model_device_args()))
-            for k in num_tokens:
-                args = [*common.model_device_args(), "--speculative-method", "ngram", "--num-speculative-tokens", str(k)]
-                sides.append(ServicesSide(f"ngram K={k}", Path(tmp), common.model_path, args))
+            for name, flags in speculative_sides(num_tokens, draft_model):
+                sides.append(ServicesSide(name, Path(tmp), common.model_path, [*common.model_device_args(), *flags]))
             for side in sides:  # warm-up: the first steps of a shape build the kernels' plans
                 side.run(workloads["open-ended"], Load(streams=2, requests=2), progress=False)
             for _ in range(common.repeats):

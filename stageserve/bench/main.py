@@ -14,8 +14,9 @@ themselves, on the embedded model unless ``--model`` says otherwise:
   multi-turn chat against llama-server too, no shared prefix);
 - ``stageserve bench compare-structured``: every request constrained by a JSON schema against the
   same prompts unconstrained, plus the time to compile a new and a cached schema;
-- ``stageserve bench compare-speculative``: n-gram speculative decoding against none (input-grounded
-  and open-ended workloads): tokens/s, ITL, acceptance per position.
+- ``stageserve bench compare-speculative``: n-gram (with ``--draft-model``: and draft-model)
+  speculative decoding against none (input-grounded and open-ended workloads): tokens/s, ITL,
+  acceptance per position.
 """
 
 from __future__ import annotations
@@ -76,9 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     structured.add_argument("--streams", type=int, default=32, dest="compare_streams", help="concurrent streams (default %(default)s)")
     structured.add_argument("--json-schema", type=Path, default=None, dest="compare_schema", metavar="FILE",
                             help="the constrained side's JSON schema (default: a mid-sized record schema repeated beyond --output-len)")
-    spec = _comparison(sub, "compare-speculative", "n-gram speculative decoding against none: tokens/s, ITL p50, acceptance rate")
+    spec = _comparison(sub, "compare-speculative", "n-gram (and draft-model) speculative decoding against none: tokens/s, ITL p50, acceptance rate")
     spec.add_argument("--streams", type=int, nargs="+", default=[1, 8], dest="compare_streams", help="stream counts (default 1 8)")
     spec.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[3, 5], metavar="K", help="K values to run (default 3 5)")
+    spec.add_argument("--draft-model", type=Path, default=None, metavar="PATH",
+                      help="also run --speculative-method draft with this draft model (GGUF or Hugging Face directory sharing --model's tokenizer) at each K")
     sweep.add_argument("--plot", type=Path, default=Path("docs/benchmarks-concurrency.png"), help="PNG path (default %(default)s)")
 
 
@@ -221,7 +224,7 @@ def _run_comparison(args: argparse.Namespace) -> str:
     if args.comparison == "compare-speculative":
         from stageserve.bench.compare_speculative import compare_speculative
 
-        return compare_speculative(common, args.compare_streams, args.num_speculative_tokens)
+        return compare_speculative(common, args.compare_streams, args.num_speculative_tokens, args.draft_model)
     if args.comparison == "compare-peers":
         return compare.compare_peers(common, args.compare_streams)
     if args.comparison == "compare-weights":

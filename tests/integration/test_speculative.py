@@ -1,4 +1,5 @@
-"""Speculative decoding (n-gram prompt lookup) end to end, through three real service processes.
+"""Speculative decoding end to end, through three real service processes, with each proposer:
+n-gram prompt lookup, and a draft model (the target itself, so that every greedy draft is right).
 
 The reference is a pipeline without speculation: with the same request (and seed) the
 speculative pipeline must return the same tokens, at temperature 0 and above (the verification
@@ -8,31 +9,42 @@ token. Speculation must also actually happen: the repetitive prompts get drafts 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import grpc
 import pytest
 
+from stageserve.model_files import embedded_model_path
 from stageserve.v1 import prepare_pb2, prepare_pb2_grpc
+
+from tests.tiny_checkpoint import write_tiny_checkpoint
 
 from .conftest import launch
 from .test_generation_api import ABORT, chat, collect, wait_kv_all_free
 from .test_observability import metric, scrape
 
-SPECULATIVE = ["--speculative-method", "ngram", "--num-speculative-tokens", "3"]
+METHODS = {
+    "ngram": ["--speculative-method", "ngram", "--num-speculative-tokens", "3"],
+    # The target as its own draft model: a draft is the target's greedy token, so at temperature 0 all are accepted.
+    "draft": ["--speculative-method", "draft", "--draft-model", str(embedded_model_path()), "--num-speculative-tokens", "3"],
+}
 PASSAGE = "The quick brown fox jumps over the lazy dog near the quiet river bank."
 REPEAT = f"Repeat this sentence exactly, twice: {PASSAGE}"
 PROMPTS = [REPEAT, "Count from 1 to 15, separated by commas.", "What is the capital of France?"]
 
 
 # A loaded shared machine can take seconds per step: the comparison is of tokens, never of time.
-pytestmark = pytest.mark.timeout(1800)  # three pipelines start in this module
+pytestmark = pytest.mark.timeout(1800)  # seven pipelines start in this module
 PATIENT = dict(prepare_args=["--stall-timeout", "600"], reclaim_args=["--completion-timeout", "600"])
 
 
-def start(tmp_path_factory, name: str, *device_args: str):
-    """Yield (pipeline, Generation stub); stop the pipeline afterwards."""
-    started = launch(tmp_path_factory, name, device_args=list(device_args), **PATIENT)
+def start(tmp_path_factory, name: str, *device_args: str, model: str = ""):
+    """Yield (pipeline, Generation stub) of ``model`` (default: the embedded one); stop the pipeline afterwards."""
+    model_args = ["--model", model] if model else []
+    started = launch(tmp_path_factory, name, device_args=[*model_args, *device_args], prepare_args=[*PATIENT["prepare_args"], *model_args],
+                     reclaim_args=[*PATIENT["reclaim_args"], *model_args])
     try:
         with grpc.insecure_channel(started.prepare.address) as channel:
             yield started, prepare_pb2_grpc.GenerationStub(channel)
@@ -40,10 +52,16 @@ def start(tmp_path_factory, name: str, *device_args: str):
         started.stop()
 
 
+@pytest.fixture(scope="module", params=list(METHODS))
+def method(request) -> str:
+    """The proposer the speculative pipeline runs (each test using it runs once per method)."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def speculative(tmp_path_factory):
-    """(pipeline, Generation stub) with n-gram speculation, async dispatch."""
-    yield from start(tmp_path_factory, "speculative-async", *SPECULATIVE)
+def speculative(tmp_path_factory, method):
+    """(pipeline, Generation stub) speculating with ``method``, async dispatch."""
+    yield from start(tmp_path_factory, f"speculative-{method}-async", *METHODS[method])
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +100,30 @@ def test_greedy_output_equals_the_non_speculative_one_and_drafts_are_accepted(ge
     assert accepted[REPEAT] >= 5, accepted  # the passage is copied from the prompt
 
 
-def test_sampled_output_with_a_seed_equals_the_non_speculative_one(generation, speculative):
+@pytest.mark.parametrize("request_fields", [dict(temperature=0.8, top_p=0.95, seed=1234), dict(temperature=1.0, seed=77)], ids=["t0.8", "t1.0"])
+def test_sampled_output_with_a_seed_equals_the_non_speculative_one(generation, speculative, request_fields):
     _, stub = speculative
-    request = dict(temperature=0.8, top_p=0.95, seed=1234)
-    expected, first, second = reference(generation, PROMPTS[1], **request), generate(stub, PROMPTS[1], **request), generate(stub, PROMPTS[1], **request)
+    expected = reference(generation, PROMPTS[1], **request_fields)
+    first, second = generate(stub, PROMPTS[1], **request_fields), generate(stub, PROMPTS[1], **request_fields)
     assert list(first.token_ids) == list(second.token_ids) == list(expected.token_ids)
+    assert first.usage.draft_tokens > 0
+
+
+def test_the_target_as_its_own_draft_model_has_every_greedy_draft_accepted(generation, method, request):
+    """Each prompt twice: the second time its full prompt blocks come from the prefix cache, where
+    the first request's prefill wrote the draft model's KV too. ``ignore_eos``: no finish falls
+    inside a run, where reclaim would count the drafts after it as drafted but not accepted."""
+    if method != "draft":
+        pytest.skip("a draft-model property")
+    _, stub = request.getfixturevalue("speculative")  # only now: the skip starts no pipeline
+    fields = dict(temperature=0.0, ignore_eos=True, max_tokens=24)
+    for prompt in PROMPTS[:2]:
+        expected = reference(generation, prompt, **fields)
+        results = [generate(stub, prompt, **fields) for _ in range(2)]
+        assert results[1].usage.cached_tokens > 0
+        for result in results:
+            assert list(result.token_ids) == list(expected.token_ids), prompt
+            assert result.usage.draft_tokens == result.usage.accepted_tokens > 0, prompt
 
 
 def test_stop_string_stop_token_and_max_tokens_inside_a_run_cut_where_the_plain_run_does(generation, speculative):
@@ -142,8 +179,8 @@ def test_abort_mid_generation_frees_kv_and_metrics_count_acceptance(speculative)
     assert metric(samples, "stageserve_spec_position_accepted_total", position="0") > 0
 
 
-def test_sync_dispatch_gives_the_same_tokens(tmp_path_factory, generation):
-    for _, stub in start(tmp_path_factory, "speculative-sync", *SPECULATIVE, "--dispatch", "sync"):
+def test_sync_dispatch_gives_the_same_tokens(tmp_path_factory, generation, method):
+    for _, stub in start(tmp_path_factory, f"speculative-{method}-sync", *METHODS[method], "--dispatch", "sync"):
         for prompt in PROMPTS[:2]:
             assert list(generate(stub, prompt, temperature=0.0).token_ids) == list(reference(generation, prompt, temperature=0.0).token_ids)
 
@@ -168,3 +205,48 @@ def test_a_constrained_request_on_a_speculating_device_is_valid_and_never_drafts
     assert results["constrained"].text in options
     assert results["constrained"].usage.draft_tokens == 0
     assert results["free"].usage.accepted_tokens > 0
+
+
+def test_a_draft_model_that_is_often_wrong_leaves_the_tokens_exact(tmp_path_factory):
+    """Tiny checkpoints with one tokenizer: the target, and a one-layer draft model of other weights
+    (another path: the device compares the tokenizers and accepts). Drafts get rejected; the tokens
+    are the non-speculative run's, greedy and seeded."""
+    target = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-target"))
+    draft = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-draft"), seed=1, num_layers=1)
+    requests = [prepare_pb2.GenerateRequest(prompt=prompt, max_tokens=32, ignore_eos=True, **fields)
+                for prompt in ("abcabcabc", "Hello, world") for fields in (dict(temperature=0.0), dict(temperature=1.0, seed=5))]
+    results = {}
+    for name, flags in (("plain", []), ("draft", ["--speculative-method", "draft", "--draft-model", str(draft)])):
+        for _, stub in start(tmp_path_factory, f"tiny-{name}", *flags, model=str(target)):
+            results[name] = [stub.Generate(request) for request in requests]
+    assert [list(r.token_ids) for r in results["draft"]] == [list(r.token_ids) for r in results["plain"]]
+    drafted, accepted = (sum(getattr(r.usage, field) for r in results["draft"]) for field in ("draft_tokens", "accepted_tokens"))
+    assert 0 <= accepted < drafted
+
+
+def device_exit(*flags: str) -> tuple[int, list[str]]:
+    """Run a device service with ``flags`` until it exits: (exit code, its ERROR log lines)."""
+    finished = subprocess.run([sys.executable, "-m", "stageserve", "device", "--port", "0", "--metrics-port", "off", *flags],
+                              capture_output=True, text=True, timeout=300)
+    return finished.returncode, [line for line in finished.stderr.splitlines() if " ERROR " in line]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--speculative-method", "draft"], "--speculative-method draft needs --draft-model"),
+    (["--speculative-method", "ngram", "--draft-model", "draft.gguf"], "add --speculative-method draft or drop --draft-model"),
+    (["--draft-model", "draft.gguf"], "add --speculative-method draft or drop --draft-model"),
+])
+def test_draft_model_flags_that_do_not_fit_exit_with_code_2_saying_what_to_change(flags, says):
+    code, errors = device_exit(*flags)
+    assert code == 2 and len(errors) == 1 and says in errors[0], errors
+    launcher = subprocess.run([sys.executable, "-m", "stageserve", "up", *flags], capture_output=True, text=True, timeout=120)
+    assert launcher.returncode == 2 and says in launcher.stderr
+
+
+def test_a_draft_model_with_another_vocabulary_exits_with_code_2(tmp_path):
+    """The tiny checkpoint's 257 byte tokens against the embedded model's vocabulary."""
+    tiny = write_tiny_checkpoint(tmp_path / "tiny")
+    code, errors = device_exit("--model", str(tiny), "--speculative-method", "draft", "--draft-model", str(embedded_model_path()))
+    assert code == 2 and len(errors) == 1, errors
+    assert "--draft-model" in errors[0] and "its tokenizer has 49152 tokens, --model's has 257" in errors[0]
+    assert "choose a draft model that shares the target's tokenizer" in errors[0]

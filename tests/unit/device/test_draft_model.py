@@ -1,0 +1,81 @@
+"""The draft-model proposer on the tiny checkpoint, used as its own draft model: its drafts are the
+model's greedy continuation, also after a step that accepted every draft (whose last draft the
+draft model never ran) and after a step without drafts; it never writes a prompt position again.
+
+The target's verification is not run here: the test plays it, advancing the token history as a
+step that accepted every draft would (tests/integration/test_speculative.py runs the whole path).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stageserve.device.draft_model import DraftModelProposer
+from stageserve.device.forward_batch import build_forward_batch
+from stageserve.device.kv_cache import PagedKVCache
+from stageserve.device.model import LlamaModel
+from stageserve.device.proposer import ProposalStep, StepLayout, TokenHistory
+from stageserve.device.speculative import PLACEHOLDER
+from tests.tiny_checkpoint import write_tiny_checkpoint
+
+CPU = torch.device("cpu")
+BLOCK_SIZE, NUM_BLOCKS, K = 4, 8, 3
+TABLE = list(range(NUM_BLOCKS))
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]  # two full blocks: the second could be a shared prefix block
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> LlamaModel:
+    return LlamaModel.from_path(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny")), torch.float32, CPU)
+
+
+def greedy_continuation(model: LlamaModel, prompt: list[int], count: int) -> list[int]:
+    """The model's greedy tokens after ``prompt``, decoded one at a time over a KV pool of its own."""
+    kv = PagedKVCache(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, CPU)
+    logits = model.forward(build_forward_batch([(prompt, 0, TABLE, True)], BLOCK_SIZE, CPU), kv)
+    tokens: list[int] = []
+    for _ in range(count):
+        tokens.append(int(logits.argmax()))
+        logits = model.forward(build_forward_batch([([tokens[-1]], len(prompt) + len(tokens) - 1, TABLE, True)], BLOCK_SIZE, CPU), kv)
+    return tokens
+
+
+def test_drafts_are_the_greedy_continuation_and_prompt_positions_are_not_written_again(model):
+    expected = greedy_continuation(model, PROMPT, 3 * K + 4)  # the tokens the four steps below emit
+    proposer = DraftModelProposer(model, model.config.vocab_size, NUM_BLOCKS, BLOCK_SIZE, torch.float32)
+    history = TokenHistory(1, 32, CPU)
+    seq = torch.tensor([0])
+
+    prefill = build_forward_batch([(PROMPT, 0, TABLE, True)], BLOCK_SIZE, CPU)
+    drafts, valid = proposer.propose(history, seq[:0], 0, 0, ProposalStep(prefill, proposer.stage(StepLayout([], [], []))))
+    assert drafts.shape == valid.shape == (0, 0)
+    prompt_kv = proposer.kv_cache.kv[:, :, :2].clone()  # the prompt's two blocks
+    history.prompt_len[0] = len(PROMPT)
+
+    emitted = 1  # the prefill's token, pending
+
+    def decode_step(num_drafts: int) -> tuple[list[int], list[int]]:
+        """One decode row asking for ``num_drafts``, at its true position: (its drafts, the greedy
+        tokens after its pending one); the history then advances as if every draft was accepted."""
+        nonlocal emitted
+        length = len(PROMPT) + emitted
+        history.tokens[0, :length] = torch.tensor(PROMPT + expected[:emitted])
+        history.length[0] = length
+        rows = [([PLACEHOLDER], length - 1 + j, TABLE, True) for j in range(1 + num_drafts)]
+        batch = build_forward_batch(rows, BLOCK_SIZE, CPU)
+        staged = proposer.stage(StepLayout([0], [num_drafts], []))
+        drafts, valid = proposer.propose(history, seq, num_drafts, length, ProposalStep(batch, staged))
+        assert valid.all()
+        greedy = expected[emitted : emitted + num_drafts]
+        emitted += 1 + num_drafts
+        return drafts[0].tolist(), greedy
+
+    drafts, greedy = decode_step(K)
+    assert drafts == greedy == expected[1 : 1 + K]
+    assert torch.equal(proposer.kv_cache.kv[:, :, :2], prompt_kv)  # the first decode step's pos - 1 went to the scratch block
+    drafts, greedy = decode_step(K)  # every draft was accepted: the last one goes through the draft model at pos - 1
+    assert drafts == greedy
+    assert decode_step(0) == ([], [])
+    drafts, greedy = decode_step(K)  # the row without drafts kept the draft's KV up to date
+    assert drafts == greedy and len(drafts) == K
