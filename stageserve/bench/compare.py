@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from stageserve.bench.inprocess import InProcessPipeline, InProcessTransport
+from stageserve.bench.llama_server import CompletionTransport, LlamaServer
 from stageserve.bench.loadgen import GrpcTransport, Load, run_load
 from stageserve.bench.metrics import build_report
 from stageserve.bench.workload import Shape, Workload, load_prompts
@@ -121,6 +122,34 @@ class ServicesSide:
 
     def close(self) -> None:
         self.pipeline.stop()
+
+
+LLAMA = "llama-server"
+
+
+class LlamaServerSide:
+    """A running `LlamaServer` as a comparison side (the interface of `ServicesSide`): ``--parallel
+    parallel`` slots of ``tokens_per_slot`` tokens (default: ``common``'s input and output lengths),
+    with ``extra_args`` (its speculative decoding, for one). Prompts must be token ids."""
+
+    def __init__(self, binary: Path, workdir: Path, common: Common, parallel: int, name: str = LLAMA,
+                 tokens_per_slot: int | None = None, extra_args: list[str] = ()) -> None:
+        self.name = name
+        tokens_per_slot = tokens_per_slot or common.input_len + common.output_len + 16
+        log = workdir / f"{name.replace(' ', '-').replace('=', '')}.log"
+        self.server = LlamaServer(binary, common.model_path, parallel, tokens_per_slot, log, extra_args=extra_args)
+
+    def run(self, workload: Workload, load: Load, progress: bool = True) -> RunResult:
+        records = asyncio.run(run_load(lambda: CompletionTransport(self.server.port), workload, load, progress))
+        return RunResult(build_report(records, _config(self.name, workload, load)))
+
+    def resident_bytes(self) -> int:
+        from stageserve.device.main import resident_bytes
+
+        return resident_bytes(self.server.pid)
+
+    def close(self) -> None:
+        self.server.stop()
 
 
 class InProcessSide:

@@ -1,6 +1,9 @@
 """`compare_speculative`: n-gram speculative decoding (``--num-speculative-tokens`` K for each K
 given), and with ``--draft-model`` draft-model speculative decoding at each K too, against none,
-on two workloads, all sides up together and run alternately (``--repeats``).
+on two workloads, all sides up together and run alternately (``--repeats``); with
+``--llama-server``, llama.cpp's server on the same GGUF without and with its own prompt lookup
+(``--spec-type ngram-simple``, the same lookup and draft lengths) as well. Every side reads the
+same prompt token ids (the chat template applied in the benchmark).
 
 - **input-grounded**: each request asks the model to repeat a given passage (n-gram lookup finds
   the continuation in the prompt), greedy, ending at EOS or ``output_len``;
@@ -9,7 +12,8 @@ on two workloads, all sides up together and run alternately (``--repeats``).
 Per side, workload and stream count: output tokens/s, ITL p50 (a step emitting several tokens
 counts its gap once per token, as the load generator does), and the acceptance rate, read from the
 device's ``stageserve_spec_*`` counters around each run (accepted / drafted, overall and per draft
-position). Ratios are the medians of the per-round ratios against no speculation.
+position; llama-server's is not read). Ratios are the medians of the per-round ratios against no
+speculation on the same server.
 """
 
 from __future__ import annotations
@@ -20,9 +24,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from stageserve.bench.compare import Common, ServicesSide, _fmt, _median, _ratio, _save, local_tokenize
+from stageserve.bench.compare import LLAMA, Common, LlamaServerSide, ServicesSide, _fmt, _median, _ratio, _save, local_tokenize
 from stageserve.bench.loadgen import Load
-from stageserve.bench.workload import Shape, Workload, load_prompts
+from stageserve.bench.workload import Shape, Workload, base_request, load_prompts
 
 OFF = "off"
 PASSAGES = (
@@ -77,30 +81,50 @@ def speculative_sides(num_tokens: list[int], draft_model: Path | None) -> list[t
             for method, extra in methods for k in num_tokens]
 
 
-def compare_speculative(common: Common, streams: list[int], num_tokens: list[int], draft_model: Path | None = None) -> str:
+def llama_server_sides(binary: Path, workdir: Path, common: Common, parallel: int, num_tokens: list[int],
+                       tokens_per_slot: int) -> list[LlamaServerSide]:
+    """llama-server without speculation and with its prompt lookup (``--spec-type ngram-simple``) at
+    each K: a lookup of 3 tokens (as ``ngram``'s longest), drafts of K tokens at most."""
+    sides = [LlamaServerSide(binary, workdir, common, parallel, LLAMA, tokens_per_slot)]
+    for k in num_tokens:
+        flags = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", str(k), "--spec-draft-n-max", str(k)]
+        sides.append(LlamaServerSide(binary, workdir, common, parallel, f"{LLAMA} ngram-simple K={k}", tokens_per_slot, flags))
+    return sides
+
+
+def compare_speculative(common: Common, streams: list[int], num_tokens: list[int], draft_model: Path | None = None,
+                        llama_server: Path | None = None) -> str:
     """No speculation against ``ngram`` (and, with ``draft_model``, ``draft``) with each K in
-    ``num_tokens``, at each stream count, on both workloads (module docstring); returns Markdown."""
+    ``num_tokens``, at each stream count, on both workloads (module docstring), and with
+    ``llama_server`` that server without and with its own prompt lookup; returns Markdown."""
     tokenize = local_tokenize(common.model_path)
+    # Prompts as token ids (the chat template applied here): every side, llama-server's too, reads the same tokens.
+    prompts = {name: [{"prompt_token_ids": tokenize(base_request(entry))} for entry in entries]
+               for name, entries in (("input-grounded", grounded_prompts()), ("open-ended", load_prompts()))}
     workloads = {
-        "input-grounded": Workload(grounded_prompts(), Shape(output_len=common.output_len, ignore_eos=False), common.seed, tokenize),
-        "open-ended": Workload(load_prompts(), Shape(output_len=common.output_len), common.seed, tokenize),
+        "input-grounded": Workload(prompts["input-grounded"], Shape(output_len=common.output_len, ignore_eos=False), common.seed, tokenize),
+        "open-ended": Workload(prompts["open-ended"], Shape(output_len=common.output_len), common.seed, tokenize),
     }
+    tokens_per_slot = max(len(entry["prompt_token_ids"]) for entries in prompts.values() for entry in entries) + common.output_len + 16
     raw: dict[str, Any] = defaultdict(lambda: defaultdict(list))
     with tempfile.TemporaryDirectory(prefix="stageserve-bench-") as tmp:
-        sides: list[ServicesSide] = []
+        sides: list[ServicesSide | LlamaServerSide] = []
         try:
             sides.append(ServicesSide(OFF, Path(tmp), common.model_path, common.model_device_args()))
             for name, flags in speculative_sides(num_tokens, draft_model):
                 sides.append(ServicesSide(name, Path(tmp), common.model_path, [*common.model_device_args(), *flags]))
+            if llama_server is not None:
+                sides += llama_server_sides(llama_server, Path(tmp), common, max(streams), num_tokens, tokens_per_slot)
             for side in sides:  # warm-up: the first steps of a shape build the kernels' plans
                 side.run(workloads["open-ended"], Load(streams=2, requests=2), progress=False)
             for _ in range(common.repeats):
                 for label, workload in workloads.items():
                     for count in streams:
                         for side in sides:
-                            before = spec_counters(side.pipeline.device.metrics_port)
+                            metrics_port = side.pipeline.device.metrics_port if isinstance(side, ServicesSide) else None
+                            before = spec_counters(metrics_port)
                             report = side.run(workload, Load(streams=count, requests=max(2 * count, 4)), common.progress).report
-                            report["acceptance"] = _acceptance(before, spec_counters(side.pipeline.device.metrics_port))
+                            report["acceptance"] = _acceptance(before, spec_counters(metrics_port))
                             raw[f"{label}, {count} stream{'s' * (count > 1)}"][side.name].append(report)
         finally:
             for side in sides:
@@ -116,7 +140,8 @@ def _table(raw: dict[str, Any], common: Common, names: list[str]) -> str:
         for name in names:
             reports = by_side[name]
             tps = _median([r["output_tokens_per_s"] for r in reports])
-            ratio = _median([_ratio(r["output_tokens_per_s"], base["output_tokens_per_s"]) for r, base in zip(reports, by_side[OFF])])
+            baseline = by_side[LLAMA if name.startswith(LLAMA) else OFF]  # llama-server's sides against its own, without speculation
+            ratio = _median([_ratio(r["output_tokens_per_s"], base["output_tokens_per_s"]) for r, base in zip(reports, baseline)])
             itl = _median([r["itl_ms"]["p50"] for r in reports])
             accept = _median([r["acceptance"]["all"] for r in reports])
             positions = sorted({p for r in reports for p in r["acceptance"] if p != "all"}, key=int)

@@ -8,37 +8,12 @@ and each server's resident memory (``VmRSS`` of the device process, and of llama
 
 from __future__ import annotations
 
-import asyncio
 import tempfile
 from pathlib import Path
 
-from stageserve.bench.compare import Common, RunResult, ServicesSide, _alternate, _config, _fmt, _median, _ratio, _save, _workload, local_tokenize
-from stageserve.bench.llama_server import CompletionTransport, LlamaServer
-from stageserve.bench.loadgen import Load, run_load
-from stageserve.bench.metrics import build_report
-from stageserve.bench.workload import Workload
+from stageserve.bench.compare import LLAMA, Common, LlamaServerSide, RunResult, ServicesSide, _alternate, _fmt, _median, _ratio, _save, _workload, local_tokenize
+from stageserve.bench.loadgen import Load
 from stageserve.device.main import resident_bytes
-
-LLAMA = "llama-server"
-
-
-class LlamaServerSide:
-    """A running `LlamaServer` as a comparison side (the interface of `ServicesSide`)."""
-
-    def __init__(self, binary: Path, workdir: Path, common: Common, parallel: int) -> None:
-        self.name = LLAMA
-        tokens_per_slot = common.input_len + common.output_len + 16
-        self.server = LlamaServer(binary, common.model_path, parallel, tokens_per_slot, workdir / "llama-server.log")
-
-    def run(self, workload: Workload, load: Load, progress: bool = True) -> RunResult:
-        records = asyncio.run(run_load(lambda: CompletionTransport(self.server.port), workload, load, progress))
-        return RunResult(build_report(records, _config(self.name, workload, load)))
-
-    def resident_bytes(self) -> int:
-        return resident_bytes(self.server.pid)
-
-    def close(self) -> None:
-        self.server.stop()
 
 
 def compare_weights(common: Common, llama_server: Path | None, streams: int, weights: list[str]) -> str:

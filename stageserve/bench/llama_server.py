@@ -19,7 +19,7 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 from stageserve.bench.loadgen import StreamFailed
@@ -35,6 +35,7 @@ def free_port() -> int:
 
 class LlamaServer:
     """One ``llama-server`` process on ``model_path`` at ``127.0.0.1:port``; `stop` ends it by pid.
+    ``extra_args``: more of its flags (its speculative decoding, for one).
 
     Raises:
         FileNotFoundError: ``binary`` does not exist.
@@ -43,10 +44,10 @@ class LlamaServer:
     """
 
     def __init__(self, binary: Path, model_path: Path, parallel: int, tokens_per_slot: int, log_path: Path,
-                 threads: int | None = None, ready_timeout_s: float = 120.0) -> None:
+                 threads: int | None = None, ready_timeout_s: float = 120.0, extra_args: Sequence[str] = ()) -> None:
         self.port = free_port()
         command = [str(binary), "--model", str(model_path), "--host", "127.0.0.1", "--port", str(self.port),
-                   "--parallel", str(parallel), "--ctx-size", str(parallel * tokens_per_slot), "--no-webui"]
+                   "--parallel", str(parallel), "--ctx-size", str(parallel * tokens_per_slot), "--no-webui", *extra_args]
         if threads:
             command += ["--threads", str(threads)]
         self.log_path = log_path

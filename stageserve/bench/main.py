@@ -82,6 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[3, 5], metavar="K", help="K values to run (default 3 5)")
     spec.add_argument("--draft-model", type=Path, default=None, metavar="PATH",
                       help="also run --speculative-method draft with this draft model (GGUF or Hugging Face directory sharing --model's tokenizer) at each K")
+    spec.add_argument("--llama-server", type=Path, default=None, metavar="PATH",
+                      help=LLAMA_SERVER_HELP + " (without and with its --spec-type ngram-simple at each K)")
     sweep.add_argument("--plot", type=Path, default=Path("docs/benchmarks-concurrency.png"), help="PNG path (default %(default)s)")
 
 
@@ -224,7 +226,8 @@ def _run_comparison(args: argparse.Namespace) -> str:
     if args.comparison == "compare-speculative":
         from stageserve.bench.compare_speculative import compare_speculative
 
-        return compare_speculative(common, args.compare_streams, args.num_speculative_tokens, args.draft_model)
+        return compare_speculative(common, args.compare_streams, args.num_speculative_tokens, args.draft_model,
+                                   llama_server_program(args.llama_server))
     if args.comparison == "compare-peers":
         return compare.compare_peers(common, args.compare_streams)
     if args.comparison == "compare-weights":

@@ -24,14 +24,13 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from stageserve.bench.compare import Common, ServicesSide, _fmt, _median, _ratio, _save
+from stageserve.bench.compare import LLAMA, Common, ServicesSide, _fmt, _median, _ratio, _save
 from stageserve.bench.llama_server import CompletionTransport, LlamaServer
 from stageserve.bench.loadgen import GrpcTransport, Load, Transport, close_transport
 from stageserve.bench.workload import Shape, Workload
 from stageserve.v1 import prepare_pb2
 
 SIDES = ("on", "off")
-LLAMA = "llama-server"
 CHAT_SYSTEM_TOKENS, CHAT_QUESTION_TOKENS = 200, 40
 
 
