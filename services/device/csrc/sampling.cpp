@@ -119,12 +119,36 @@ SS_AVX512 void mask_row(T* __restrict__ x, const uint16_t* __restrict__ allowed,
   }
 }
 
+// The checks the ops over rows of logits share: AVX-512, [rows, n] bfloat16 or float32 with
+// contiguous rows; `indexed`: 1 <= n < 2^31, as RowArgmax's int32 lane indices need.
+void check_row_logits(const at::Tensor& x, const char* op, bool indexed) {
+  TORCH_CHECK(cpu_has_avx512(), op, " needs an x86-64 CPU with AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && is_kernel_dtype(x.scalar_type()),
+              op, ": logits must be [rows, n] bfloat16 or float32 with contiguous rows, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(!indexed || (x.size(1) >= 1 && x.size(1) <= INT32_MAX), op, ": rows must hold 1 to 2^31 - 1 values, got ", x.size(1));
+}
+
+// [rows] int64: row_index(row, r) for each row r of x (a pointer to its first value, bfloat16 or
+// float), the rows split over torch's threads.
+template <typename RowIndex>
+at::Tensor index_per_row(const at::Tensor& x, RowIndex&& row_index) {
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t stride = x.stride(0);
+  dispatch_kernel_dtype(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.const_data_ptr<T>();
+    at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) op[r] = row_index(xp + r * stride, r);
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, at::IntArrayRef rows) {
-  TORCH_CHECK(cpu_has_avx512(), "apply_token_bitmask_ needs an x86-64 CPU with AVX-512");
-  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && is_kernel_dtype(logits.scalar_type()),
-              "logits must be [rows, V] bfloat16 or float32 with contiguous rows, got ", logits.sizes(), " ", logits.scalar_type());
+  check_row_logits(logits, "apply_token_bitmask_", false);
   TORCH_CHECK(bitmask.dim() == 2 && bitmask.is_contiguous() && bitmask.scalar_type() == at::kInt && bitmask.size(0) == logits.size(0),
               "bitmask must be a contiguous int32 [", logits.size(0), ", words], got ", bitmask.sizes(), " ", bitmask.scalar_type());
   const int64_t n = std::min<int64_t>(logits.size(1), bitmask.size(1) * 32), stride = logits.stride(0);
@@ -140,11 +164,8 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, at::Int
 
 at::Tensor gumbel_argmax(const at::Tensor& logits, const at::Tensor& temperature, const c10::optional<at::Tensor>& cutoff,
                          const at::Tensor& seed, const at::Tensor& step_index) {
-  TORCH_CHECK(cpu_has_avx512(), "gumbel_argmax needs an x86-64 CPU with AVX-512");
-  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && is_kernel_dtype(logits.scalar_type()),
-              "logits must be [rows, V] bfloat16 or float32 with contiguous rows, got ", logits.sizes(), " ", logits.scalar_type());
-  TORCH_CHECK(logits.size(1) >= 1 && logits.size(1) <= INT32_MAX, "rows must hold 1 to 2^31 - 1 values, got ", logits.size(1));
-  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  check_row_logits(logits, "gumbel_argmax", true);
+  const int64_t rows = logits.size(0), n = logits.size(1);
   auto check_row_vector = [&](const at::Tensor& t, at::ScalarType dtype, const char* name) {
     TORCH_CHECK(t.dim() == 1 && t.size(0) == rows && t.is_contiguous() && t.scalar_type() == dtype, name, " must be a contiguous [", rows, "] ",
                 dtype, ", got ", t.sizes(), " ", t.scalar_type());
@@ -157,37 +178,16 @@ at::Tensor gumbel_argmax(const at::Tensor& logits, const at::Tensor& temperature
   const float* cp = cutoff ? cutoff->const_data_ptr<float>() : nullptr;
   const int64_t* sp = seed.const_data_ptr<int64_t>();
   const int64_t* ip = step_index.const_data_ptr<int64_t>();
-  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
-  int64_t* op = out.data_ptr<int64_t>();
-  dispatch_kernel_dtype(logits.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    const T* xp = logits.const_data_ptr<T>();
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const uint64_t state = mix64(mix64(static_cast<uint64_t>(sp[r])) ^ static_cast<uint64_t>(ip[r]));
-        op[r] = gumbel_argmax_row<T>(xp + r * stride, n, tp[r], cp ? cp[r] : -INFINITY, state);
-      }
-    });
+  return index_per_row(logits, [&](const auto* row, int64_t r) {
+    const uint64_t state = mix64(mix64(static_cast<uint64_t>(sp[r])) ^ static_cast<uint64_t>(ip[r]));
+    return gumbel_argmax_row(row, n, tp[r], cp ? cp[r] : -INFINITY, state);
   });
-  return out;
 }
 
 at::Tensor argmax_rows(const at::Tensor& x) {
-  TORCH_CHECK(cpu_has_avx512(), "argmax_rows needs an x86-64 CPU with AVX-512");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && is_kernel_dtype(x.scalar_type()),
-              "x must be [rows, n] bfloat16 or float32 with contiguous rows, got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(x.size(1) >= 1 && x.size(1) <= INT32_MAX, "rows must hold 1 to 2^31 - 1 values, got ", x.size(1));
-  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
-  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
-  int64_t* op = out.data_ptr<int64_t>();
-  dispatch_kernel_dtype(x.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    const T* xp = x.const_data_ptr<T>();
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) op[r] = argmax_row<T>(xp + r * stride, n);
-    });
-  });
-  return out;
+  check_row_logits(x, "argmax_rows", true);
+  const int64_t n = x.size(1);
+  return index_per_row(x, [&](const auto* row, int64_t) { return argmax_row(row, n); });
 }
 
 }  // namespace stageserve
