@@ -179,10 +179,7 @@ class GenerationFrontend:
         """Abort the running request ``request_id`` of ``owner`` (all its choices); ``False`` if none
         runs: then the abort is remembered for ``caller``'s request of that id registering shortly after."""
         scoped_id = scoped_request_id(owner, request_id)
-        ids = [scoped_id] + [choice_id(scoped_id, i) for i in range(MAX_CHOICES)]
-        if any([self.router.abort(each, remember=False) for each in ids]):  # a list: abort every one
-            return True
-        return self.router.abort(scoped_id, caller)
+        return self.router.abort([scoped_id] + [choice_id(scoped_id, i) for i in range(MAX_CHOICES)], caller)
 
     def _validate(self, request: prepare_pb2.GenerateRequest, request_id: str) -> tuple[GenerationRequest, int]:
         """The validated, tokenized request and its ``n`` (in the executor). Raises RequestError when refused."""

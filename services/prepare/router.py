@@ -127,14 +127,16 @@ class DeviceRouter:
                 return handle
             raise refusal
 
-    def abort(self, request_id: str, caller: str = "", remember: bool = True) -> bool:
-        """Abort the active request ``request_id`` on whichever device holds it; ``False`` if none
-        does: then (with ``remember``) an abort by ``caller`` is kept for a request that registers shortly after."""
+    def abort(self, request_ids: Sequence[str], caller: str = "") -> bool:
+        """Abort every active request of ``request_ids`` (a request id and its choices' ids) on
+        whichever device holds it; ``False`` if none runs: then an abort by ``caller`` of the first id
+        is kept for a request that registers shortly after."""
         with self._lock:
-            if any(session.engine.abort(request_id) for session in self._sessions()):
+            sessions = self._sessions()
+            aborted = [session.engine.abort(request_id) for request_id in request_ids for session in sessions]  # a list: abort every one
+            if any(aborted):
                 return True
-            if remember:
-                self._early_aborts.remember(caller, request_id)
+            self._early_aborts.remember(caller, request_ids[0])
             return False
 
     def cancel(self, handle: RequestHandle) -> None:
