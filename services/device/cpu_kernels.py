@@ -245,7 +245,8 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, cutoff: torch
 
     ``logits`` ``[S, V]`` bfloat16 or float32, rows contiguous; ``temperature`` and ``cutoff``
     (``None``: none) ``[S]`` float32; ``seed`` and ``step_index`` ``[S]`` int64. [32, 49152]
-    bfloat16 logits in ~1 ms against ~12 ms for the torch ops (scale, noise, argmax; 2-core Xeon).
+    bfloat16 logits in 1.8 ms against 7.3 ms for the torch ops (scale, noise, argmax; 2-core Intel Xeon with AMX,
+    2026-12-01, timed in a loop of 30 calls).
     """
     return torch.ops.stageserve.gumbel_argmax(logits, temperature, cutoff, seed, step_index)
 
