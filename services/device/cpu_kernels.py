@@ -229,6 +229,24 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
     return torch.ops.stageserve.amx_linear(x, packed, bias)
 
 
+def has_avx512_vnni() -> bool:
+    """Whether `quant_linear` runs here: the kernels loaded on a CPU with AVX512-VNNI."""
+    return load_cpu_kernels() and torch.ops.stageserve.has_avx512_vnni()
+
+
+def quant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bits: int, input_bits: int = 8) -> torch.Tensor:
+    """``x @ W.T`` for a 4- or 8-bit weight in groups of 32 along K (``w = d * q + m`` per group),
+    ``x`` quantized per row to int8 groups of 32 inside (``input_bits=16``: plus a second int8 level
+    for the first's rounding error, ``x ~ s p + s' p'``, at twice the integer work), the dots on AVX512-VNNI.
+
+    ``x`` ``[M, K]`` bfloat16 or float32 contiguous; ``packed`` uint8 ``[N / 16, K / 32, 256]``
+    (``bits=4``) or ``[N / 16, K / 32, 512]`` (``bits=8``) and ``scales`` float16 ``[N / 16, K / 32,
+    2, 16]`` as ``quant_linear.VnniKernel`` lays them out -> ``[M, N]`` in ``x``'s dtype (fp32 sums,
+    rounded once). Raises ``RuntimeError`` for other shapes or dtypes, or without AVX512-VNNI.
+    """
+    return torch.ops.stageserve.quant_linear(x, packed, scales, bits, input_bits)
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Index ``[S]`` int64 of each row's maximum in ``x`` ``[S, V]`` (bfloat16 or float32, rows contiguous),
     read in one pass in its own dtype; the first index on ties and the first NaN if any, as ``torch.max``."""

@@ -426,9 +426,14 @@ def _load_llama(args: argparse.Namespace, path: Path, dtype, device):
 
     log.info("loading %s as %s on %s", path, str(dtype).removeprefix("torch."), device)
     weight_format = args.weights
-    if weight_format == "auto" and dtype != torch.bfloat16:
-        # torch's int4/int8 CPU kernels are fast with bfloat16 input only (float32: ~9 ms per 576x576 int4 row, measured)
-        log.info("--weights auto: %s activations keep every weight dense (the quantized kernels need bfloat16)", str(dtype).removeprefix("torch."))
+    from stageserve.device import cpu_kernels
+
+    # The VNNI kernel takes bfloat16 and float32; torch's int4/int8 CPU kernels are fast with bfloat16
+    # input only (float32: ~9 ms per 576x576 int4 row, measured).
+    vnni = torch.device(device).type == "cpu" and cpu_kernels.has_avx512_vnni()
+    if weight_format == "auto" and not (dtype == torch.bfloat16 or (dtype == torch.float32 and vnni)):
+        log.info("--weights auto: %s activations keep every weight dense (the quantized kernels here need %s)",
+                 str(dtype).removeprefix("torch."), "bfloat16 or float32" if vnni else "bfloat16")
         weight_format = "dequantize"
     model = LlamaModel.from_path(path, dtype, device, cpu_kernels_allowed=not args.no_cpu_kernels, amx_allowed=not args.no_amx_linears,
                                  weight_format=weight_format, dense_copy=not args.no_dense_copy)

@@ -38,6 +38,12 @@ at::Tensor gumbel_argmax(const at::Tensor& logits, const at::Tensor& temperature
 // bfloat16 or float32, bitmask [S, ceil(V / 32)] int32 (xgrammar's token bitmask)  (sampling.cpp)
 void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, at::IntArrayRef rows);
 
+// x [M, K] @ W^T -> [M, N] for 4- or 8-bit weights packed in 16-row panels of 32-input groups
+// ([N / 16, K / 32, 256 or 512] uint8, float16 scales [N / 16, K / 32, 2, 16]), x quantized per row to
+// int8 groups of 32 (input_bits 8) or two int8 levels (16); needs AVX512-VNNI (`cpu_has_avx512_vnni`)  (quant_linear.cpp)
+bool cpu_has_avx512_vnni();
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t bits, int64_t input_bits);
+
 // silu(gate) * up of [T, 2 * I] -> [T, I]  (activation.cpp)
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 

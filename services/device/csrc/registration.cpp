@@ -36,6 +36,8 @@ TORCH_LIBRARY(stageserve, m) {
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, int[] rows) -> ()");
   m.def("gumbel_argmax(Tensor logits, Tensor temperature, Tensor? cutoff, Tensor seed, Tensor step_index) -> Tensor");
   m.def("has_amx() -> bool", &stageserve::cpu_has_amx);
+  m.def("has_avx512_vnni() -> bool", &stageserve::cpu_has_avx512_vnni);
+  m.def("quant_linear(Tensor x, Tensor packed, Tensor scales, int bits, int input_bits) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("amx_swiglu(Tensor x, Tensor packed) -> Tensor");
   m.def("rope_and_cache(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor positions, Tensor(a!) kv, Tensor slot_mapping, int num_heads) -> Tensor");
@@ -49,6 +51,7 @@ TORCH_LIBRARY_IMPL(stageserve, CPU, m) {
   m.impl("argmax_rows", &stageserve::argmax_rows);
   m.impl("apply_token_bitmask_", &stageserve::apply_token_bitmask_);
   m.impl("gumbel_argmax", &stageserve::gumbel_argmax);
+  m.impl("quant_linear", &stageserve::quant_linear);
   m.impl("amx_linear", &stageserve::amx_linear);
   m.impl("amx_swiglu", &stageserve::amx_swiglu);
   m.impl("rope_and_cache", &stageserve::rope_and_cache);

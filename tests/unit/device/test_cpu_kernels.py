@@ -30,6 +30,7 @@ def os_grants_amx_tiles() -> bool:
 # What this CPU offers, read from the OS rather than from cpu_kernels' own checks, which are under test.
 CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
 HAS_AVX512 = platform.machine() == "x86_64" and {"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma"} <= CPU_FLAGS
+HAS_VNNI = HAS_AVX512 and "avx512_vnni" in CPU_FLAGS
 HAS_AMX = HAS_AVX512 and {"avx512_bf16", "amx_tile", "amx_bf16"} <= CPU_FLAGS and os_grants_amx_tiles()
 needs_avx512_cpu = pytest.mark.skipif(not HAS_AVX512, reason="the kernels are built only for x86-64 CPUs with AVX-512 (F/BW/DQ/VL)")
 
@@ -71,6 +72,7 @@ def test_kernels_load_on_an_avx512_cpu():
     assert not cpu_kernels.available(torch.float32, 48, 3)  # head_dim must be 64 or 128
     assert not cpu_kernels.available(torch.float32, 64, 9)  # at most 8 query heads per kv head
     assert torch.ops.stageserve.has_amx() == HAS_AMX
+    assert cpu_kernels.has_avx512_vnni() == HAS_VNNI
 
 
 def fused_op_calls(run: Callable[[], object]) -> dict[str, int]:

@@ -1,15 +1,17 @@
 """Weight-only quantized linears against the dequantized float32 reference, on random weights.
 
 Error bounds (per output element, ``|x|`` the absolute input, ``G`` the largest ``|w|`` of each
-weight's group of 32, ``R`` of its row):
+weight's group of 32, ``R`` of its row, ``X`` the largest ``|x|`` of each input's group of 32):
 
-- float32 activations, Q4_0/Q4_1 → int4: the map is exact, so only float32 summation order:
+- float32 activations, Q4_0/Q4_1/Q8_0 mapped exactly: only float32 summation order:
   ``1e-5 * (|x| @ G.T)``.
-- bfloat16 activations: scale and zero rounded to bfloat16 (relative 2**-9 of each, both at most
-  ``8 G``-ish in magnitude), products summed in float32, the output rounded to bfloat16:
-  ``2**-6 * (|x| @ G.T)``.
-- Q8_0 → int8 per row: requantization to ``R / 127`` adds at most ``R / 254`` per weight:
-  ``(|x| @ R.T) / 254`` on top of the bound above.
+- bfloat16 activations: (torch's kernels) scale and zero rounded to bfloat16 (relative 2**-9 of
+  each, both at most ``8 G``-ish in magnitude), products summed in float32, the output rounded to
+  bfloat16: ``2**-6 * (|x| @ G.T)``.
+- the VNNI kernel quantizes each input to int8 in groups of 32, at most ``X / 254`` per input:
+  ``(X / 254) @ |w|.T`` on top (``quant_linear.VnniKernel``).
+- torch's int8 kernel requantizes Q8_0 per row to ``R / 127``, at most ``R / 254`` per weight:
+  ``(|x| @ R.T) / 254`` on top.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ import pytest
 import torch
 from gguf.quants import quantize
 
-from stageserve.device import quant
-from stageserve.device.quant import QuantizedLinear, QuantizedWeight
+from stageserve.device import cpu_kernels, quant
+from stageserve.device.quant import QuantizedWeight
+from stageserve.device.quant_linear import QuantizedLinear, TorchInt8Kernel, VnniKernel, fits
 
 Q = gguf.GGMLQuantizationType
-N, K = 192, 96  # three of the int4 kernel's 64-row blocks, three groups of 32
+N, K = 192, 96  # three of torch's int4 kernel's 64-row blocks, three groups of 32
+VNNI = cpu_kernels.has_avx512_vnni()
 
 
 def _gguf_weight(qtype: gguf.GGMLQuantizationType, seed: int = 0) -> QuantizedWeight:
@@ -39,38 +43,62 @@ def _gguf_weight(qtype: gguf.GGMLQuantizationType, seed: int = 0) -> QuantizedWe
 
 
 
-def _bounds(reference: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``|x| @ G.T`` and ``|x| @ R.T`` for the reference weight (see the module docstring)."""
+def _bound(linear: QuantizedLinear, reference: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The error bound of ``linear(x)`` against ``x @ reference.T`` (see the module docstring)."""
+    x = x.float()
     group_max = reference.abs().view(N, K // 32, 32).amax(-1).repeat_interleave(32, 1)
-    row_max = reference.abs().amax(-1, keepdim=True).expand(N, K)
-    return x.abs().float() @ group_max.T, x.abs().float() @ row_max.T
+    bound = (1e-5 if linear.kernel.dtype == torch.float32 else 2**-6) * (x.abs() @ group_max.T) + 1e-6
+    on_kernel = x.shape[0] <= linear.kernel.max_rows
+    if on_kernel and isinstance(linear.kernel, VnniKernel):
+        input_max = x.abs().view(-1, K // 32, 32).amax(-1).repeat_interleave(32, 1)
+        bound = bound + (input_max / 254) @ reference.abs().T
+    if isinstance(linear.kernel, TorchInt8Kernel):  # the dense weight is the requantized one too
+        bound = bound + (x.abs() @ reference.abs().amax(-1, keepdim=True).expand(N, K).T) / 254
+    return bound
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 40])  # the quantized kernel (<= max_rows) and the per-call dequantized weight
-def test_gguf_linear_matches_the_dequantized_reference(qtype, dtype, rows):
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 40])  # the quantized kernel (<= max_rows; 4 rows a pass) and the per-call dequantized weight
+@pytest.mark.parametrize("cpu", ["this", "without VNNI"])
+def test_gguf_linear_matches_the_dequantized_reference(qtype, dtype, rows, cpu, monkeypatch):
+    if cpu != "this":  # torch's kernels, as on a CPU without AVX512-VNNI
+        monkeypatch.setattr(cpu_kernels, "has_avx512_vnni", lambda: False)
     weight = _gguf_weight(qtype)
     reference = weight.dequantize()
     kernel = quant.kernel_weight([weight], "auto")
     assert quant.format_name(kernel) == ("int8" if qtype == Q.Q8_0 else "int4")
     bias = torch.linspace(-1, 1, N).to(dtype)
-    linear = QuantizedLinear(kernel, bias, dtype, max_rows=8)
+    linear = QuantizedLinear(kernel, bias, dtype)
+    assert isinstance(linear.kernel, VnniKernel) == (VNNI and cpu == "this")
     x = torch.randn(rows, K).to(dtype)
     got = linear(x).float()
     expected = x.float() @ reference.T + bias.float()
-    by_group, by_row = _bounds(reference, x)
-    bound = (1e-5 if dtype == torch.float32 else 2**-6) * by_group + 1e-6
-    if qtype == Q.Q8_0:
-        bound = bound + by_row / 254
+    bound = _bound(linear, reference, x)
     assert got.dtype == torch.float32 and got.shape == (rows, N)
     assert ((got - expected).abs() <= bound).all(), ((got - expected).abs() / bound).max()
     assert linear(x).dtype == dtype
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
-def test_int4_dense_weight_is_the_gguf_dequantization(qtype):
-    """The weight rebuilt from the kernel's packed layout (for inputs of many rows) is Q4's own values."""
+@pytest.mark.skipif(not VNNI, reason="the VNNI kernel needs AVX512-VNNI")
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_two_input_levels_leave_a_127th_of_the_input_rounding(qtype, rows):
+    """``input_bits=16`` (the head's): the input's second int8 level takes what the first rounded
+    off, so the error bound of the input rounding shrinks 127-fold (float32 activations and output)."""
+    weight = _gguf_weight(qtype)
+    reference = weight.dequantize()
+    linear = QuantizedLinear(quant.kernel_weight([weight], "auto"), None, torch.float32, input_bits=16)
+    assert linear.kernel.max_rows == 4
+    x = torch.randn(rows, K)
+    input_max = x.abs().view(-1, K // 32, 32).amax(-1).repeat_interleave(32, 1)
+    bound = 1e-5 * (x.abs() @ reference.abs().T) + (input_max / 254 / 127) @ reference.abs().T + 1e-6
+    assert ((linear(x) - x @ reference.T).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1] + ([Q.Q8_0] if VNNI else []))  # torch's int8 kernel requantizes per row
+def test_dense_weight_is_the_gguf_dequantization(qtype):
+    """The weight rebuilt from the kernel's packed layout (for inputs of many rows) is GGUF's own values."""
     weight = _gguf_weight(qtype, seed=1)
     linear = QuantizedLinear(quant.kernel_weight([weight], "auto"), None, torch.float32)
     torch.testing.assert_close(linear.dense_weight(), weight.dequantize(), rtol=0, atol=1e-7)
@@ -82,8 +110,10 @@ def test_int4_and_int8_from_float_round_to_nearest_within_half_a_step():
     back4 = QuantizedLinear(int4, None, torch.float32).dense_weight()
     back8 = QuantizedLinear(int8, None, torch.float32).dense_weight()
     step4 = int4.scale.repeat_interleave(32, 1)
-    assert ((back4 - w).abs() <= step4 / 2 + 1e-6).all()
-    assert ((back8 - w).abs() <= int8.scale[:, None] / 2 + 1e-6).all()
+    step8 = int8.scale.repeat_interleave(32, 1) if VNNI else w.abs().amax(-1, keepdim=True) / 127  # torch's int8: per row
+    rounding = 2**-10 * w.abs().view(128, 2, 32).amax(-1).repeat_interleave(32, 1)  # the VNNI kernel's float16 scales
+    assert ((back4 - w).abs() <= step4 / 2 + rounding + 1e-6).all()
+    assert ((back8 - w).abs() <= step8 / 2 + rounding + 1e-6).all()
 
 
 def test_parts_are_stacked_and_mixed_or_float_parts_stay_dense():
@@ -95,7 +125,9 @@ def test_parts_are_stacked_and_mixed_or_float_parts_stay_dense():
     assert quant.kernel_weight([q4_0, torch.zeros(N, K)], "auto") is None  # auto never quantizes float weights
     assert quant.kernel_weight([q4_0], "dequantize") is None
     assert quant.format_name(quant.kernel_weight([q4_0, q8], "int4")) == "int4"  # explicit formats convert everything
-    assert quant.kernel_weight([torch.zeros(96, 64)], "int4") is None  # 96 rows: not a whole number of the kernel's 64-row blocks
+    assert not fits(quant.kernel_weight([torch.zeros(40, 64)], "int4"))  # 40 rows: not a whole number of 16-row panels (or torch's 64-row blocks)
+    with pytest.raises(ValueError, match="no quantized kernel"):
+        QuantizedLinear(quant.kernel_weight([torch.zeros(40, 64)], "int4"), None, torch.float32)
     with pytest.raises(ValueError, match="expected one of"):
         quant.kernel_weight([q4_0], "int3")
 

@@ -1,0 +1,236 @@
+"""Weight-only quantized linears (`QuantizedLinear`) and the kernels they run few-row inputs on, each
+with its packed layout (the formats, from GGUF or rounded from float weights: `quant`).
+
+- `VnniKernel`: stageserve's own (``cpu_kernels.quant_linear``, csrc/quant_linear.cpp) on x86-64
+  CPUs with AVX512-VNNI (Intel Xeon since Cascade Lake, AMD EPYC since Zen 4). int4 and int8 weights
+  keep GGUF's groups of 32 with float16 scales, so Q4_0, Q4_1 and Q8_0 map exactly; each input row
+  is quantized to int8 per group of 32 (``s = max |x| / 127``, round to nearest even), as llama.cpp
+  quantizes activations for its Q4/Q8 dot products (ggml-quants.c, ``quantize_row_q8_0``): a relative
+  error of at most ``1 / 254`` of each group's largest input, which the quantized weights' own
+  rounding dwarfs. The integer dots run on VPDPBUSD; the weight is read once per call for up to 4
+  rows. Measured on a 2-core Intel Xeon with AMX, 2026-12-01: the embedded model's 120 layer
+  linears at 1 / 4 / 8 / 16 rows (weights cold, 2 threads) 3.5 / 5.3 / 6.9 / 11.8 ms against torch's
+  int4 kernel's 5.4 / 8.8 / 16.1 / 33.6 ms and the bfloat16 AMX kernel's 9.3 / 9.2 / 11.2 / 9.1 ms;
+  the tied 49152 x 576 int8 head 0.73 / 0.88 / 1.46 / 2.59 ms against 1.24 / 2.74 / 6.01 / 11.16
+  (torch's int8) and 1.36 / 1.37 / 1.49 / 1.50 (AMX): hence `VNNI_MAX_ROWS`. The head takes its
+  input in two int8 levels (``input_bits=16``, error 1/127 of one level's): the embedded model's
+  perplexity on the test passage 16.57 against 16.75 with one level and 16.46 in bfloat16, at the
+  same time for 1 row (memory-bound: 0.85 ms) and 1.55 against 1.02 ms at 4 rows.
+- `TorchInt4Kernel` / `TorchInt8Kernel`, elsewhere: torch's ``_weight_int4pack_mm_for_cpu`` (its
+  scale and zero in the activation dtype: in bfloat16 each group's scale rounded to 8 significant
+  bits) and ``_weight_int8pack_mm`` (one scale per row: each row is requantized to the scale of its
+  largest weight, ``s = max |w| / 127``, an absolute error of at most ``s / 2`` per weight).
+
+The kernels read their weight once per call but do a fixed amount of work per input row, so they
+win only for few rows; `QuantizedLinear` runs inputs of more rows on a dense copy where the model
+keeps one, else on a weight dequantized for that call. Every kernel gives back its weight dequantized
+to the activation dtype (`dense_weight`) for that, so every row count computes with one set of weight
+values (docs/backends.md#quantized-weights---weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from stageserve.device import cpu_kernels
+from stageserve.device.quant import GROUP, Int4Weight, Int8Weight
+
+LANES = 16  # output rows per panel of the VNNI layout (one per int32 lane)
+VNNI_MAX_ROWS = {8: 8, 16: 4}  # by input bits, measured above: at 16 (8-bit) / 8 (16-bit) rows the AMX copy wins
+INT4_ROW_BLOCK = 64  # torch's int4 CPU kernel packs rows in blocks of 64 ([N / 64, K, 32] bytes)
+# torch's kernels (docs/benchmarks.md#quantized-weights: CPU time of a model's 120 linears on one thread,
+# weights cold: int4 10.7 / 15.9 / 17.0 / 33.3 ms at 1 / 2 / 4 / 8 rows against 19.6 / 20.1 / 22.4 / 20.1 ms
+# for the bfloat16 AMX kernel).
+TORCH_MAX_ROWS = 4
+
+
+def kernel_for(weight: Int4Weight | Int8Weight, dtype: torch.dtype, input_bits: int = 8) -> VnniKernel | TorchInt4Kernel | TorchInt8Kernel:
+    """The fastest kernel this CPU has for ``weight`` with ``dtype`` activations (`VnniKernel` where
+    it runs, with ``input_bits``; torch's kernels take the activations as they are)."""
+    if cpu_kernels.has_avx512_vnni() and weight.q.shape[0] % LANES == 0:
+        return VnniKernel(weight, dtype, input_bits)
+    return TorchInt4Kernel(weight, dtype) if isinstance(weight, Int4Weight) else TorchInt8Kernel(weight, dtype)
+
+
+def fits(weight: Int4Weight | Int8Weight) -> bool:
+    """Whether some kernel here takes ``weight`` ``[N, K]`` (K a multiple of 32 by construction):
+    `VnniKernel` needs N % 16 == 0 where it runs, torch's int4 kernel N % 64 == 0, torch's int8 any N."""
+    n = weight.q.shape[0]
+    if cpu_kernels.has_avx512_vnni():
+        return n % LANES == 0
+    return isinstance(weight, Int8Weight) or n % INT4_ROW_BLOCK == 0
+
+
+class VnniKernel:
+    """int4 or int8 weights in 16-row panels for ``cpu_kernels.quant_linear`` (see the module docstring).
+
+    ``packed`` uint8 ``[N / 16, K / 32, 256]`` (int4: per group, 4 chunks of 64 bytes, byte
+    ``4 i + j`` of chunk ``c`` = row ``i``'s input ``8 c + j`` in the low nibble, ``8 c + 4 + j`` in
+    the high one) or ``[N / 16, K / 32, 512]`` (int8: 8 chunks, byte ``4 i + j`` of chunk ``c`` =
+    ``q + 128`` of row ``i``'s input ``4 c + j``); ``scales`` float16 ``[N / 16, K / 32, 2, 16]``:
+    per panel and group the 16 rows' ``d``, then their ``m``, with ``w = d * q + m`` (int8: ``m = -128 d``).
+    """
+
+    def __init__(self, weight: Int4Weight | Int8Weight, dtype: torch.dtype, input_bits: int = 8) -> None:
+        """Pack ``weight`` (N a multiple of 16); ``dtype`` is the activations' (bfloat16 or float32);
+        ``input_bits`` 8 or 16: one or two int8 levels per input (``cpu_kernels.quant_linear``), the
+        second doubling the integer work, so it serves fewer rows (`VNNI_MAX_ROWS`)."""
+        self.dtype, self.bits, self.input_bits = dtype, 4 if isinstance(weight, Int4Weight) else 8, input_bits
+        self.max_rows = VNNI_MAX_ROWS[input_bits]
+        n, k = weight.q.shape
+        panels, groups = n // LANES, k // GROUP
+        if self.bits == 4:
+            d, m = weight.scale, weight.offset
+            q = weight.q.view(panels, LANES, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # panel, group, chunk, nibble, row, input
+            self.packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(panels, groups, 256).contiguous()
+        else:
+            d, m = weight.scale, -128 * weight.scale
+            u = (weight.q.view(torch.uint8) ^ 0x80).view(panels, LANES, groups, 8, 4)  # q + 128 as unsigned bytes
+            self.packed = u.permute(0, 2, 3, 1, 4).reshape(panels, groups, 512).contiguous()
+        self.scales = torch.stack((d, m), -1).view(panels, LANES, groups, 2).permute(0, 2, 3, 1).to(torch.float16).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, K] of ``dtype`` -> ``x @ w.T`` [T, N]."""
+        return cpu_kernels.quant_linear(x.contiguous(), self.packed, self.scales, self.bits, self.input_bits)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors the kernel holds (for memory accounting)."""
+        return [self.packed, self.scales]
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as ``dtype`` ``[N, K]``: ``d * q + m`` in float32, rounded once."""
+        panels, groups = self.packed.shape[:2]
+        if self.bits == 4:
+            chunks = self.packed.view(panels, groups, 4, 1, LANES, 4)
+            q = torch.cat((chunks & 0x0F, chunks >> 4), 3)  # panel, group, chunk, nibble, row, input
+            q = q.permute(0, 4, 1, 2, 3, 5)
+        else:
+            q = (self.packed.view(panels, groups, 8, LANES, 4)).permute(0, 3, 1, 2, 4)  # panel, row, group, chunk, input
+        q = q.reshape(panels * LANES, groups, GROUP).float()
+        d, m = self.scales.float().permute(0, 3, 1, 2).reshape(panels * LANES, groups, 2).unbind(-1)
+        return torch.addcmul(m[..., None], q, d[..., None]).view(panels * LANES, groups * GROUP).to(self.dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [T] int64 of an int8 weight, dequantized: [T, K] of ``dtype`` (a tied embedding table)."""
+        panels, groups = self.packed.shape[:2]
+        panel, lane = ids // LANES, ids % LANES
+        q = (self.packed.view(panels, groups, 8, LANES, 4)[panel, :, :, lane].view(torch.int8) ^ -128)  # [T, groups, 8, 4]: q
+        d = self.scales[panel, :, 0, lane].float()  # [T, groups]
+        return (q.view(-1, groups, GROUP).float() * d[..., None]).view(len(ids), groups * GROUP).to(self.dtype)
+
+
+class TorchInt4Kernel:
+    """int4 weights for ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (N a multiple of 64): ``packed``
+    uint8 ``[N / 64, K, 32]`` (as torch packs it), ``scale`` ``[K / 32, N, 2]`` (scale, zero) in ``dtype``."""
+
+    max_rows = TORCH_MAX_ROWS
+
+    def __init__(self, weight: Int4Weight, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32), 1)
+        zero = weight.offset + 8 * weight.scale  # the kernel computes (q - 8) * scale + zero
+        self.scale = torch.stack((weight.scale.t(), zero.t()), -1).to(dtype).contiguous()
+        self.out_features, self.in_features = weight.q.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, K] of ``dtype`` -> [T, N]."""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scale)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors the kernel holds (for memory accounting)."""
+        return [self.packed, self.scale]
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as the kernel computes it, ``(q - 8) * scale + zero`` in ``dtype`` ``[N, K]``."""
+        n, k = self.out_features, self.in_features
+        blocks, groups = n // INT4_ROW_BLOCK, k // GROUP
+        b = self.packed.view(blocks, k, INT4_ROW_BLOCK // 2)
+        q = torch.cat((b & 0x0F, b >> 4), 2).to(self.dtype).view(blocks, groups, GROUP, INT4_ROW_BLOCK)  # row r of a block is the last index
+        sz = self.scale.view(groups, blocks, 1, INT4_ROW_BLOCK, 2).transpose(0, 1)  # [N / 64, K / 32, 1, 64, 2]
+        w = torch.addcmul(sz[..., 1], q - 8, sz[..., 0])  # [N / 64, K / 32, 32, 64], rounded once to dtype
+        return w.permute(0, 3, 1, 2).reshape(n, k)
+
+
+class TorchInt8Kernel:
+    """int8 weights for ``torch.ops.aten._weight_int8pack_mm``: ``q`` int8 ``[N, K]`` requantized to
+    one scale per row, ``scale`` ``[N]`` in ``dtype`` (see the module docstring)."""
+
+    max_rows = TORCH_MAX_ROWS
+
+    def __init__(self, weight: Int8Weight, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        n, k = weight.q.shape
+        w = (weight.q.float().view(n, k // GROUP, GROUP) * weight.scale[..., None]).view(n, k)
+        scale = w.abs().amax(-1) / 127
+        self.q = (w / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        self.scale = scale.to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, K] of ``dtype`` -> [T, N]."""
+        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors the kernel holds (for memory accounting)."""
+        return [self.q, self.scale]
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as the kernel computes it, ``q * scale`` in ``dtype`` ``[N, K]``."""
+        return self.q.to(self.dtype) * self.scale[:, None]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [T] int64, dequantized: [T, K] of ``dtype`` (a tied embedding table)."""
+        return self.q[ids].to(self.dtype) * self.scale[ids, None]
+
+
+class QuantizedLinear:
+    """``y = x @ w.T + bias`` with ``w`` held as int4 or int8 on the fastest kernel this CPU has (`kernel_for`).
+
+    Inputs of at most the kernel's ``max_rows`` rows (measured, above) run on it; larger ones on a
+    dense copy when ``dense_copy`` makes one, else on a weight dequantized for that call (the
+    memory-lean choice). The dense weight is the kernel's own values (`dense_weight`).
+    """
+
+    def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype,
+                 dense_copy: Callable[[torch.Tensor], Any] | None = None, input_bits: int = 8) -> None:
+        """``weight`` in a format `fits` takes, ``bias`` [N] of ``dtype`` or ``None``; ``dtype`` is the
+        activations'. ``dense_copy``: builds the dense linear (e.g. ``model.Linear``) from the
+        dequantized weight [N, K]. ``input_bits``: see `VnniKernel`.
+
+        Raises:
+            ValueError: a weight no kernel here takes (see `fits`).
+        """
+        if not fits(weight):
+            raise ValueError(f"no quantized kernel on this CPU takes a weight of {weight.q.shape[0]} rows (see quant_linear.fits)")
+        self.int4 = isinstance(weight, Int4Weight)
+        self.bias = bias
+        self.kernel = kernel_for(weight, dtype, input_bits)
+        self.dense = None if dense_copy is None else dense_copy(self.kernel.dense_weight())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this linear holds (for memory accounting)."""
+        return self.kernel.tensors() + ([self.bias] if self.bias is not None else []) + (self.dense.tensors() if self.dense is not None else [])
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [T] int64 of an int8 weight, dequantized: [T, in] of ``dtype`` (a tied embedding table)."""
+        return self.kernel.rows(ids)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, in] of ``dtype`` -> [T, out]."""
+        if x.shape[0] > self.kernel.max_rows:
+            return self.dense(x) if self.dense is not None else F.linear(x, self.dense_weight(), self.bias)
+        y = self.kernel(x)
+        return y if self.bias is None else y + self.bias
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of this ``[gate; up]`` projection of ``x`` [T, in] -> [T, out / 2] (CPU kernels)."""
+        if x.shape[0] > self.kernel.max_rows and self.dense is not None:
+            return self.dense.swiglu(x)
+        return cpu_kernels.silu_and_mul(self(x))
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight dequantized to ``dtype`` ``[N, K]``, from the kernel's copy (no other copy is kept)."""
+        return self.kernel.dense_weight()
