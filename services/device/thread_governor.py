@@ -7,18 +7,24 @@ streams ran at 261–291 tokens/s with 2 compute threads and 582–622 with 1 (d
 "CPU contention"). `cpu_budget` sizes the threads for the CPUs the device may use; this governor
 follows the CPUs it actually gets.
 
-The signal is the run-queue wait of the device's threads (``/proc/self/task/*/schedstat``, field
-2: time runnable but not running), per second of wall time and per compute thread, over windows
-of ``window_s`` in which the compute thread was busy at least half the time (an idle device says
-nothing). Measured per compute thread at 32 streams on 2 cores (``benchmarks/run_queue_wait.py``,
+Contention is read from the run-queue wait of the device's threads (``/proc/self/task/*/schedstat``,
+field 2: time runnable but not running), per second of wall time and per compute thread, over
+windows of ``window_s`` in which the compute thread was busy at least half the time (an idle device
+says nothing). Measured per compute thread at 32 streams on 2 cores (``benchmarks/run_queue_wait.py``,
 docs/benchmarks.md): 0.21–0.23 quiet (the pipeline's own other threads), 0.44–0.45 with one core
-busy, 0.15–0.26 with one compute thread either way; hence ``contended_wait`` 0.33.
+busy, 0.15–0.26 with one compute thread either way; hence ``contended_wait`` 0.33. But the wait
+cannot tell another process from the pipeline's own prepare and reclaim on the same cores: at one
+stream they take a larger share of each (short) step, the wait crosses the line, and one thread
+runs slower than two (served ITL p50 15.8 against 13.6 ms, 2-core Xeon, 2026-12-01). So every
+change is a **trial judged by the step rate** (steps per second over the windows):
 
-- Two contended windows in a row at ``t > 1`` threads: ``t - 1``.
-- Below the budget, no contention, ``probe_after_s`` since the last change: ``t + 1`` (a probe; the
-  wait at ``t`` threads cannot show that a core came free). Two contended windows during the
-  probe: back to ``t - 1`` and the next probe waits twice as long (up to ``max_probe_after_s``);
-  two calm ones: the probe stays and the wait is reset.
+- Two contended windows in a row at ``t > 1`` threads: try ``t - 1``.
+- ``probe_after_s`` since the last change, below the budget: try ``t + 1`` (the wait at ``t``
+  threads cannot show that a core came free).
+- A trial runs two busy windows (one, where its rate differs from before by more than
+  ``clear_margin``); it stays if their step rate beat the two windows before it by ``trial_gain``, else the count goes back and the next trial that way waits ``probe_after_s``
+  since, twice that after another failure, and so on (up to ``max_probe_after_s``); a trial that
+  stays resets the waits (a drop may then come as soon as contention shows).
 
 Every change is logged; `threads` is what the next step uses.
 """
@@ -61,24 +67,28 @@ class ComputeThreadGovernor:
 
     Args:
         max_threads: the thread budget (``--threads``), at least 1.
-        window_s, contended_wait, probe_after_s, max_probe_after_s: the rule's figures (seconds; run-queue
-            wait in CPU-seconds per second per compute thread).
+        window_s, contended_wait, probe_after_s, max_probe_after_s, trial_gain, clear_margin: the
+            rule's figures (seconds; run-queue wait in CPU-seconds per second per compute thread; the
+            share a trial's step rate must gain, and the change that decides after one window).
         clock, read_wait, set_threads: injectable for tests (defaults: ``time.monotonic``,
             `process_run_queue_wait_s`, ``torch.set_num_threads``).
     """
 
     def __init__(self, max_threads: int, window_s: float = 2.0, contended_wait: float = 0.33, probe_after_s: float = 30.0,
-                 max_probe_after_s: float = 300.0, clock: Callable[[], float] = time.monotonic,
+                 max_probe_after_s: float = 300.0, trial_gain: float = 0.02, clear_margin: float = 0.1, clock: Callable[[], float] = time.monotonic,
                  read_wait: Callable[[], float] = process_run_queue_wait_s, set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
         self.max_threads = self.threads = max(1, max_threads)
         self._window_s, self._contended_wait = window_s, contended_wait
-        self._base_probe_after_s = self._probe_after_s = probe_after_s
-        self._max_probe_after_s = max_probe_after_s
+        self._trial_gain, self._clear_margin = trial_gain, clear_margin
+        self._base_wait_s, self._max_wait_s = probe_after_s, max_probe_after_s
+        self._fresh_waits = {+1: probe_after_s, -1: 0.0}  # before a trial up / down, after the last change: a drop may come at once
+        self._wait_before = dict(self._fresh_waits)
         self._clock, self._read_wait, self._set_threads = clock, read_wait, set_threads
-        self._window_start, self._wait_at_start, self._busy_s = clock(), read_wait(), 0.0
+        self._window_start, self._wait_at_start, self._busy_s, self._steps = clock(), read_wait(), 0.0, 0
         self._last_change = self._window_start
-        self._probing = False
-        self._contended_streak = self._calm_streak = 0
+        self._rates: list[float] = []  # step rates of the busy windows at the current count (the last two), or of the trial
+        self._trial: tuple[int, float] | None = None  # (direction, the step rate before it) while a trial runs
+        self._contended_streak = 0
 
     def run(self, step: Callable[[], T]) -> T:
         """``step()``, timed; at the end of a window, the thread count for the next steps is decided."""
@@ -88,6 +98,7 @@ class ComputeThreadGovernor:
         finally:
             end = self._clock()
             self._busy_s += end - start
+            self._steps += 1
             if end - self._window_start >= self._window_s:
                 self._end_window(end)
 
@@ -95,27 +106,43 @@ class ComputeThreadGovernor:
         elapsed = now - self._window_start
         wait = self._read_wait()
         wait_per_thread = (wait - self._wait_at_start) / elapsed / self.threads
-        busy = self._busy_s / elapsed
-        self._window_start, self._wait_at_start, self._busy_s = now, wait, 0.0
+        busy, rate = self._busy_s / elapsed, self._steps / elapsed
+        self._window_start, self._wait_at_start, self._busy_s, self._steps = now, wait, 0.0, 0
         if busy < 0.5:
-            self._contended_streak = self._calm_streak = 0
+            self._contended_streak = 0
             return
-        if wait_per_thread > self._contended_wait:
-            self._contended_streak, self._calm_streak = self._contended_streak + 1, 0
-        else:
-            self._contended_streak, self._calm_streak = 0, self._calm_streak + 1
-        if self._contended_streak >= 2 and self.threads > 1:
-            if self._probing:
-                self._probe_after_s = min(2 * self._probe_after_s, self._max_probe_after_s)
-            self._change(self.threads - 1, now, f"run-queue wait {wait_per_thread:.2f} CPU-s/s per thread: other work holds the CPUs")
-        elif self._probing and self._calm_streak >= 2:
-            self._probing, self._probe_after_s = False, self._base_probe_after_s
-        elif not self._probing and self._calm_streak and self.threads < self.max_threads and now - self._last_change >= self._probe_after_s:
-            self._change(self.threads + 1, now, "probing whether a CPU came free")
-            self._probing = True
+        self._rates = [*self._rates[-1:], rate] if self._trial is None else [*self._rates, rate]
+        if self._trial is not None:
+            if len(self._rates) >= 2 or abs(rate / self._trial[1] - 1) > self._clear_margin:
+                self._judge_trial(now)
+            return
+        self._contended_streak = self._contended_streak + 1 if wait_per_thread > self._contended_wait else 0
+        since = now - self._last_change
+        if self._contended_streak >= 2 and self.threads > 1 and since >= self._wait_before[-1]:
+            self._start_trial(-1, now, f"run-queue wait {wait_per_thread:.2f} CPU-s/s per thread: other work may hold the CPUs")
+        elif self.threads < self.max_threads and since >= self._wait_before[+1]:
+            self._start_trial(+1, now, "probing whether a CPU came free")
+
+    def _start_trial(self, direction: int, now: float, why: str) -> None:
+        self._trial, self._rates = (direction, sum(self._rates) / len(self._rates)), []
+        self._change(self.threads + direction, now, f"trying: {why}")
+
+    def _judge_trial(self, now: float) -> None:
+        direction, before = self._trial
+        after = sum(self._rates) / len(self._rates)
+        self._trial = None
+        if after >= before * (1 + self._trial_gain):
+            self._wait_before = dict(self._fresh_waits)
+            log.info("compute threads %d kept: %.1f steps/s against %.1f", self.threads, after, before)
+            self._rates = self._rates[-2:]
+            return
+        self._wait_before[direction] = min(max(2 * self._wait_before[direction], self._base_wait_s), self._max_wait_s)
+        self._change(self.threads - direction, now, f"back: {after:.1f} steps/s against {before:.1f}")
 
     def _change(self, threads: int, now: float, why: str) -> None:
         log.info("compute threads %d -> %d (%s)", self.threads, threads, why)
         self._set_threads(threads)
         self.threads, self._last_change = threads, now
-        self._probing, self._contended_streak, self._calm_streak = False, 0, 0
+        self._contended_streak = 0
+        if self._trial is None:  # back from a trial: the rates at this count start afresh
+            self._rates = []

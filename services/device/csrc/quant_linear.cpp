@@ -39,6 +39,9 @@ namespace {
 constexpr int64_t kGroup = 32;     // inputs per scale
 constexpr int64_t kLanes = 16;     // output rows per panel (one per int32 lane)
 constexpr int kRowsPerPass = 4;    // activation rows sharing one pass over a panel
+// How far ahead of the weight stream to prefetch into L1: without it a cold 1-row call ran at ~9 GB/s
+// on the 2-core Xeon (the hardware prefetcher alone), with it the model's 120 layer linears 5.9 -> ~3.2 ms.
+constexpr int64_t kPrefetchBytes = 8192;
 
 // The activation rows as int8 groups: p [M, K], s [M, K / 32] = max |x| / 127, s_sum [M, K / 32] = s * sum p.
 struct Int8Rows {
@@ -101,6 +104,7 @@ SS_VNNI void panel_rows(const uint8_t* panel, const c10::Half* scales, const Int
     __m512i even[R], odd[R];  // two sums per row: VPDPBUSD's latency, not its throughput, would bound one chain
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_si512();
     for (int64_t c = 0; c < kChunks; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + c * 64), _MM_HINT_T0);
       const __m512i chunk = _mm512_loadu_si512(w + c * 64);
       if constexpr (kBits == 4) {
         const __m512i low = _mm512_and_si512(chunk, _mm512_set1_epi8(0x0F));

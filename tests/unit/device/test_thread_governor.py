@@ -8,28 +8,29 @@ from stageserve.device.thread_governor import ComputeThreadGovernor, process_run
 
 
 class Machine:
-    """A scripted clock and a run-queue wait that grows, per second of steps, by threads x the wait per thread
-    that ``load`` gives for that many threads (figures measured on 2 cores, see thread_governor.py)."""
+    """A scripted clock whose steps take, and whose run-queue wait grows by, what ``load`` gives for the
+    governor's thread count: ``{threads: (step seconds, wait per second per thread)}`` (shaped like the
+    figures measured on 2 cores, see thread_governor.py)."""
 
-    QUIET = {1: 0.17, 2: 0.2}
-    ONE_CORE_BUSY = {1: 0.24, 2: 0.42}
+    QUIET = {1: (0.08, 0.17), 2: (0.05, 0.2)}
+    ONE_CORE_BUSY = {1: (0.085, 0.24), 2: (0.16, 0.42)}  # two threads run at half the rate of one
+    OWN_PIPELINE = {1: (0.016, 0.3), 2: (0.0136, 0.4)}  # one stream: prepare and reclaim raise the wait, two threads still win
 
     def __init__(self) -> None:
         self.now, self.wait, self.load, self.set_calls = 0.0, 0.0, self.QUIET, []
         self.governor = ComputeThreadGovernor(2, clock=lambda: self.now, read_wait=lambda: self.wait, set_threads=self.set_calls.append)
 
-    def steps(self, seconds: float, step_s: float = 0.05, idle_s: float = 0.0) -> None:
-        """Steps of ``step_s`` (with ``idle_s`` between them) for ``seconds``."""
+    def steps(self, seconds: float, idle_s: float = 0.0) -> None:
+        """Steps (with ``idle_s`` between them) for ``seconds``."""
         end = self.now + seconds
         while self.now < end:
-            self.governor.run(self._step(step_s))
+            self.governor.run(self._step)
             self.now += idle_s
 
-    def _step(self, step_s: float):
-        def step() -> None:
-            self.now += step_s
-            self.wait += self.load[self.governor.threads] * self.governor.threads * step_s
-        return step
+    def _step(self) -> None:
+        step_s, wait = self.load[self.governor.threads]
+        self.now += step_s
+        self.wait += wait * self.governor.threads * step_s
 
 
 def test_a_quiet_machine_keeps_every_thread() -> None:
@@ -39,40 +40,61 @@ def test_a_quiet_machine_keeps_every_thread() -> None:
     assert machine.set_calls == []
 
 
-def test_contention_drops_a_thread_after_two_windows_and_a_probe_brings_it_back_when_it_ends() -> None:
+def test_contention_drops_a_thread_that_then_runs_faster_and_a_probe_brings_it_back_when_it_ends() -> None:
     machine = Machine()
     machine.load = Machine.ONE_CORE_BUSY
     machine.steps(3.9)
     assert machine.governor.threads == 2  # one contended window is not enough
-    machine.steps(0.2)
+    machine.steps(0.4)
+    assert machine.set_calls == [1]
+    machine.steps(5)  # the trial's two windows: one thread ran faster, it stays
     assert machine.set_calls == [1]
     machine.load = Machine.QUIET  # the other process ended
-    machine.steps(29)
+    machine.steps(24)
     assert machine.governor.threads == 1  # not before probe_after_s
     machine.steps(4)
     assert machine.set_calls == [1, 2]
     machine.steps(60)
-    assert machine.governor.threads == 2
+    assert machine.governor.threads == 2 and machine.set_calls == [1, 2]
 
 
 def test_a_failed_probe_goes_back_and_the_next_waits_twice_as_long() -> None:
     machine = Machine()
     machine.load = Machine.ONE_CORE_BUSY
-    machine.steps(4.1)
+    machine.steps(4.5)
     machine.steps(31)  # the probe, at 30 s after the change
-    assert machine.set_calls[:2] == [1, 2]
-    machine.steps(4.1)  # still contended: back to 1
+    assert machine.set_calls == [1, 2]
+    machine.steps(4.5)  # two threads ran at about half the rate: back to 1 after one window
     assert machine.set_calls == [1, 2, 1]
     machine.steps(55)
     assert machine.set_calls == [1, 2, 1]  # the next probe waits 60 s
-    machine.steps(6)
+    machine.steps(8)
+    assert machine.set_calls == [1, 2, 1, 2, 1]
+
+
+def test_the_pipelines_own_threads_raise_the_wait_but_a_thread_fewer_runs_slower_so_it_comes_back() -> None:
+    """One stream: the wait crosses the line with no other process; the trial measures one thread
+    slower and goes back to two; the next trial comes 30 s later, the one after 60 s later."""
+    machine = Machine()
+    machine.load = Machine.OWN_PIPELINE
+    machine.steps(4.5)
+    assert machine.set_calls == [1]
+    machine.steps(4.5)
+    assert machine.set_calls == [1, 2]
+    machine.steps(25)
+    assert machine.set_calls == [1, 2]
+    machine.steps(10)
     assert machine.set_calls == [1, 2, 1, 2]
+    machine.steps(50)
+    assert machine.set_calls == [1, 2, 1, 2]
+    machine.steps(20)
+    assert machine.set_calls == [1, 2, 1, 2, 1, 2] and machine.governor.threads == 2
 
 
 def test_an_idle_device_decides_nothing() -> None:
     machine = Machine()
-    machine.load = {2: 5.0}  # huge, but the device computes a tenth of the time
-    machine.steps(60, step_s=0.01, idle_s=0.09)
+    machine.load = {2: (0.01, 5.0)}  # huge, but the device computes a tenth of the time
+    machine.steps(60, idle_s=0.09)
     assert machine.set_calls == []
 
 
