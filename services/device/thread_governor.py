@@ -20,7 +20,9 @@ change is a **trial judged by the step rate** (steps per second over the windows
 
 - Two contended windows in a row at ``t > 1`` threads: try ``t - 1``.
 - ``probe_after_s`` since the last change, below the budget: try ``t + 1`` (the wait at ``t``
-  threads cannot show that a core came free).
+  threads cannot show for sure that a core came free); sooner, after two windows below
+  ``calm_wait`` (one thread's wait quiet 0.15, with one core busy 0.25–0.26, measured as above),
+  unless a try up failed since the last one that stayed.
 - A trial runs two busy windows (one, where its rate differs from before by more than
   ``clear_margin``); it stays if their step rate beat the two windows before it by ``trial_gain``, else the count goes back and the next trial that way waits ``probe_after_s``
   since, twice that after another failure, and so on (up to ``max_probe_after_s``); a trial that
@@ -67,18 +69,18 @@ class ComputeThreadGovernor:
 
     Args:
         max_threads: the thread budget (``--threads``), at least 1.
-        window_s, contended_wait, probe_after_s, max_probe_after_s, trial_gain, clear_margin: the
-            rule's figures (seconds; run-queue wait in CPU-seconds per second per compute thread; the
-            share a trial's step rate must gain, and the change that decides after one window).
+        window_s, contended_wait, calm_wait, probe_after_s, max_probe_after_s, trial_gain, clear_margin:
+            the rule's figures (seconds; run-queue wait in CPU-seconds per second per compute thread;
+            the share a trial's step rate must gain, and the change that decides after one window).
         clock, read_wait, set_threads: injectable for tests (defaults: ``time.monotonic``,
             `process_run_queue_wait_s`, ``torch.set_num_threads``).
     """
 
-    def __init__(self, max_threads: int, window_s: float = 2.0, contended_wait: float = 0.33, probe_after_s: float = 30.0,
+    def __init__(self, max_threads: int, window_s: float = 2.0, contended_wait: float = 0.33, calm_wait: float = 0.2, probe_after_s: float = 30.0,
                  max_probe_after_s: float = 300.0, trial_gain: float = 0.02, clear_margin: float = 0.1, clock: Callable[[], float] = time.monotonic,
                  read_wait: Callable[[], float] = process_run_queue_wait_s, set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
         self.max_threads = self.threads = max(1, max_threads)
-        self._window_s, self._contended_wait = window_s, contended_wait
+        self._window_s, self._contended_wait, self._calm_wait = window_s, contended_wait, calm_wait
         self._trial_gain, self._clear_margin = trial_gain, clear_margin
         self._base_wait_s, self._max_wait_s = probe_after_s, max_probe_after_s
         self._fresh_waits = {+1: probe_after_s, -1: 0.0}  # before a trial up / down, after the last change: a drop may come at once
@@ -88,7 +90,7 @@ class ComputeThreadGovernor:
         self._last_change = self._window_start
         self._rates: list[float] = []  # step rates of the busy windows at the current count (the last two), or of the trial
         self._trial: tuple[int, float] | None = None  # (direction, the step rate before it) while a trial runs
-        self._contended_streak = 0
+        self._contended_streak = self._calm_streak = 0
 
     def run(self, step: Callable[[], T]) -> T:
         """``step()``, timed; at the end of a window, the thread count for the next steps is decided."""
@@ -109,7 +111,7 @@ class ComputeThreadGovernor:
         busy, rate = self._busy_s / elapsed, self._steps / elapsed
         self._window_start, self._wait_at_start, self._busy_s, self._steps = now, wait, 0.0, 0
         if busy < 0.5:
-            self._contended_streak = 0
+            self._contended_streak = self._calm_streak = 0
             return
         self._rates = [*self._rates[-1:], rate] if self._trial is None else [*self._rates, rate]
         if self._trial is not None:
@@ -117,10 +119,12 @@ class ComputeThreadGovernor:
                 self._judge_trial(now)
             return
         self._contended_streak = self._contended_streak + 1 if wait_per_thread > self._contended_wait else 0
+        self._calm_streak = self._calm_streak + 1 if wait_per_thread < self._calm_wait else 0
         since = now - self._last_change
+        no_failed_probe = self._wait_before[+1] == self._fresh_waits[+1]
         if self._contended_streak >= 2 and self.threads > 1 and since >= self._wait_before[-1]:
             self._start_trial(-1, now, f"run-queue wait {wait_per_thread:.2f} CPU-s/s per thread: other work may hold the CPUs")
-        elif self.threads < self.max_threads and since >= self._wait_before[+1]:
+        elif self.threads < self.max_threads and (since >= self._wait_before[+1] or (self._calm_streak >= 2 and no_failed_probe)):
             self._start_trial(+1, now, "probing whether a CPU came free")
 
     def _start_trial(self, direction: int, now: float, why: str) -> None:
@@ -143,6 +147,6 @@ class ComputeThreadGovernor:
         log.info("compute threads %d -> %d (%s)", self.threads, threads, why)
         self._set_threads(threads)
         self.threads, self._last_change = threads, now
-        self._contended_streak = 0
+        self._contended_streak = self._calm_streak = 0
         if self._trial is None:  # back from a trial: the rates at this count start afresh
             self._rates = []
