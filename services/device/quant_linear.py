@@ -8,14 +8,15 @@ with its packed layout (the formats, from GGUF or rounded from float weights: `q
   quantizes activations for its Q4/Q8 dot products (ggml-quants.c, ``quantize_row_q8_0``): a relative
   error of at most ``1 / 254`` of each group's largest input, which the quantized weights' own
   rounding dwarfs. The integer dots run on VPDPBUSD; the weight is read once per call for up to 4
-  rows. Measured on a 2-core Intel Xeon with AMX, 2026-12-01: the embedded model's 120 layer
-  linears at 1 / 4 / 8 / 16 rows (weights cold, 2 threads) 3.5 / 5.3 / 6.9 / 11.8 ms against torch's
-  int4 kernel's 5.4 / 8.8 / 16.1 / 33.6 ms and the bfloat16 AMX kernel's 9.3 / 9.2 / 11.2 / 9.1 ms;
-  the tied 49152 x 576 int8 head 0.73 / 0.88 / 1.46 / 2.59 ms against 1.24 / 2.74 / 6.01 / 11.16
-  (torch's int8) and 1.36 / 1.37 / 1.49 / 1.50 (AMX): hence `VNNI_MAX_ROWS`. The head takes its
+  rows, and the stream is prefetched 8 KB ahead. Measured on a 2-core Intel Xeon with AMX, 2026-12-01
+  (``python benchmarks/quant_linears.py --threads 2``, docs/benchmarks.md): the embedded model's 120
+  layer linears at 1 / 4 / 8 / 16 rows (weights cold) 3.6 / 5.0 / 8.4 / 14.1 ms against torch's int4
+  kernel's 6.2 / 10.9 / 21.4 / 37.7 ms and the bfloat16 AMX kernel's 12.0 / 11.5 / 11.7 / 13.0 ms;
+  the tied 49152 x 576 int8 head 0.86 / 0.90 / 1.49 / 2.70 ms against 1.78 / 3.02 / 6.27 / 12.24
+  (torch's int8) and 1.51 / 1.48 / 1.49 / 1.63 (AMX): hence `VNNI_MAX_ROWS`. The head takes its
   input in two int8 levels (``input_bits=16``, error 1/127 of one level's): the embedded model's
   perplexity on the test passage 16.57 against 16.75 with one level and 16.46 in bfloat16, at the
-  same time for 1 row (memory-bound: 0.85 ms) and 1.55 against 1.02 ms at 4 rows.
+  same time for 1 row (memory-bound: 0.86 ms) and 1.45 against 0.90 ms at 4 rows.
 - `TorchInt4Kernel` / `TorchInt8Kernel`, elsewhere: torch's ``_weight_int4pack_mm_for_cpu`` (its
   scale and zero in the activation dtype: in bfloat16 each group's scale rounded to 8 significant
   bits) and ``_weight_int8pack_mm`` (one scale per row: each row is requantized to the scale of its
