@@ -103,6 +103,36 @@ def test_model_step_runs_through_the_fused_ops(dtype):
     assert fused_op_calls(lambda: model.forward(batch, cache)) == expected
 
 
+@pytest.mark.skipif(not HAS_VNNI, reason="quant_linear needs AVX512-VNNI")
+def test_quantized_decode_step_runs_every_linear_on_quant_linear():
+    """``--weights auto`` on a VNNI CPU: a one-row decode step of the embedded Q4_1 model runs its
+    120 layer linears and the int8 head on ``quant_linear`` and none on AMX or oneDNN."""
+    model = LlamaModel.from_path(embedded_model_path(), torch.bfloat16, "cpu", weight_format="auto")
+    cache = PagedKVCache(model.config, 4, 16, torch.bfloat16, "cpu")
+    model.forward(build_forward_batch([([1, 2, 3], 0, [1], True)], 16, "cpu"), cache)
+    calls = fused_op_calls(lambda: model.forward(build_forward_batch([([4], 3, [1], True)], 16, "cpu"), cache))
+    assert calls["quant_linear"] == 4 * model.config.num_layers + 1
+    assert "amx_linear" not in calls and "amx_swiglu" not in calls
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="quant_linear needs AVX512-VNNI")
+def test_quant_linear_refuses_what_it_cannot_run():
+    packed, scales = torch.zeros(2, 2, 256, dtype=torch.uint8), torch.zeros(2, 2, 2, 16, dtype=torch.float16)
+    assert cpu_kernels.quant_linear(torch.zeros(0, 64), packed, scales, 4).shape == (0, 32)
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        cpu_kernels.quant_linear(torch.zeros(1, 64), packed, scales, 2)
+    with pytest.raises(RuntimeError, match="input_bits must be 8 or 16"):
+        cpu_kernels.quant_linear(torch.zeros(1, 64), packed, scales, 4, 4)
+    with pytest.raises(RuntimeError, match="packed must be uint8"):
+        cpu_kernels.quant_linear(torch.zeros(1, 96), packed, scales, 4)  # 3 groups of inputs, 2 packed
+    with pytest.raises(RuntimeError, match="packed must be uint8"):
+        cpu_kernels.quant_linear(torch.zeros(1, 64), packed, scales, 8)  # an int4 layout read as int8
+    with pytest.raises(RuntimeError, match="scales must be float16"):
+        cpu_kernels.quant_linear(torch.zeros(1, 64), packed, scales.float(), 4)
+    with pytest.raises(RuntimeError, match="x must be"):
+        cpu_kernels.quant_linear(torch.zeros(1, 64).half(), packed, scales, 4)
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("head_dim", "group", "block_size"), [(64, 3, 16), (64, 1, 4), (128, 8, 16), (64, 7, 8), (128, 2, 32)])
