@@ -122,12 +122,14 @@ class LlamaModel:
         linears of decode-sized inputs on AMX where the CPU has it (``self.amx_linears``;
         ``amx_allowed=False`` keeps them on oneDNN, without the AMX copy of the weights); ``False``
         keeps the pure-torch path (for comparison). ``weight_format`` (``quant.WEIGHT_FORMATS``):
-        which linears run on weight-only int4/int8 kernels (CPU only; see `quant.kernel_weight`);
+        which linears run on weight-only int4/int8 kernels (CPU only; see `quant.kernel_weight`;
+        the VNNI one only with ``cpu_kernels_allowed``, else torch's, `quant_linear.kernel_for`);
         ``self.linear_formats`` counts the linears by the format they run in. ``dense_copy``: a
         quantized linear also keeps one dense copy (AMX-packed where the CPU has AMX, else oneDNN's)
         for inputs of more rows than its kernel wins at; ``False`` dequantizes per call instead.
         """
         self.config, self.device, self.dense_copy = config, torch.device(device), dense_copy
+        self.cpu_kernels_allowed = cpu_kernels_allowed
         self.dtype = weights["model.norm.weight"].dtype
         self.cpu_kernels = (
             cpu_kernels_allowed
@@ -176,7 +178,7 @@ class LlamaModel:
         ``weight_format`` and the parts allow it (CPU only; ``input_bits`` as `QuantizedLinear`'s),
         else dense in the activation dtype."""
         kernel = quant.kernel_weight(parts, weight_format) if self.device.type == "cpu" else None
-        if kernel is None or not fits(kernel):
+        if kernel is None or not fits(kernel, self.cpu_kernels_allowed):
             self.linear_formats[str(self.dtype).removeprefix("torch.")] += 1
             dense = torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]).to(self.device, self.dtype)
             return Linear(dense, bias, amx=amx, gated=gated)
@@ -185,7 +187,8 @@ class LlamaModel:
         def dense_copy(weight: torch.Tensor) -> Linear:
             return Linear(weight, bias, amx=amx, gated=gated, one_copy=True)
 
-        return QuantizedLinear(kernel, bias, self.dtype, dense_copy=dense_copy if self.dense_copy else None, input_bits=input_bits)
+        return QuantizedLinear(kernel, bias, self.dtype, dense_copy=dense_copy if self.dense_copy else None, input_bits=input_bits,
+                               own_kernels=self.cpu_kernels_allowed)
 
     def weight_bytes(self) -> int:
         """Bytes the model's weights hold on its device (every copy: oneDNN-packed, AMX-packed, quantized)."""

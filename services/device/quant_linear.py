@@ -49,21 +49,27 @@ INT4_ROW_BLOCK = 64  # torch's int4 CPU kernel packs rows in blocks of 64 ([N / 
 TORCH_MAX_ROWS = 4
 
 
-def kernel_for(weight: Int4Weight | Int8Weight, dtype: torch.dtype, input_bits: int = 8) -> VnniKernel | TorchInt4Kernel | TorchInt8Kernel:
+def kernel_for(weight: Int4Weight | Int8Weight, dtype: torch.dtype, input_bits: int = 8,
+               own_kernels: bool = True) -> VnniKernel | TorchInt4Kernel | TorchInt8Kernel:
     """The fastest kernel this CPU has for ``weight`` with ``dtype`` activations (`VnniKernel` where
-    it runs, with ``input_bits``; torch's kernels take the activations as they are)."""
-    if cpu_kernels.has_avx512_vnni() and weight.q.shape[0] % LANES == 0:
+    it runs and ``own_kernels`` allows stageserve's CPU kernels, with ``input_bits``; torch's kernels
+    take the activations as they are)."""
+    if _vnni(own_kernels) and weight.q.shape[0] % LANES == 0:
         return VnniKernel(weight, dtype, input_bits)
     return TorchInt4Kernel(weight, dtype) if isinstance(weight, Int4Weight) else TorchInt8Kernel(weight, dtype)
 
 
-def fits(weight: Int4Weight | Int8Weight) -> bool:
-    """Whether some kernel here takes ``weight`` ``[N, K]`` (K a multiple of 32 by construction):
-    `VnniKernel` needs N % 16 == 0 where it runs, torch's int4 kernel N % 64 == 0, torch's int8 any N."""
+def fits(weight: Int4Weight | Int8Weight, own_kernels: bool = True) -> bool:
+    """Whether the kernel `kernel_for` picks takes ``weight`` ``[N, K]`` (K a multiple of 32 by
+    construction): `VnniKernel` needs N % 16 == 0, torch's int4 kernel N % 64 == 0, torch's int8 any N."""
     n = weight.q.shape[0]
-    if cpu_kernels.has_avx512_vnni():
+    if _vnni(own_kernels):
         return n % LANES == 0
     return isinstance(weight, Int8Weight) or n % INT4_ROW_BLOCK == 0
+
+
+def _vnni(own_kernels: bool) -> bool:
+    return own_kernels and cpu_kernels.has_avx512_vnni()
 
 
 class VnniKernel:
@@ -196,19 +202,20 @@ class QuantizedLinear:
     """
 
     def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype,
-                 dense_copy: Callable[[torch.Tensor], Any] | None = None, input_bits: int = 8) -> None:
+                 dense_copy: Callable[[torch.Tensor], Any] | None = None, input_bits: int = 8, own_kernels: bool = True) -> None:
         """``weight`` in a format `fits` takes, ``bias`` [N] of ``dtype`` or ``None``; ``dtype`` is the
         activations'. ``dense_copy``: builds the dense linear (e.g. ``model.Linear``) from the
-        dequantized weight [N, K]. ``input_bits``: see `VnniKernel`.
+        dequantized weight [N, K]. ``input_bits``: see `VnniKernel`; ``own_kernels=False``: torch's
+        kernels even where the VNNI one runs (``--no-cpu-kernels``).
 
         Raises:
             ValueError: a weight no kernel here takes (see `fits`).
         """
-        if not fits(weight):
+        if not fits(weight, own_kernels):
             raise ValueError(f"no quantized kernel on this CPU takes a weight of {weight.q.shape[0]} rows (see quant_linear.fits)")
         self.int4 = isinstance(weight, Int4Weight)
         self.bias = bias
-        self.kernel = kernel_for(weight, dtype, input_bits)
+        self.kernel = kernel_for(weight, dtype, input_bits, own_kernels)
         self.dense = None if dense_copy is None else dense_copy(self.kernel.dense_weight())
 
     def tensors(self) -> list[torch.Tensor]:
