@@ -43,7 +43,8 @@ constexpr int kRowsPerPass = 4;    // activation rows sharing one pass over a pa
 // on the 2-core Xeon (the hardware prefetcher alone), with it the model's 120 layer linears 5.9 -> ~3.2 ms.
 constexpr int64_t kPrefetchBytes = 8192;
 
-// The activation rows as int8 groups: p [M, K], s [M, K / 32] = max |x| / 127, s_sum [M, K / 32] = s * sum p.
+// The activation rows as int8 groups, `levels` int8 rows per input row: p [levels * M, K],
+// s [levels * M, K / 32] = max |x| / 127 of what the level quantizes, s_sum = s * sum p per group.
 struct Int8Rows {
   std::vector<int8_t> p;
   std::vector<float> s, s_sum;
