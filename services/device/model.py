@@ -142,13 +142,12 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return weights[name].to(self.device)
 
-        def linear(names: tuple[str, ...], bias_names: tuple[str, ...] = (), gated: bool = False, input_bits: int = 8) -> Linear | QuantizedLinear:
+        def linear(names: tuple[str, ...], bias_names: tuple[str, ...] = (), gated: bool = False) -> Linear | QuantizedLinear:
             bias = torch.cat([weights[n] for n in bias_names]).to(self.device) if bias_names else None
-            return self._linear([weights[n] for n in names], bias, weight_format, amx, gated, input_bits)
+            return self._linear([weights[n] for n in names], bias, weight_format, amx, gated)
 
         tied = config.tie_word_embeddings
-        # The head's inputs in two int8 levels where its kernel quantizes them (quant_linear.VnniKernel): the logits are the output.
-        self.lm_head = linear(("model.embed_tokens.weight" if tied else "lm_head.weight",), input_bits=16)
+        self.lm_head = linear(("model.embed_tokens.weight" if tied else "lm_head.weight",))
         embed = weights["model.embed_tokens.weight"]
         if tied and isinstance(self.lm_head, QuantizedLinear) and not self.lm_head.int4:
             self.embed = self.lm_head  # the tied table is looked up in the head's int8 rows: one copy
@@ -172,11 +171,9 @@ class LlamaModel:
         self.cos, self.signed_sin = rope_tables(config, self.dtype, self.device)
         self.scale = config.head_dim**-0.5
 
-    def _linear(self, parts: list[torch.Tensor | QuantizedWeight], bias: torch.Tensor | None, weight_format: str, amx: bool, gated: bool,
-                input_bits: int) -> Linear | QuantizedLinear:
+    def _linear(self, parts: list[torch.Tensor | QuantizedWeight], bias: torch.Tensor | None, weight_format: str, amx: bool, gated: bool) -> Linear | QuantizedLinear:
         """One linear over ``parts`` stacked along the output features: on a weight-only kernel where
-        ``weight_format`` and the parts allow it (CPU only; ``input_bits`` as `QuantizedLinear`'s),
-        else dense in the activation dtype."""
+        ``weight_format`` and the parts allow it (CPU only), else dense in the activation dtype."""
         kernel = quant.kernel_weight(parts, weight_format) if self.device.type == "cpu" else None
         if kernel is None or not fits(kernel, self.cpu_kernels_allowed):
             self.linear_formats[str(self.dtype).removeprefix("torch.")] += 1
@@ -187,8 +184,7 @@ class LlamaModel:
         def dense_copy(weight: torch.Tensor) -> Linear:
             return Linear(weight, bias, amx=amx, gated=gated, one_copy=True)
 
-        return QuantizedLinear(kernel, bias, self.dtype, dense_copy=dense_copy if self.dense_copy else None, input_bits=input_bits,
-                               own_kernels=self.cpu_kernels_allowed)
+        return QuantizedLinear(kernel, bias, self.dtype, dense_copy=dense_copy if self.dense_copy else None, own_kernels=self.cpu_kernels_allowed)
 
     def weight_bytes(self) -> int:
         """Bytes the model's weights hold on its device (every copy: oneDNN-packed, AMX-packed, quantized)."""

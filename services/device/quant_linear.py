@@ -3,20 +3,23 @@ with its packed layout (the formats, from GGUF or rounded from float weights: `q
 
 - `VnniKernel`: stageserve's own (``cpu_kernels.quant_linear``, csrc/quant_linear.cpp) on x86-64
   CPUs with AVX512-VNNI (Intel Xeon since Cascade Lake, AMD EPYC since Zen 4). int4 and int8 weights
-  keep GGUF's groups of 32 with float16 scales, so Q4_0, Q4_1 and Q8_0 map exactly; each input row
-  is quantized to int8 per group of 32 (``s = max |x| / 127``, round to nearest even), as llama.cpp
-  quantizes activations for its Q4/Q8 dot products (ggml-quants.c, ``quantize_row_q8_0``): a relative
-  error of at most ``1 / 254`` of each group's largest input, which the quantized weights' own
-  rounding dwarfs. The integer dots run on VPDPBUSD; the weight is read once per call for up to 4
-  rows, and the stream is prefetched 8 KB ahead. Measured on a 2-core Intel Xeon with AMX, 2026-12-01
-  (``python benchmarks/quant_linears.py --threads 2``, docs/benchmarks.md): the embedded model's 120
-  layer linears at 1 / 4 / 8 / 16 rows (weights cold) 3.6 / 5.0 / 8.4 / 14.1 ms against torch's int4
-  kernel's 6.2 / 10.9 / 21.4 / 37.7 ms and the bfloat16 AMX kernel's 12.0 / 11.5 / 11.7 / 13.0 ms;
-  the tied 49152 x 576 int8 head 0.86 / 0.90 / 1.49 / 2.70 ms against 1.78 / 3.02 / 6.27 / 12.24
-  (torch's int8) and 1.51 / 1.48 / 1.49 / 1.63 (AMX): hence `VNNI_MAX_ROWS`. The head takes its
-  input in two int8 levels (``input_bits=16``, error 1/127 of one level's): the embedded model's
-  perplexity on the test passage 16.57 against 16.75 with one level and 16.46 in bfloat16, at the
-  same time for 1 row (memory-bound: 0.86 ms) and 1.45 against 0.90 ms at 4 rows.
+  keep GGUF's groups of 32 with float16 scales, so Q4_0, Q4_1 and Q8_0 map exactly. Each input row
+  is quantized per group of 32 as llama.cpp quantizes activations for its Q4/Q8 dot products
+  (ggml-quants.c, ``quantize_row_q8_0``: ``s = max |x| / 127``, here rounding to nearest even), and
+  by default a second int8 level quantizes what the first rounded off (``input_bits=16``): an error
+  of at most ``1 / 254 / 127`` of each group's largest input, below bfloat16's own rounding. With
+  one level (llama.cpp's, ``input_bits=8``) the few-row kernel and the dense copy that larger
+  inputs run on rounded differently enough to tip greedy near-ties, so a request's tokens depended
+  on how many rows shared its steps (12 of the suite's concurrent-against-solo and speculative
+  comparisons failed), and the embedded model's perplexity on the test passage was 16.75 against
+  16.54 with two levels and 16.46 in bfloat16. The integer dots run on VPDPBUSD; a pass over the
+  weight serves up to 4 int8 rows, and the weight stream is prefetched 8 KB ahead. Measured on a
+  2-core Intel Xeon with AMX, 2026-12-01 (``python benchmarks/quant_linears.py --threads 2``, weights
+  cold; docs/benchmarks.md has the table): at one row, the embedded model's 120 layer linears take
+  about half the time of torch's int4 kernel and a third of the bfloat16 AMX kernel's, the tied
+  49152 x 576 int8 head half of torch's int8 kernel's; the second level costs nothing at one row (the
+  weight stream bounds it) and up to twice the integer work from 2 rows on, so `VNNI_MAX_ROWS` (4)
+  is where the AMX copy starts to win.
 - `TorchInt4Kernel` / `TorchInt8Kernel`, elsewhere: torch's ``_weight_int4pack_mm_for_cpu`` (its
   scale and zero in the activation dtype: in bfloat16 each group's scale rounded to 8 significant
   bits) and ``_weight_int8pack_mm`` (one scale per row: each row is requantized to the scale of its
@@ -41,7 +44,7 @@ from stageserve.device import cpu_kernels
 from stageserve.device.quant import GROUP, Int4Weight, Int8Weight
 
 LANES = 16  # output rows per panel of the VNNI layout (one per int32 lane)
-VNNI_MAX_ROWS = {8: 8, 16: 4}  # by input bits, measured above: at 16 (8-bit) / 8 (16-bit) rows the AMX copy wins
+VNNI_MAX_ROWS = {8: 8, 16: 4}  # by input bits, measured (docs/benchmarks.md): above these rows the AMX copy wins
 INT4_ROW_BLOCK = 64  # torch's int4 CPU kernel packs rows in blocks of 64 ([N / 64, K, 32] bytes)
 # torch's kernels (docs/benchmarks.md#quantized-weights: CPU time of a model's 120 linears on one thread,
 # weights cold: int4 10.7 / 15.9 / 17.0 / 33.3 ms at 1 / 2 / 4 / 8 rows against 19.6 / 20.1 / 22.4 / 20.1 ms
@@ -49,7 +52,7 @@ INT4_ROW_BLOCK = 64  # torch's int4 CPU kernel packs rows in blocks of 64 ([N / 
 TORCH_MAX_ROWS = 4
 
 
-def kernel_for(weight: Int4Weight | Int8Weight, dtype: torch.dtype, input_bits: int = 8,
+def kernel_for(weight: Int4Weight | Int8Weight, dtype: torch.dtype, input_bits: int = 16,
                own_kernels: bool = True) -> VnniKernel | TorchInt4Kernel | TorchInt8Kernel:
     """The fastest kernel this CPU has for ``weight`` with ``dtype`` activations (`VnniKernel` where
     it runs and ``own_kernels`` allows stageserve's CPU kernels, with ``input_bits``; torch's kernels
@@ -82,10 +85,11 @@ class VnniKernel:
     per panel and group the 16 rows' ``d``, then their ``m``, with ``w = d * q + m`` (int8: ``m = -128 d``).
     """
 
-    def __init__(self, weight: Int4Weight | Int8Weight, dtype: torch.dtype, input_bits: int = 8) -> None:
+    def __init__(self, weight: Int4Weight | Int8Weight, dtype: torch.dtype, input_bits: int = 16) -> None:
         """Pack ``weight`` (N a multiple of 16); ``dtype`` is the activations' (bfloat16 or float32);
-        ``input_bits`` 8 or 16: one or two int8 levels per input (``cpu_kernels.quant_linear``), the
-        second doubling the integer work, so it serves fewer rows (`VNNI_MAX_ROWS`)."""
+        ``input_bits`` 16 or 8: two or one int8 levels per input (``cpu_kernels.quant_linear``; the
+        module docstring says why two), the second doubling the integer work, so it serves fewer
+        rows (`VNNI_MAX_ROWS`)."""
         self.dtype, self.bits, self.input_bits = dtype, 4 if isinstance(weight, Int4Weight) else 8, input_bits
         self.max_rows = VNNI_MAX_ROWS[input_bits]
         n, k = weight.q.shape
@@ -202,7 +206,7 @@ class QuantizedLinear:
     """
 
     def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype,
-                 dense_copy: Callable[[torch.Tensor], Any] | None = None, input_bits: int = 8, own_kernels: bool = True) -> None:
+                 dense_copy: Callable[[torch.Tensor], Any] | None = None, input_bits: int = 16, own_kernels: bool = True) -> None:
         """``weight`` in a format `fits` takes, ``bias`` [N] of ``dtype`` or ``None``; ``dtype`` is the
         activations'. ``dense_copy``: builds the dense linear (e.g. ``model.Linear``) from the
         dequantized weight [N, K]. ``input_bits``: see `VnniKernel`; ``own_kernels=False``: torch's

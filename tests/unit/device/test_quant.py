@@ -8,8 +8,9 @@ weight's group of 32, ``R`` of its row, ``X`` the largest ``|x|`` of each input'
 - bfloat16 activations: (torch's kernels) scale and zero rounded to bfloat16 (relative 2**-9 of
   each, both at most ``8 G``-ish in magnitude), products summed in float32, the output rounded to
   bfloat16: ``2**-6 * (|x| @ G.T)``.
-- the VNNI kernel quantizes each input to int8 in groups of 32, at most ``X / 254`` per input:
-  ``(X / 254) @ |w|.T`` on top (``quant_linear.VnniKernel``).
+- the VNNI kernel quantizes each input to int8 in groups of 32, at most ``X / 254`` per input with
+  one level (``input_bits=8``): ``(X / 254) @ |w|.T`` on top (``quant_linear.VnniKernel``; its
+  default two levels are tested against a 127 times tighter bound below).
 - torch's int8 kernel requantizes Q8_0 per row to ``R / 127``, at most ``R / 254`` per weight:
   ``(|x| @ R.T) / 254`` on top.
 """
@@ -69,7 +70,7 @@ def test_gguf_linear_matches_the_dequantized_reference(qtype, dtype, rows, cpu, 
     kernel = quant.kernel_weight([weight], "auto")
     assert quant.format_name(kernel) == ("int8" if qtype == Q.Q8_0 else "int4")
     bias = torch.linspace(-1, 1, N).to(dtype)
-    linear = QuantizedLinear(kernel, bias, dtype)
+    linear = QuantizedLinear(kernel, bias, dtype, input_bits=8)  # one input level: the bound below; two: the next test
     assert isinstance(linear.kernel, VnniKernel) == (VNNI and cpu == "this")
     x = torch.randn(rows, K).to(dtype)
     got = linear(x).float()
@@ -84,11 +85,11 @@ def test_gguf_linear_matches_the_dequantized_reference(qtype, dtype, rows, cpu, 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_two_input_levels_leave_a_127th_of_the_input_rounding(qtype, rows):
-    """``input_bits=16`` (the head's): the input's second int8 level takes what the first rounded
+    """``input_bits=16`` (the default): the input's second int8 level takes what the first rounded
     off, so the error bound of the input rounding shrinks 127-fold (float32 activations and output)."""
     weight = _gguf_weight(qtype)
     reference = weight.dequantize()
-    linear = QuantizedLinear(quant.kernel_weight([weight], "auto"), None, torch.float32, input_bits=16)
+    linear = QuantizedLinear(quant.kernel_weight([weight], "auto"), None, torch.float32)
     assert linear.kernel.max_rows == 4
     x = torch.randn(rows, K)
     input_max = x.abs().view(-1, K // 32, 32).amax(-1).repeat_interleave(32, 1)
