@@ -187,9 +187,11 @@ def _serve(args: argparse.Namespace, server, servicer, tracer, metrics, core) ->
         # (it stops placing new ones here as soon as readiness turns NOT_SERVING), then the last
         # steps complete and reclaim takes their outputs.
         deadline = time.monotonic() + args.drain_timeout
-        if not (servicer.wait_execute_closed(args.drain_timeout)
+        if (servicer.wait_execute_closed(args.drain_timeout)
                 and core.executor.flush(max(0.0, deadline - time.monotonic()))
                 and core.outbox.wait_empty(max(0.0, deadline - time.monotonic()))):
+            servicer.end_complete_streams()
+        else:
             log.warning("drain timeout (%g s): requests, steps or outputs still in flight", args.drain_timeout)
 
     server.run_until_stopped(drain)

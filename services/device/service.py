@@ -166,6 +166,7 @@ class DeviceServicer(device_pb2_grpc.DeviceServicer):
         self._lock = threading.Condition()
         self._open_streams: set[str] = set()  # "Execute" and/or "Complete"
         self._submit_lock = threading.Lock()  # see PlanSubmitter
+        self._drained = threading.Event()  # see end_complete_streams
 
     def serve(self, core: DeviceCore) -> None:
         """Start answering with ``core`` (after warm-up)."""
@@ -200,6 +201,8 @@ class DeviceServicer(device_pb2_grpc.DeviceServicer):
 
     def Complete(self, request_iterator: Iterator[device_pb2.SlotRelease], context: grpc.ServicerContext) -> Iterator[device_pb2.CompletionEvent]:
         core = self._require_core(context)
+        if self._drained.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the device has drained and is stopping; attach to another device")
         self._open_stream(context, "Complete", "another reclaim is attached: the device serves one Complete stream at a time")
         attachment = _ReclaimAttachment(core)
 
@@ -212,7 +215,7 @@ class DeviceServicer(device_pb2_grpc.DeviceServicer):
         reader.start()
         log.info("Complete stream opened by %s", context.peer())
         try:
-            for event in core.outbox.events(lambda: context.is_active() and reader.is_alive()):
+            for event in core.outbox.events(lambda: context.is_active() and reader.is_alive() and not self._drained.is_set()):
                 if attachment.take(event):
                     yield event
         finally:
@@ -234,6 +237,12 @@ class DeviceServicer(device_pb2_grpc.DeviceServicer):
         with self._lock:
             self._open_streams.discard(name)
             self._lock.notify_all()
+
+    def end_complete_streams(self) -> None:
+        """After a drain that delivered every event: end the Complete stream (with OK, within 0.1 s,
+        after the events it already took) and refuse new ones with ``UNAVAILABLE``, so that the
+        server's stop does not wait out its grace for a stream that has nothing more to send."""
+        self._drained.set()
 
     def wait_execute_closed(self, timeout_s: float) -> bool:
         """Wait until no Execute stream is open (prepare let this draining device go); False on timeout.

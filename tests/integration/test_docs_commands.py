@@ -3,9 +3,10 @@ against real services, so a documentation example that breaks fails the suite.
 
 What runs: each fenced block whose language is ``bash`` (run by ``bash -euo pipefail``) or
 ``python`` (run by this interpreter), in the order of its document, all blocks of one document in
-one scratch folder (so a later block reads what an earlier one wrote) against one deployment of the
-three services started for that document (so the step ids a document sees come from its own
-traffic only). In that folder ``.venv`` is this interpreter's virtual environment and ``PATH``
+one scratch folder (so a later block reads what an earlier one wrote), against a deployment of the
+three services: one of its own for a document in ``OWN_DEPLOYMENT`` (so the step ids it sees come
+from its own traffic only), one shared by the others (they read nothing a previous document's
+traffic changes). In that folder ``.venv`` is this interpreter's virtual environment and ``PATH``
 starts with its ``bin``, as after ``make install``.
 
 Ports: the documents use the documented defaults, ``127.0.0.1`` or ``localhost`` with 50051
@@ -50,6 +51,7 @@ DEFAULT_PORTS = {"50051": ("prepare", "port"), "50052": ("device", "port"), "500
                  "8000": ("prepare", "http_port")}
 ADDRESS = re.compile(r"\b(127\.0\.0\.1|localhost):(" + "|".join(DEFAULT_PORTS) + r")\b")
 BLOCK_TIMEOUT_S = 300
+OWN_DEPLOYMENT = {"observability.md"}  # its trace windows name step ids: they must count its own traffic only
 
 
 @dataclass(frozen=True)
@@ -111,21 +113,25 @@ def with_ports(text: str, pipeline: Pipeline) -> str:
 
 
 class Deployments:
-    """One deployment and one scratch folder per document, the previous one stopped when the
-    next document starts (so only one runs at a time)."""
+    """One scratch folder per document, and its deployment (see the module docstring); a
+    deployment is stopped when the next one starts (so only one runs at a time)."""
 
     def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
         self._factory = tmp_path_factory
         self._document: Path | None = None
+        self._deployment = ""  # the running deployment's name: a document's stem, or "shared"
         self._pipeline: Pipeline | None = None
         self.folder: Path | None = None
 
     def for_document(self, document: Path) -> tuple[Pipeline, Path]:
         if document != self._document:
-            self.stop()
             self._document = document
-            # bfloat16 where the CPU has it (the README's default): the documents' answers need no float32 match.
-            self._pipeline = launch(self._factory, f"docs-{document.stem}", device_args=["--dtype", "auto"], prepare_args=["--http-port", "0"])
+            deployment = document.stem if document.name in OWN_DEPLOYMENT else "shared"
+            if deployment != self._deployment:
+                self.stop()
+                self._deployment = deployment
+                # bfloat16 where the CPU has it (the README's default): the documents' answers need no float32 match.
+                self._pipeline = launch(self._factory, f"docs-{deployment}", device_args=["--dtype", "auto"], prepare_args=["--http-port", "0"])
             self.folder = self._factory.mktemp(f"docs-{document.stem}-cwd")
             (self.folder / ".venv").symlink_to(sys.prefix, target_is_directory=True)
         assert self._pipeline is not None and self.folder is not None
@@ -134,7 +140,7 @@ class Deployments:
     def stop(self) -> None:
         if self._pipeline is not None:
             self._pipeline.stop()
-            self._pipeline = None
+            self._pipeline, self._deployment = None, ""
 
 
 @pytest.fixture(scope="module")

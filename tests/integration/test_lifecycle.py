@@ -46,3 +46,5 @@ def test_sync_dispatch_matches_async(generation, tmp_path_factory):
     finally:
         codes = sync.stop()
     assert codes == {"prepare": 0, "reclaim": 0, "device": 0}
+    # The drained device ended reclaim's stream itself; its server's stop grace did not have to cancel it.
+    assert "stream lost (the device closed the stream)" in sync.reclaim.log_path.read_text()

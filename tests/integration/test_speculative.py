@@ -1,10 +1,11 @@
 """Speculative decoding end to end, through three real service processes, with each proposer:
 n-gram prompt lookup, and a draft model (the target itself, so that every greedy draft is right).
 
-The reference is a pipeline without speculation: with the same request (and seed) the
-speculative pipeline must return the same tokens, at temperature 0 and above (the verification
-draws the target's token with the same per-output-index noise), with every finish cut at the same
-token. Speculation must also actually happen: the repetitive prompts get drafts accepted.
+The reference is the session's shared pipeline without speculation (conftest's ``generation``):
+with the same request (and seed) the speculative pipeline must return the same tokens, at
+temperature 0 and above (the verification draws the target's token with the same per-output-index
+noise), with every finish cut at the same token. Speculation must also actually happen: the
+repetitive prompts get drafts accepted.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -36,7 +38,7 @@ PROMPTS = [REPEAT, "Count from 1 to 15, separated by commas.", "What is the capi
 
 
 # A loaded shared machine can take seconds per step: the comparison is of tokens, never of time.
-pytestmark = pytest.mark.timeout(1800)  # seven pipelines start in this module
+pytestmark = pytest.mark.timeout(1800)  # six pipelines start in this module
 PATIENT = dict(prepare_args=["--stall-timeout", "600"], reclaim_args=["--completion-timeout", "600"])
 
 
@@ -62,13 +64,6 @@ def method(request) -> str:
 def speculative(tmp_path_factory, method):
     """(pipeline, Generation stub) speculating with ``method``, async dispatch."""
     yield from start(tmp_path_factory, f"speculative-{method}-async", *METHODS[method])
-
-
-@pytest.fixture(scope="module")
-def generation(tmp_path_factory):
-    """The reference: a Generation stub on a pipeline without speculation."""
-    for _, stub in start(tmp_path_factory, "speculative-reference"):
-        yield stub
 
 
 def generate(stub, prompt: str, **fields) -> prepare_pb2.GenerateResponse:
@@ -210,15 +205,21 @@ def test_a_constrained_request_on_a_speculating_device_is_valid_and_never_drafts
 def test_a_draft_model_that_is_often_wrong_leaves_the_tokens_exact(tmp_path_factory):
     """Tiny checkpoints with one tokenizer: the target, and a one-layer draft model of other weights
     (another path: the device compares the tokenizers and accepts). Drafts get rejected; the tokens
-    are the non-speculative run's, greedy and seeded."""
+    are the non-speculative run's, greedy and seeded. The two pipelines run side by side (each
+    serves its requests one at a time, as alone)."""
     target = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-target"))
     draft = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-draft"), seed=1, num_layers=1)
     requests = [prepare_pb2.GenerateRequest(prompt=prompt, max_tokens=32, ignore_eos=True, **fields)
                 for prompt in ("abcabcabc", "Hello, world") for fields in (dict(temperature=0.0), dict(temperature=1.0, seed=5))]
-    results = {}
-    for name, flags in (("plain", []), ("draft", ["--speculative-method", "draft", "--draft-model", str(draft)])):
+
+    def serve(name: str, *flags: str) -> list[prepare_pb2.GenerateResponse]:
         for _, stub in start(tmp_path_factory, f"tiny-{name}", *flags, model=str(target)):
-            results[name] = [stub.Generate(request) for request in requests]
+            responses = [stub.Generate(request) for request in requests]
+        return responses
+
+    with ThreadPoolExecutor(2) as pool:
+        plain, speculating = pool.submit(serve, "plain"), pool.submit(serve, "draft", "--speculative-method", "draft", "--draft-model", str(draft))
+        results = {"plain": plain.result(), "draft": speculating.result()}
     assert [list(r.token_ids) for r in results["draft"]] == [list(r.token_ids) for r in results["plain"]]
     drafted, accepted = (sum(getattr(r.usage, field) for r in results["draft"]) for field in ("draft_tokens", "accepted_tokens"))
     assert 0 <= accepted < drafted
