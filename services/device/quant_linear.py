@@ -17,9 +17,9 @@ with its packed layout (the formats, from GGUF or rounded from float weights: `q
   2-core Intel Xeon with AMX, 2026-12-01 (``python benchmarks/quant_linears.py --threads 2``, weights
   cold; docs/benchmarks.md has the table): at one row, the embedded model's 120 layer linears take
   about half the time of torch's int4 kernel and a third of the bfloat16 AMX kernel's, the tied
-  49152 x 576 int8 head half of torch's int8 kernel's; the second level costs nothing at one row (the
-  weight stream bounds it) and up to twice the integer work from 2 rows on, so `VNNI_MAX_ROWS` (4)
-  is where the AMX copy starts to win.
+  49152 x 576 int8 head half of torch's int8 kernel's; the second level costs the head nothing at
+  one row (its weight stream bounds it), the layers 4.10 against 3.33 ms, and up to twice the
+  integer work from 2 rows on, so `VNNI_MAX_ROWS` (4) is where the AMX copy starts to win.
 - `TorchInt4Kernel` / `TorchInt8Kernel`, elsewhere: torch's ``_weight_int4pack_mm_for_cpu`` (its
   scale and zero in the activation dtype: in bfloat16 each group's scale rounded to 8 significant
   bits) and ``_weight_int8pack_mm`` (one scale per row: each row is requantized to the scale of its
