@@ -118,10 +118,16 @@ def int4_from_float(weight: torch.Tensor) -> Int4Weight:
 def int8_from_float(weight: torch.Tensor) -> Int8Weight:
     """Round ``weight`` ``[N, K]`` (K a multiple of 32) to int8 per symmetric group of 32 (``max |w| / 127``; Q8_0's rule)."""
     n, k = weight.shape
-    w = weight.float().view(n, k // GROUP, GROUP)
+    q, scale = round_symmetric_int8(weight.float().view(n, k // GROUP, GROUP))
+    return Int8Weight(q.view(n, k), scale)
+
+
+def round_symmetric_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` float32 ``[..., L]`` rounded to nearest on one symmetric scale per last-dim slice:
+    ``q`` int8 ``[..., L]`` in -127..127 and ``scale = max |w| / 127`` float32 ``[...]`` (``w ~ q * scale``)."""
     scale = w.abs().amax(-1) / 127
     q = (w / scale.clamp_min(torch.finfo(torch.float32).tiny)[..., None]).round_().clamp_(-127, 127)
-    return Int8Weight(q.to(torch.int8).view(n, k), scale)
+    return q.to(torch.int8), scale
 
 
 WEIGHT_FORMATS = ("auto", "dequantize", "int8", "int4")

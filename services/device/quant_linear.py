@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from stageserve.device import cpu_kernels
-from stageserve.device.quant import GROUP, Int4Weight, Int8Weight
+from stageserve.device.quant import GROUP, Int4Weight, Int8Weight, round_symmetric_int8
 
 LANES = 16  # output rows per panel of the VNNI layout (one per int32 lane)
 VNNI_MAX_ROWS = {8: 8, 16: 4}  # by input bits, measured (docs/benchmarks.md): above these rows the AMX copy wins
@@ -176,8 +176,7 @@ class TorchInt8Kernel:
         self.dtype = dtype
         n, k = weight.q.shape
         w = (weight.q.float().view(n, k // GROUP, GROUP) * weight.scale[..., None]).view(n, k)
-        scale = w.abs().amax(-1) / 127
-        self.q = (w / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        self.q, scale = round_symmetric_int8(w)
         self.scale = scale.to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

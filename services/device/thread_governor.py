@@ -15,7 +15,7 @@ docs/benchmarks.md): 0.21–0.23 quiet (the pipeline's own other threads), 0.44�
 busy, 0.15–0.26 with one compute thread either way; hence ``contended_wait`` 0.33. But the wait
 cannot tell another process from the pipeline's own prepare and reclaim on the same cores: at one
 stream they take a larger share of each (short) step, the wait crosses the line, and one thread
-runs slower than two (served ITL p50 15.8 against 13.6 ms, 2-core Xeon, 2026-12-01). So every
+runs slower than two (served ITL p50 15.8 against 13.6 ms on the 2-core Xeon with AMX, 2026-12-01: docs/benchmarks.md, "Served again"). So every
 change is a **trial judged by the step rate** (steps per second over the windows):
 
 - Two contended windows in a row at ``t > 1`` threads: try ``t - 1``.
@@ -82,7 +82,7 @@ class ComputeThreadGovernor:
         self.max_threads = self.threads = max(1, max_threads)
         self._window_s, self._contended_wait, self._calm_wait = window_s, contended_wait, calm_wait
         self._trial_gain, self._clear_margin = trial_gain, clear_margin
-        self._base_wait_s, self._max_wait_s = probe_after_s, max_probe_after_s
+        self._max_wait_s = max_probe_after_s
         self._fresh_waits = {+1: probe_after_s, -1: 0.0}  # before a trial up / down, after the last change: a drop may come at once
         self._wait_before = dict(self._fresh_waits)
         self._clock, self._read_wait, self._set_threads = clock, read_wait, set_threads
@@ -140,7 +140,7 @@ class ComputeThreadGovernor:
             log.info("compute threads %d kept: %.1f steps/s against %.1f", self.threads, after, before)
             self._rates = self._rates[-2:]
             return
-        self._wait_before[direction] = min(max(2 * self._wait_before[direction], self._base_wait_s), self._max_wait_s)
+        self._wait_before[direction] = min(max(2 * self._wait_before[direction], self._fresh_waits[+1]), self._max_wait_s)
         self._change(self.threads - direction, now, f"back: {after:.1f} steps/s against {before:.1f}")
 
     def _change(self, threads: int, now: float, why: str) -> None:
