@@ -260,6 +260,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", default="", metavar="PATH",
                         help="with --speculative-method draft: GGUF file or Hugging Face directory of a smaller model sharing --model's tokenizer")
     parser.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K", help="drafts per decode row and step, with a --speculative-method")
+    parser.add_argument("--speculative-policy", default="goodput", choices=["goodput", "always"],
+                        help="goodput: drafts where the device's measured step costs say they pay; always: K on every row")
     parser.add_argument("--trace-dir", type=Path, default=None, metavar="DIR",
                         help="all three services record a Chrome trace from start-up into DIR, written at shutdown "
                              "(then: stageserve trace merge DIR)")
@@ -301,7 +303,8 @@ def _service_args(args: argparse.Namespace) -> tuple[list[str], list[str], list[
     prepare_metrics, device_metrics, reclaim_metrics = _metrics_ports(args.metrics_port_base)
     device = [*common, "--metrics-port", device_metrics, "--dtype", args.dtype, "--backend", args.backend, "--dispatch", args.dispatch,
               "--pipeline-depth", str(args.pipeline_depth), "--speculative-method", args.speculative_method,
-              "--num-speculative-tokens", str(args.num_speculative_tokens), *(["--draft-model", args.draft_model] if args.draft_model else [])]
+              "--num-speculative-tokens", str(args.num_speculative_tokens), "--speculative-policy", args.speculative_policy,
+              *(["--draft-model", args.draft_model] if args.draft_model else [])]
     keys = ["--api-keys-file", str(args.api_keys_file)] if args.api_keys_file else []
     return (device, [*common, "--metrics-port", reclaim_metrics],
             [*common, "--metrics-port", prepare_metrics, "--http-port", args.http_port, *keys])

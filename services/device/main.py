@@ -68,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="with --speculative-method draft: GGUF file or Hugging Face directory of a smaller model sharing --model's tokenizer, "
                            "loaded as --model is (--dtype, --weights); its KV pool shares the KV memory")
     spec.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K", help="drafts per decode row and step at most, with a --speculative-method (default %(default)s)")
+    spec.add_argument("--speculative-policy", choices=("goodput", "always"), default="goodput",
+                      help="goodput: the device measures its step costs at start-up and prepare gives each decode row the drafts "
+                           "expected to add the most tokens per second (none where they do not pay); always: every row asks for K "
+                           "(default %(default)s)")
     parser.add_argument("--pipeline-depth", type=int, default=2, metavar="N", help="output slots = steps in flight at most (default %(default)s)")
     kv = parser.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES", help="KV pool size, e.g. 512MiB (default: 512MiB on cpu)")
@@ -316,10 +320,15 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
         validate_sampling_params(params, config.vocab_size)
 
     _warm_up(executor, table, limits, check_sampling)
+    step_costs = []
+    if num_drafts and args.speculative_policy == "goodput" and model is not None:
+        from stageserve.device.step_costs import measure_step_costs
+
+        step_costs = measure_step_costs(executor, table, limits, check_sampling)
     if grammar is not None:
         grammar.grammars.wait_ready()
     outbox.clear()
-    attach_reply = _attach_reply(args, model_path, config, limits, backend.name, dtype_name)
+    attach_reply = _attach_reply(args, model_path, config, limits, backend.name, dtype_name, step_costs)
     return DeviceCore(attach_reply, limits, table, executor, outbox, check_sampling, grammar)
 
 
@@ -457,8 +466,8 @@ def _kv_bytes(args: argparse.Namespace, device, saved_bytes: int = 0) -> int:
     return CPU_DEFAULT_KV_BYTES + saved_bytes
 
 
-def _attach_reply(args: argparse.Namespace, model_path: Path, config, limits, backend_name: str, dtype_name: str):
-    """The ``AttachReply`` of a device built from ``args`` (a new ``instance_id``)."""
+def _attach_reply(args: argparse.Namespace, model_path: Path, config, limits, backend_name: str, dtype_name: str, step_costs: list):
+    """The ``AttachReply`` of a device built from ``args`` (a new ``instance_id``), with the measured ``step_costs``."""
     from stageserve.v1 import device_pb2
 
     return device_pb2.AttachReply(
@@ -477,6 +486,7 @@ def _attach_reply(args: argparse.Namespace, model_path: Path, config, limits, ba
         instance_id=uuid.uuid4().hex,
         num_speculative_tokens=limits.num_speculative_tokens,
         speculative_method=args.speculative_method if limits.num_speculative_tokens else "",
+        step_costs=step_costs,
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from stageserve.prepare.block_manager import BlockTable
-from stageserve.prepare.draft_governor import DraftGovernor
+from stageserve.prepare.draft_planner import SequenceDrafts
 from stageserve.prepare.validation import GenerationRequest
 from stageserve.v1 import common_pb2, device_pb2
 
@@ -32,7 +32,7 @@ class SequenceState:
         num_cached_tokens: prompt tokens it started with from the prefix cache (never prefilled).
         num_blocks_sent: entries of ``blocks.block_ids`` already sent to the device.
         cache_poisoned: a step of it failed; none of its blocks may become shareable.
-        drafts: how many drafts its decode rows ask for (speculative decoding).
+        drafts: its drafting state (speculative decoding; `draft_planner`).
     """
 
     request: GenerationRequest
@@ -49,7 +49,7 @@ class SequenceState:
     num_cached_tokens: int = 0
     num_blocks_sent: int = 0
     cache_poisoned: bool = False
-    drafts: DraftGovernor = field(default_factory=lambda: DraftGovernor(0))
+    drafts: SequenceDrafts = field(default_factory=lambda: SequenceDrafts(0))
 
     @property
     def in_prefill(self) -> bool:

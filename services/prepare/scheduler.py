@@ -12,7 +12,7 @@ One step, built in this order within ``max_step_tokens`` tokens:
    These always fit: a sequence starts decoding only after a prompt row that sampled, and that
    row took a budget token of the step before, so decode rows never outnumber ``max_step_tokens``.
    With speculative decoding (``num_speculative_tokens`` K > 0) a decode row also asks for up to K
-   drafts (`draft_governor`), one more placeholder each, from the budget left after every decode
+   drafts (as `draft_planner` chooses), one more placeholder each, from the budget left after every decode
    row has its token, and never past ``max_tokens``. Its ``start_pos`` assumes the steps in flight
    accepted every draft (an upper bound: blocks are reserved for the worst case); each published
    event lowers ``num_kv_tokens`` by the drafts that row did not accept, and the device takes the
@@ -59,7 +59,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from stageserve.prepare.block_manager import BlockManager
-from stageserve.prepare.draft_governor import DraftGovernor, may_draft
+from stageserve.prepare.draft_planner import DraftPlanner, SequenceDrafts, StepCostModel, may_draft
 from stageserve.prepare.errors import QUEUE_FULL_RETRY_S, resource_exhausted
 from stageserve.prepare.prefix_cache import BlockHash, cache_namespace, chain_hashes
 from stageserve.prepare.scheduled_step import PLACEHOLDER_TOKEN, ScheduledStep, SequenceState
@@ -80,6 +80,8 @@ class SchedulerConfig:
         enable_prefix_caching: share published full prompt blocks between requests.
         model_identity: what else changes a block's KV (the model); part of every block hash.
         num_speculative_tokens: drafts a decode row may ask the device for (0: it does not speculate).
+        step_costs: the device's measured decode-step costs, by which drafts are planned
+            (`draft_planner`); ``None``: every decode row asks for ``num_speculative_tokens``.
     """
 
     max_num_seqs: int
@@ -91,6 +93,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     model_identity: str = ""
     num_speculative_tokens: int = 0
+    step_costs: StepCostModel | None = None
 
     @classmethod
     def from_attach(cls, reply: device_pb2.AttachReply, max_prefill_chunk: int, max_waiting: int,
@@ -106,6 +109,7 @@ class SchedulerConfig:
             enable_prefix_caching=enable_prefix_caching,
             model_identity=f"{reply.model_name}|{reply.dtype}",
             num_speculative_tokens=reply.num_speculative_tokens,
+            step_costs=StepCostModel.from_attach(reply),
         )
 
 
@@ -151,6 +155,7 @@ class Scheduler:
         self._by_request: dict[GenerationRequest, SequenceState] = {}
         self._in_flight: dict[int, ScheduledStep] = {}
         self._next_step_id = first_step_id
+        self._draft_planner = DraftPlanner(config.step_costs)
 
     # ---- figures -------------------------------------------------------------------------------
     @property
@@ -275,13 +280,12 @@ class Scheduler:
 
     def _schedule_decode_rows(self, step: ScheduledStep, budget: int) -> int:
         decoding = [seq for seq in self._running if not seq.in_prefill and self._has_row(seq)]
-        spare = budget - len(decoding)  # budget tokens left for drafts once every row has its one
-        for seq in decoding:
-            drafts = 0
-            if self.config.num_speculative_tokens:
-                drafts = min(seq.drafts.next_row(), self._draft_room(seq), spare)
-                spare -= drafts
-            budget -= self._add_row(step, seq, 1, drafts)
+        drafts = [0] * len(decoding)
+        if self.config.num_speculative_tokens:
+            spare = budget - len(decoding)  # budget tokens left for drafts once every row has its one
+            drafts = self._draft_planner.plan([(seq.drafts, self._draft_room(seq)) for seq in decoding], spare)
+        for seq, k in zip(decoding, drafts):
+            budget -= self._add_row(step, seq, 1, k)
         return budget
 
     def _draft_room(self, seq: SequenceState) -> int:
@@ -316,7 +320,7 @@ class Scheduler:
             seq = SequenceState(request, index, self._generations[index], self.block_manager.allocate(self.max_kv_tokens(request), shared),
                                 num_kv_tokens=len(shared) * self.config.kv_block_size, block_hashes=hashes,
                                 num_cached_tokens=len(shared) * self.config.kv_block_size,
-                                drafts=DraftGovernor(self.config.num_speculative_tokens if may_draft(request) else 0))
+                                drafts=SequenceDrafts(self.config.num_speculative_tokens if may_draft(request) else 0))
             self._running.append(seq)
             self._by_index[index] = seq
             self._by_request[request] = seq
@@ -383,7 +387,7 @@ class Scheduler:
             elif seq in decode_drafts:
                 asked = decode_drafts[seq]
                 seq.num_kv_tokens -= asked + 1 - len(event.token_ids)  # the drafts it did not accept
-                seq.drafts.observe(asked, event.draft_tokens, event.accepted_tokens)
+                self._draft_planner.observe(seq.drafts, asked, len(event.token_ids) - 1)
             seq.cache_poisoned |= bool(event.error_code)
         if step is not None:
             if step_events.error_code:

@@ -73,12 +73,14 @@ def _acceptance(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     return rates
 
 
-def speculative_sides(num_tokens: list[int], draft_model: Path | None) -> list[tuple[str, list[str]]]:
+def speculative_sides(num_tokens: list[int], draft_model: Path | None, policies: list[str]) -> list[tuple[str, list[str]]]:
     """(side name, ``stageserve device`` flags) of each speculating side: ``ngram`` at each K, then,
-    with ``draft_model``, ``draft`` at each K."""
+    with ``draft_model``, ``draft`` at each K; each with every ``--speculative-policy`` of
+    ``policies`` (named in the side when there are several)."""
     methods = [("ngram", [])] + ([("draft", ["--draft-model", str(draft_model)])] if draft_model else [])
-    return [(f"{method} K={k}", ["--speculative-method", method, *extra, "--num-speculative-tokens", str(k)])
-            for method, extra in methods for k in num_tokens]
+    return [(f"{method} K={k}" + f" {policy}" * (len(policies) > 1),
+             ["--speculative-method", method, *extra, "--num-speculative-tokens", str(k), "--speculative-policy", policy])
+            for method, extra in methods for k in num_tokens for policy in policies]
 
 
 def llama_server_sides(binary: Path, workdir: Path, common: Common, parallel: int, num_tokens: list[int],
@@ -93,9 +95,10 @@ def llama_server_sides(binary: Path, workdir: Path, common: Common, parallel: in
 
 
 def compare_speculative(common: Common, streams: list[int], num_tokens: list[int], draft_model: Path | None = None,
-                        llama_server: Path | None = None) -> str:
+                        llama_server: Path | None = None, policies: list[str] = ("goodput",), weights: str = "auto") -> str:
     """No speculation against ``ngram`` (and, with ``draft_model``, ``draft``) with each K in
-    ``num_tokens``, at each stream count, on both workloads (module docstring), and with
+    ``num_tokens`` and each ``--speculative-policy`` in ``policies``, at each stream count, on both
+    workloads (module docstring), every stageserve side with ``--weights weights``, and with
     ``llama_server`` that server without and with its own prompt lookup; returns Markdown."""
     tokenize = local_tokenize(common.model_path)
     # Prompts as token ids (the chat template applied here): every side, llama-server's too, reads the same tokens.
@@ -110,9 +113,10 @@ def compare_speculative(common: Common, streams: list[int], num_tokens: list[int
     with tempfile.TemporaryDirectory(prefix="stageserve-bench-") as tmp:
         sides: list[ServicesSide | LlamaServerSide] = []
         try:
-            sides.append(ServicesSide(OFF, Path(tmp), common.model_path, common.model_device_args()))
-            for name, flags in speculative_sides(num_tokens, draft_model):
-                sides.append(ServicesSide(name, Path(tmp), common.model_path, [*common.model_device_args(), *flags]))
+            device_args = [*common.model_device_args(), "--weights", weights]
+            sides.append(ServicesSide(OFF, Path(tmp), common.model_path, device_args))
+            for name, flags in speculative_sides(num_tokens, draft_model, list(policies)):
+                sides.append(ServicesSide(name, Path(tmp), common.model_path, [*device_args, *flags]))
             if llama_server is not None:
                 sides += llama_server_sides(llama_server, Path(tmp), common, max(streams), num_tokens, tokens_per_slot)
             for side in sides:  # warm-up: the first steps of a shape build the kernels' plans
@@ -130,11 +134,11 @@ def compare_speculative(common: Common, streams: list[int], num_tokens: list[int
             for side in sides:
                 side.close()
     _save(common, "compare-speculative", raw)
-    return _table(raw, common, [side_name for side_name in next(iter(raw.values()))])
+    return _table(raw, common, weights, [side_name for side_name in next(iter(raw.values()))])
 
 
-def _table(raw: dict[str, Any], common: Common, names: list[str]) -> str:
-    lines = [f"{common.dtype}, greedy, {common.output_len} output tokens at most per request, median of {common.repeats} interleaved rounds\n",
+def _table(raw: dict[str, Any], common: Common, weights: str, names: list[str]) -> str:
+    lines = [f"{common.dtype}, --weights {weights}, greedy, {common.output_len} output tokens at most per request, median of {common.repeats} interleaved rounds\n",
              "| workload | side | tok/s | x off | ITL p50 (ms) | acceptance | per position |", "|---|---|---:|---:|---:|---:|---|"]
     for label, by_side in raw.items():
         for name in names:

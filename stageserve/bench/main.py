@@ -84,6 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="also run --speculative-method draft with this draft model (GGUF or Hugging Face directory sharing --model's tokenizer) at each K")
     spec.add_argument("--llama-server", type=Path, default=None, metavar="PATH",
                       help=LLAMA_SERVER_HELP + " (without and with its --spec-type ngram-simple at each K)")
+    spec.add_argument("--speculative-policy", nargs="+", default=["goodput"], choices=["goodput", "always"], dest="speculative_policies",
+                      help="run each speculating side with each of these device --speculative-policy values (default goodput)")
+    spec.add_argument("--weights", default="auto", dest="spec_weights", metavar="FORMAT",
+                      help="stageserve device --weights of every stageserve side (default auto; dequantize: every weight in --dtype)")
     sweep.add_argument("--plot", type=Path, default=Path("docs/benchmarks-concurrency.png"), help="PNG path (default %(default)s)")
 
 
@@ -227,7 +231,7 @@ def _run_comparison(args: argparse.Namespace) -> str:
         from stageserve.bench.compare_speculative import compare_speculative
 
         return compare_speculative(common, args.compare_streams, args.num_speculative_tokens, args.draft_model,
-                                   llama_server_program(args.llama_server))
+                                   llama_server_program(args.llama_server), args.speculative_policies, args.spec_weights)
     if args.comparison == "compare-peers":
         return compare.compare_peers(common, args.compare_streams)
     if args.comparison == "compare-weights":

@@ -10,6 +10,7 @@ repetitive prompts get drafts accepted.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -27,10 +28,13 @@ from .conftest import launch
 from .test_generation_api import ABORT, chat, collect, wait_kv_all_free
 from .test_observability import metric, scrape
 
+# `always`: every decode row drafts, so that these tests see drafts whatever this machine's step
+# costs are (the default plans them by cost: test_the_goodput_policy_...).
+ALWAYS = ["--speculative-policy", "always"]
 METHODS = {
-    "ngram": ["--speculative-method", "ngram", "--num-speculative-tokens", "3"],
+    "ngram": ["--speculative-method", "ngram", "--num-speculative-tokens", "3", *ALWAYS],
     # The target as its own draft model: a draft is the target's greedy token, so at temperature 0 all are accepted.
-    "draft": ["--speculative-method", "draft", "--draft-model", str(embedded_model_path()), "--num-speculative-tokens", "3"],
+    "draft": ["--speculative-method", "draft", "--draft-model", str(embedded_model_path()), "--num-speculative-tokens", "3", *ALWAYS],
 }
 PASSAGE = "The quick brown fox jumps over the lazy dog near the quiet river bank."
 REPEAT = f"Repeat this sentence exactly, twice: {PASSAGE}"
@@ -218,11 +222,27 @@ def test_a_draft_model_that_is_often_wrong_leaves_the_tokens_exact(tmp_path_fact
         return responses
 
     with ThreadPoolExecutor(2) as pool:
-        plain, speculating = pool.submit(serve, "plain"), pool.submit(serve, "draft", "--speculative-method", "draft", "--draft-model", str(draft))
+        plain, speculating = pool.submit(serve, "plain"), pool.submit(serve, "draft", "--speculative-method", "draft", "--draft-model", str(draft), *ALWAYS)
         results = {"plain": plain.result(), "draft": speculating.result()}
     assert [list(r.token_ids) for r in results["draft"]] == [list(r.token_ids) for r in results["plain"]]
     drafted, accepted = (sum(getattr(r.usage, field) for r in results["draft"]) for field in ("draft_tokens", "accepted_tokens"))
     assert 0 <= accepted < drafted
+
+
+def test_the_goodput_policy_measures_step_costs_plans_drafts_by_them_and_keeps_the_tokens_exact(tmp_path_factory, generation):
+    """The default policy: the device measures its decode-step costs at start-up (logged) and
+    prepare gives a row the drafts its acceptance pays for. Which rows draft depends on this
+    machine's costs at start-up (tests/unit/prepare/test_draft_planner.py checks the choice for
+    given costs); the tokens never do."""
+    for pipeline, stub in start(tmp_path_factory, "speculative-goodput", "--speculative-method", "ngram", "--num-speculative-tokens", "3"):
+        fields = dict(temperature=0.0, max_tokens=48)
+        results = {prompt: generate(stub, prompt, **fields) for prompt in (REPEAT, PROMPTS[2])}
+        log = pipeline.device.log_path.read_text()
+    costs = re.search(r"decode step costs \(ms, rows x drafts per row\): (.*)", log)
+    assert costs and "1x0 " in costs.group(1) and "1x3 " in costs.group(1), log[-3000:]
+    for prompt, result in results.items():
+        assert list(result.token_ids) == list(reference(generation, prompt, **fields).token_ids), prompt
+        assert 0 <= result.usage.accepted_tokens <= result.usage.draft_tokens
 
 
 def device_exit(*flags: str) -> tuple[int, list[str]]:

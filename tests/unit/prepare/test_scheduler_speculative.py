@@ -3,7 +3,6 @@ and the real counts learnt from published events (no gRPC, no device)."""
 
 from __future__ import annotations
 
-from stageserve.prepare.draft_governor import FIRST_PAUSE_ROWS, WINDOW_DRAFTS, DraftGovernor
 from stageserve.v1 import common_pb2
 
 from .test_scheduler import LENGTH, event, make_request, make_scheduler, publish, rows
@@ -63,18 +62,3 @@ def test_penalised_requests_never_draft_and_devices_without_speculation_get_no_f
     plain.schedule()
     step = plain.schedule()
     assert step.num_draft_tokens == [] and rows(step) == [("a", 2, 1, True)]
-
-
-def test_governor_pauses_a_sequence_whose_drafts_are_rarely_accepted_and_probes_again():
-    governor = DraftGovernor(3)
-    drafted = 0
-    while drafted < WINDOW_DRAFTS:  # a whole window asked, nothing accepted
-        assert governor.next_row() == 3
-        drafted += 3
-        governor.observe(3, drafted, 0)
-    assert [governor.next_row() for _ in range(FIRST_PAUSE_ROWS)] == [0] * FIRST_PAUSE_ROWS
-    assert governor.next_row() == 3
-    good = DraftGovernor(3)
-    for i in range(1, 20):
-        good.observe(3, 3 * i, 2 * i)
-        assert good.next_row() == 3

@@ -1,0 +1,220 @@
+"""How many drafts each decode row of a step asks the device's proposer for.
+
+Verifying ``k`` drafts costs ``k`` more entries in the step's forward pass whether the proposer
+found anything or the target accepts it, and what an entry costs depends on the device and on the
+step (on a CPU the few-row quantized kernel makes a one-row step cheap and a six-entry one not; a
+bfloat16 step of a few rows costs about the same at one entry or six). So each step's drafts are
+chosen to maximise its expected tokens per second (SmartSpec's goodput, Liu et al. 2024,
+"Optimizing Speculative Decoding for Serving Large Language Models Using Goodput", there with one
+draft length per batch; here per row):
+
+- each sequence's **acceptance** ``a`` (`AcceptanceEstimate`): the probability that a draft is
+  accepted when the drafts before it were, estimated from its published rows (successes over
+  trials, exponentially decayed so that a request whose output starts or stops following its
+  prompt is followed), with the scheduler-wide estimate as the prior of a new sequence. Under that
+  model draft ``j`` of a row adds ``a ** j`` expected tokens (Leviathan et al. 2023, section 3.1);
+- the step's **cost** (`StepCostModel`): the device's decode-step times by rows and drafts per row,
+  measured at its start-up (``device/step_costs.py``, carried in ``AttachReply.step_costs``);
+- the planner takes drafts in order of expected gain and keeps the number that gives the most
+  expected tokens (decode rows plus accepted drafts) per second; none where no number pays.
+
+A sequence that has not drafted for a while **probes**: its next row asks for one draft (the
+cheapest measurement of its acceptance), after 16 rows without drafts, doubling after each probe
+that did not lead to drafting, up to 256; so a request whose output turns repetitive is noticed.
+
+A device without measured costs (``--speculative-policy always``) gets ``K`` drafts on every row.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stageserve.prepare.validation import GenerationRequest
+    from stageserve.v1 import device_pb2
+
+DECAY = 0.9  # per published drafting row: a sequence's acceptance follows its last ~10 rows
+PRIOR_DECAY = 0.99  # the scheduler-wide estimate follows the last ~100 drafting rows of all sequences
+PRIOR_TRIALS = 2.0  # weight of the scheduler-wide acceptance in a sequence's estimate
+FIRST_ACCEPTANCE = 0.5  # the scheduler-wide prior before any row was published
+FIRST_PROBE_ROWS = 16
+MAX_PROBE_ROWS = 256
+MIN_GAIN = 0.01  # expected tokens below which a draft is not considered
+
+
+@dataclass(slots=True)
+class AcceptanceEstimate:
+    """Decayed counts of accepted drafts (successes) and of drafts that were judged (trials).
+
+    A row that asked for ``k`` drafts and had ``m`` accepted judged ``m + 1`` of them when
+    ``m < k`` (the first rejected one ends the run) and ``k`` when all were accepted; the maximum
+    likelihood acceptance of a geometric run is successes / trials.
+    """
+
+    successes: float = 0.0
+    trials: float = 0.0
+    decay: float = DECAY  # of both counts per observed row
+
+    def observe(self, asked: int, accepted: int) -> None:
+        """A published row that asked for ``asked`` drafts, ``accepted`` of them accepted."""
+        self.successes = self.decay * self.successes + accepted
+        self.trials = self.decay * self.trials + accepted + (accepted < asked)
+
+    def rate(self, prior: float) -> float:
+        """The acceptance, with ``prior`` weighing as `PRIOR_TRIALS` trials."""
+        return (self.successes + PRIOR_TRIALS * prior) / (self.trials + PRIOR_TRIALS)
+
+
+@dataclass(slots=True)
+class SequenceDrafts:
+    """One sequence's drafting state (not thread-safe; the scheduler's lock).
+
+    Attributes:
+        max_drafts: the device's K, or 0 when the request's sampling forbids drafts (`may_draft`).
+        acceptance: its `AcceptanceEstimate`.
+        rows_without_drafts: decode rows planned since it last asked for drafts.
+        probe_after: ``rows_without_drafts`` at which its next row probes.
+    """
+
+    max_drafts: int
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    rows_without_drafts: int = 0
+    probe_after: int = FIRST_PROBE_ROWS
+
+
+class StepCostModel:
+    """A decode step's seconds by decode rows and drafts, from the device's measurements.
+
+    The measured table is made monotone (a step never costs less for more rows or drafts: the
+    median of a few runs can dip); between measured row counts the time is interpolated linearly,
+    past the largest it grows in proportion to the rows; a step of ``rows`` rows carrying
+    ``drafts`` drafts in all costs as ``rows`` rows of ``drafts / rows`` drafts each, interpolated.
+    """
+
+    def __init__(self, costs: list[device_pb2.StepCost]) -> None:
+        self.rows = sorted({cost.rows for cost in costs})
+        self.max_drafts = max(cost.drafts for cost in costs)
+        table = {(cost.rows, cost.drafts): cost.seconds for cost in costs}
+        self.seconds: list[list[float]] = []
+        for i, rows in enumerate(self.rows):
+            line = [table[rows, k] for k in range(self.max_drafts + 1)]
+            for k in range(1, len(line)):
+                line[k] = max(line[k], line[k - 1])
+            if i:
+                line = [max(value, below) for value, below in zip(line, self.seconds[-1])]
+            self.seconds.append(line)
+
+    @classmethod
+    def from_attach(cls, reply: device_pb2.AttachReply) -> StepCostModel | None:
+        """The model of ``reply.step_costs``; ``None`` when the device measured none."""
+        costs = list(reply.step_costs)
+        rows = {cost.rows for cost in costs}
+        drafts = {cost.drafts for cost in costs}
+        if not costs or len(costs) != len(rows) * len(drafts) or drafts != set(range(max(drafts) + 1)):
+            return None
+        return cls(costs)
+
+    def seconds_by_drafts(self, rows: int) -> list[float]:
+        """Seconds of a decode step of ``rows`` >= 1 rows by drafts per row, ``[0, max_drafts]``."""
+        i = bisect.bisect_left(self.rows, rows)
+        if i < len(self.rows) and self.rows[i] == rows:
+            return self.seconds[i]
+        if i == 0:
+            return self.seconds[0]
+        if i == len(self.rows):
+            return [value * rows / self.rows[-1] for value in self.seconds[-1]]
+        r0, r1 = self.rows[i - 1], self.rows[i]
+        return [low + (high - low) * (rows - r0) / (r1 - r0) for low, high in zip(self.seconds[i - 1], self.seconds[i])]
+
+    def step_seconds(self, by_drafts: list[float], rows: int, drafts: int) -> float:
+        """Seconds of a step of ``rows`` rows carrying ``drafts`` drafts in all, from its
+        `seconds_by_drafts` line (interpolated at ``drafts / rows`` per row)."""
+        per_row = min(drafts / rows, self.max_drafts)
+        low = int(per_row)
+        high = min(low + 1, self.max_drafts)
+        return by_drafts[low] + (by_drafts[high] - by_drafts[low]) * (per_row - low)
+
+
+class DraftPlanner:
+    """Chooses every decode row's drafts for a step (module docstring).
+
+    Args:
+        costs: the device's `StepCostModel`; ``None``: every row asks for as many as it may.
+    """
+
+    def __init__(self, costs: StepCostModel | None) -> None:
+        self.costs = costs
+        self.acceptance = AcceptanceEstimate(decay=PRIOR_DECAY)  # over every sequence: each one's prior
+
+    def plan(self, rows: list[tuple[SequenceDrafts, int]], spare: int) -> list[int]:
+        """Drafts for each of a step's decode rows, given as ``(drafts state, cap)`` (``cap``: the
+        drafts the row may carry before passing ``max_tokens``); ``spare``: the step's budget
+        tokens left after every decode row has its one."""
+        caps = [max(0, min(state.max_drafts, cap)) for state, cap in rows]
+        if self.costs is None or not rows:
+            return self._in_order(caps, spare)
+        prior = self.acceptance.rate(FIRST_ACCEPTANCE)
+        chosen = [0] * len(rows)
+        probes = set()
+        gains = []  # (expected tokens the draft adds, row)
+        for i, ((state, _), cap) in enumerate(zip(rows, caps)):
+            if not cap:
+                continue
+            if state.rows_without_drafts >= state.probe_after and len(probes) < spare:
+                chosen[i] = 1
+                probes.add(i)
+                continue
+            rate = state.acceptance.rate(prior)
+            gains += [(rate ** j, i) for j in range(1, cap + 1) if rate ** j >= MIN_GAIN]
+        gains.sort(key=lambda gain: -gain[0])
+        by_drafts = self.costs.seconds_by_drafts(len(rows))
+        best = len(rows) / self.costs.step_seconds(by_drafts, len(rows), len(probes))
+        best_n, tokens = 0, 0.0
+        for n, (gain, _) in enumerate(gains[: spare - len(probes)], start=1):
+            tokens += gain
+            goodput = (len(rows) + tokens) / self.costs.step_seconds(by_drafts, len(rows), len(probes) + n)
+            if goodput > best:
+                best, best_n = goodput, n
+        for _, i in gains[:best_n]:
+            chosen[i] += 1
+        for i, ((state, _), k, cap) in enumerate(zip(rows, chosen, caps)):
+            if cap:
+                _note_planned(state, k, probe=i in probes)
+        return chosen
+
+    def observe(self, state: SequenceDrafts, asked: int, accepted: int) -> None:
+        """A published decode row of ``state``'s sequence that asked for ``asked`` drafts and had
+        ``accepted`` accepted."""
+        if asked:
+            state.acceptance.observe(asked, accepted)
+            self.acceptance.observe(asked, accepted)
+
+    @staticmethod
+    def _in_order(caps: list[int], spare: int) -> list[int]:
+        chosen = []
+        for cap in caps:
+            chosen.append(min(cap, spare))
+            spare -= chosen[-1]
+        return chosen
+
+
+def _note_planned(state: SequenceDrafts, drafts: int, probe: bool) -> None:
+    """Advance ``state``'s probe schedule after a row of it with ``drafts`` drafts was planned."""
+    if drafts == 0:
+        state.rows_without_drafts += 1
+    else:
+        state.rows_without_drafts = 0
+        # A forced probe: the next one waits twice as long, unless drafting resumes first.
+        state.probe_after = min(2 * state.probe_after, MAX_PROBE_ROWS) if probe else FIRST_PROBE_ROWS
+
+
+def may_draft(request: GenerationRequest) -> bool:
+    """Whether a request's rows may carry drafts: not with a repetition, presence or frequency
+    penalty, whose logits at a draft's position would depend on the drafts before it (the device
+    refuses such rows), nor with a constraint, whose mask at a draft's position would depend on the
+    drafts before it (the device masks one entry per constrained row)."""
+    sampling = request.sampling
+    penalised = sampling.repetition_penalty != 1.0 or sampling.presence_penalty != 0.0 or sampling.frequency_penalty != 0.0
+    return not penalised and request.constraint is None

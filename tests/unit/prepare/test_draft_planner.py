@@ -1,0 +1,92 @@
+"""The draft planner: each decode row's drafts chosen by expected tokens per second, from the
+sequences' acceptance and the device's measured step costs (no gRPC, no device)."""
+
+from __future__ import annotations
+
+import pytest
+
+from stageserve.prepare.draft_planner import FIRST_PROBE_ROWS, AcceptanceEstimate, DraftPlanner, SequenceDrafts, StepCostModel
+from stageserve.v1 import device_pb2
+
+from .test_scheduler import event, make_request, make_scheduler, publish
+
+K = 3
+
+
+def cost_model(seconds) -> StepCostModel:
+    """``seconds(rows, drafts)`` tabled at 1, 2, 4, 8 rows and 0..K drafts per row."""
+    return StepCostModel([device_pb2.StepCost(rows=r, drafts=k, seconds=seconds(r, k)) for r in (1, 2, 4, 8) for k in range(K + 1)])
+
+
+FLAT = cost_model(lambda rows, drafts: 0.010)  # bound by the weight stream: entries are free
+STEEP = cost_model(lambda rows, drafts: 0.010 * rows * (1 + 0.5 * drafts))  # each draft costs half a row
+MILD = cost_model(lambda rows, drafts: 0.010 * rows * (1 + 0.1 * drafts))
+
+
+def sequence(rate: float) -> SequenceDrafts:
+    """A sequence whose estimate has seen many rows accepting ``rate`` of its drafts."""
+    state = SequenceDrafts(K)
+    state.acceptance = AcceptanceEstimate(successes=100 * rate, trials=100.0)
+    return state
+
+
+def test_the_cost_model_is_monotone_interpolates_between_rows_and_extrapolates_past_them():
+    noisy = StepCostModel([device_pb2.StepCost(rows=r, drafts=k, seconds=s) for r, k, s in
+                           [(1, 0, 1.0), (1, 1, 0.9), (4, 0, 2.0), (4, 1, 4.0)]])
+    assert noisy.seconds == [[1.0, 1.0], [2.0, 4.0]]  # the dip at (1, 1) raised to (1, 0)
+    assert noisy.seconds_by_drafts(2) == pytest.approx([4 / 3, 2.0])
+    assert noisy.seconds_by_drafts(8) == [4.0, 8.0]
+    assert noisy.step_seconds(noisy.seconds_by_drafts(4), 4, 2) == pytest.approx(3.0)  # half a draft per row
+    reply = device_pb2.AttachReply(step_costs=[device_pb2.StepCost(rows=1, drafts=1, seconds=1.0)])
+    assert StepCostModel.from_attach(reply) is None  # no 0-draft measurement: not a table
+    assert StepCostModel.from_attach(device_pb2.AttachReply()) is None
+
+
+def test_where_entries_are_free_every_accepting_row_drafts_fully():
+    planner = DraftPlanner(FLAT)
+    assert planner.plan([(sequence(0.6), K), (sequence(0.3), K)], spare=100) == [K, K]
+
+
+def test_where_drafts_are_dear_only_rows_that_are_usually_accepted_draft():
+    planner = DraftPlanner(STEEP)
+    assert planner.plan([(sequence(0.9), K), (sequence(0.1), K), (sequence(0.9), K)], spare=100) == [K, 0, K]
+    assert planner.plan([(sequence(0.1), K)], spare=100) == [0]
+
+
+def test_caps_the_budget_and_sampling_that_forbids_drafts_are_kept():
+    planner = DraftPlanner(FLAT)
+    forbidden = SequenceDrafts(0)
+    assert planner.plan([(sequence(0.9), 1), (forbidden, K), (sequence(0.9), K)], spare=2) == [1, 0, 1]
+    assert DraftPlanner(None).plan([(sequence(0.0), K), (sequence(0.0), 2)], spare=4) == [K, 1]  # without costs: in order, all asked
+
+
+def test_a_sequence_that_does_not_draft_probes_with_one_draft_and_then_waits_twice_as_long():
+    planner = DraftPlanner(STEEP)
+    state = sequence(0.05)
+    planned = [planner.plan([(state, K)], spare=100)[0] for _ in range(FIRST_PROBE_ROWS + 1 + 2 * FIRST_PROBE_ROWS + 1)]
+    assert planned.index(1) == FIRST_PROBE_ROWS and planned.count(1) == 2
+    assert planned[-1] == 1 and sum(planned) == 2  # the second probe after twice the rows
+
+
+def test_accepted_drafts_raise_the_estimate_and_rejected_ones_lower_it():
+    planner = DraftPlanner(STEEP)
+    state = SequenceDrafts(K)
+    for _ in range(20):
+        planner.observe(state, K, 0)
+    assert state.acceptance.rate(0.5) < 0.1 and planner.plan([(state, K)], spare=100) == [0]
+    for _ in range(20):
+        planner.observe(state, K, K)
+    assert state.acceptance.rate(0.5) > 0.9 and planner.plan([(state, K)], spare=100) == [K]
+    assert 0.1 < planner.acceptance.rate(0.5) < 0.9  # the scheduler-wide prior remembers both
+
+
+def test_the_scheduler_plans_drafts_from_published_acceptance():
+    scheduler = make_scheduler(num_speculative_tokens=K, max_step_tokens=32, step_costs=MILD)
+    scheduler.add_request(make_request("a", prompt_tokens=4, max_tokens=200))
+    publish(scheduler, prefill := scheduler.schedule(), event(prefill, "a", tokens=[7]))
+    asked = []
+    for _ in range(12):  # every draft rejected
+        step = scheduler.schedule()
+        asked.append(step.num_draft_tokens[0])
+        publish(scheduler, step, event(step, "a", tokens=[8]))
+    assert asked[0] > 0 and asked[-1] == 0  # the first prior (0.5) drafts; rejections stop it
