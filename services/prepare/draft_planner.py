@@ -8,11 +8,12 @@ chosen to maximise its expected tokens per second (SmartSpec's goodput, Liu et a
 "Optimizing Speculative Decoding for Serving Large Language Models Using Goodput", there with one
 draft length per batch; here per row):
 
-- each sequence's **acceptance** ``a`` (`AcceptanceEstimate`): the probability that a draft is
-  accepted when the drafts before it were, estimated from its published rows (successes over
-  trials, exponentially decayed so that a request whose output starts or stops following its
-  prompt is followed), with the scheduler-wide estimate as the prior of a new sequence. Under that
-  model draft ``j`` of a row adds ``a ** j`` expected tokens (Leviathan et al. 2023, section 3.1);
+- each sequence's **acceptance** (`AcceptanceEstimate`): per draft position ``j``, the share of its
+  rows asking for at least ``j`` drafts whose first ``j`` were all accepted, i.e. the expected
+  tokens that draft ``j`` adds (Leviathan et al. 2023, section 3.1, without their assumption of one
+  acceptance rate for every position: a prompt-lookup draft that is right tends to stay right).
+  The counts decay exponentially, so that a request whose output starts or stops following its
+  prompt is followed, and the scheduler-wide estimate is each sequence's prior;
 - the step's **cost** (`StepCostModel`): the device's decode-step times by rows and drafts per row,
   measured at its start-up (``device/step_costs.py``, carried in ``AttachReply.step_costs``);
 - the planner takes drafts in order of expected gain and keeps the number that gives the most
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 DECAY = 0.9  # per published drafting row: a sequence's acceptance follows its last ~10 rows
 PRIOR_DECAY = 0.99  # the scheduler-wide estimate follows the last ~100 drafting rows of all sequences
 PRIOR_TRIALS = 2.0  # weight of the scheduler-wide acceptance in a sequence's estimate
-FIRST_ACCEPTANCE = 0.5  # the scheduler-wide prior before any row was published
+FIRST_ACCEPTANCE = 0.5  # the scheduler-wide prior before any row was published: draft j adds 0.5 ** (j + 1)
 FIRST_PROBE_ROWS = 16
 MAX_PROBE_ROWS = 256
 MIN_GAIN = 0.01  # expected tokens below which a draft is not considered
@@ -46,25 +47,38 @@ MIN_GAIN = 0.01  # expected tokens below which a draft is not considered
 
 @dataclass(slots=True)
 class AcceptanceEstimate:
-    """Decayed counts of accepted drafts (successes) and of drafts that were judged (trials).
+    """Per draft position ``j`` (0 = the first): decayed counts of the published rows that asked for
+    more than ``j`` drafts (``trials[j]``) and of those that had more than ``j`` accepted
+    (``successes[j]``). A row only updates the positions it asked for.
 
-    A row that asked for ``k`` drafts and had ``m`` accepted judged ``m + 1`` of them when
-    ``m < k`` (the first rejected one ends the run) and ``k`` when all were accepted; the maximum
-    likelihood acceptance of a geometric run is successes / trials.
+    Args:
+        max_drafts: positions tracked (the device's K).
+        decay: factor of a position's counts per row that updates it.
     """
 
-    successes: float = 0.0
-    trials: float = 0.0
-    decay: float = DECAY  # of both counts per observed row
+    successes: list[float]
+    trials: list[float]
+    decay: float
+
+    @classmethod
+    def empty(cls, max_drafts: int, decay: float = DECAY) -> AcceptanceEstimate:
+        return cls([0.0] * max_drafts, [0.0] * max_drafts, decay)
 
     def observe(self, asked: int, accepted: int) -> None:
         """A published row that asked for ``asked`` drafts, ``accepted`` of them accepted."""
-        self.successes = self.decay * self.successes + accepted
-        self.trials = self.decay * self.trials + accepted + (accepted < asked)
+        for j in range(min(asked, len(self.trials))):
+            self.trials[j] = self.decay * self.trials[j] + 1.0
+            self.successes[j] = self.decay * self.successes[j] + (accepted > j)
 
-    def rate(self, prior: float) -> float:
-        """The acceptance, with ``prior`` weighing as `PRIOR_TRIALS` trials."""
-        return (self.successes + PRIOR_TRIALS * prior) / (self.trials + PRIOR_TRIALS)
+    def gains(self, prior: list[float]) -> list[float]:
+        """Expected tokens each draft position adds, with ``prior``'s value at each position
+        weighing as `PRIOR_TRIALS` rows; never rising with the position (a draft is accepted only
+        after every one before it)."""
+        gains, bound = [], 1.0
+        for s, t, p in zip(self.successes, self.trials, prior):
+            bound = min(bound, (s + PRIOR_TRIALS * p) / (t + PRIOR_TRIALS))
+            gains.append(bound)
+        return gains
 
 
 @dataclass(slots=True)
@@ -79,9 +93,13 @@ class SequenceDrafts:
     """
 
     max_drafts: int
-    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    acceptance: AcceptanceEstimate = None  # type: ignore[assignment]  # set in __post_init__
     rows_without_drafts: int = 0
     probe_after: int = FIRST_PROBE_ROWS
+
+    def __post_init__(self) -> None:
+        if self.acceptance is None:
+            self.acceptance = AcceptanceEstimate.empty(self.max_drafts)
 
 
 class StepCostModel:
@@ -141,12 +159,14 @@ class DraftPlanner:
     """Chooses every decode row's drafts for a step (module docstring).
 
     Args:
+        max_drafts: the device's K.
         costs: the device's `StepCostModel`; ``None``: every row asks for as many as it may.
     """
 
-    def __init__(self, costs: StepCostModel | None) -> None:
+    def __init__(self, max_drafts: int, costs: StepCostModel | None) -> None:
         self.costs = costs
-        self.acceptance = AcceptanceEstimate(decay=PRIOR_DECAY)  # over every sequence: each one's prior
+        self.acceptance = AcceptanceEstimate.empty(max_drafts, PRIOR_DECAY)  # over every sequence: each one's prior
+        self._first_prior = [FIRST_ACCEPTANCE ** (j + 1) for j in range(max_drafts)]
 
     def plan(self, rows: list[tuple[SequenceDrafts, int]], spare: int) -> list[int]:
         """Drafts for each of a step's decode rows, given as ``(drafts state, cap)`` (``cap``: the
@@ -155,7 +175,7 @@ class DraftPlanner:
         caps = [max(0, min(state.max_drafts, cap)) for state, cap in rows]
         if self.costs is None or not rows:
             return self._in_order(caps, spare)
-        prior = self.acceptance.rate(FIRST_ACCEPTANCE)
+        prior = self.acceptance.gains(self._first_prior)
         chosen = [0] * len(rows)
         probes = set()
         gains = []  # (expected tokens the draft adds, row)
@@ -166,8 +186,7 @@ class DraftPlanner:
                 chosen[i] = 1
                 probes.add(i)
                 continue
-            rate = state.acceptance.rate(prior)
-            gains += [(rate ** j, i) for j in range(1, cap + 1) if rate ** j >= MIN_GAIN]
+            gains += [(gain, i) for gain in state.acceptance.gains(prior)[:cap] if gain >= MIN_GAIN]
         gains.sort(key=lambda gain: -gain[0])
         by_drafts = self.costs.seconds_by_drafts(len(rows))
         best = len(rows) / self.costs.step_seconds(by_drafts, len(rows), len(probes))
