@@ -103,48 +103,79 @@ class SequenceDrafts:
 
 
 class StepCostModel:
-    """A decode step's seconds by decode rows and drafts, from the device's measurements.
+    """A decode step's seconds by decode rows, drafts and context, from the device's measurements.
 
-    The measured table is made monotone (a step never costs less for more rows or drafts: the
-    median of a few runs can dip); between measured row counts the time is interpolated linearly,
-    past the largest it grows in proportion to the rows; a step of ``rows`` rows carrying
-    ``drafts`` drafts in all costs as ``rows`` rows of ``drafts / rows`` drafts each, interpolated.
+    The table measured at the short context is made monotone (a step never costs less for more rows
+    or drafts: the median of a few runs can dip); between measured row counts the time is
+    interpolated linearly, past the largest it grows in proportion to the rows; a step of ``rows``
+    rows carrying ``drafts`` drafts in all costs as ``rows`` rows of ``drafts / rows`` drafts each,
+    interpolated. Each context token past the short context adds ``per_row + per_entry * (1 + k)``
+    seconds per row of ``k`` drafts (every entry attends to the row's context; the entries of one
+    row find it in cache after the first), fitted by least squares over ``k`` to the line measured
+    at a long context, neither below 0; without that line the context adds nothing.
     """
 
     def __init__(self, costs: list[device_pb2.StepCost]) -> None:
-        self.rows = sorted({cost.rows for cost in costs})
-        self.max_drafts = max(cost.drafts for cost in costs)
-        table = {(cost.rows, cost.drafts): cost.seconds for cost in costs}
+        self.context = min(cost.context_tokens for cost in costs)
+        base = {(cost.rows, cost.drafts): cost.seconds for cost in costs if cost.context_tokens == self.context}
+        self.rows = sorted({rows for rows, _ in base})
+        self.max_drafts = max(drafts for _, drafts in base)
         self.seconds: list[list[float]] = []
         for i, rows in enumerate(self.rows):
-            line = [table[rows, k] for k in range(self.max_drafts + 1)]
+            line = [base[rows, k] for k in range(self.max_drafts + 1)]
             for k in range(1, len(line)):
                 line[k] = max(line[k], line[k - 1])
             if i:
                 line = [max(value, below) for value, below in zip(line, self.seconds[-1])]
             self.seconds.append(line)
+        self.per_row, self.per_entry = self._context_cost(base, [cost for cost in costs if cost.context_tokens != self.context])
+
+    def _context_cost(self, base: dict[tuple[int, int], float], long: list[device_pb2.StepCost]) -> tuple[float, float]:
+        """``(per_row, per_entry)`` seconds per context token (class docstring); ``(0, 0)`` without a long line."""
+        if not long:
+            return 0.0, 0.0
+        x = [1.0 + cost.drafts for cost in long]
+        y = [(cost.seconds - base[cost.rows, cost.drafts]) / (cost.rows * (cost.context_tokens - self.context)) for cost in long]
+        mean_x, mean_y = sum(x) / len(x), sum(y) / len(y)
+        spread = sum((v - mean_x) ** 2 for v in x)
+        slope = sum((u - mean_x) * (v - mean_y) for u, v in zip(x, y)) / spread if spread else 0.0
+        if slope <= 0:
+            return max(0.0, mean_y), 0.0
+        if mean_y - slope * mean_x < 0:
+            return 0.0, max(0.0, sum(u * v for u, v in zip(x, y)) / sum(u * u for u in x))
+        return mean_y - slope * mean_x, slope
 
     @classmethod
     def from_attach(cls, reply: device_pb2.AttachReply) -> StepCostModel | None:
-        """The model of ``reply.step_costs``; ``None`` when the device measured none."""
+        """The model of ``reply.step_costs``; ``None`` when the device measured none (or not a whole
+        table at its shortest context: rows x drafts 0..K)."""
         costs = list(reply.step_costs)
-        rows = {cost.rows for cost in costs}
-        drafts = {cost.drafts for cost in costs}
-        if not costs or len(costs) != len(rows) * len(drafts) or drafts != set(range(max(drafts) + 1)):
+        if not costs:
+            return None
+        short = min(cost.context_tokens for cost in costs)
+        base = {(cost.rows, cost.drafts) for cost in costs if cost.context_tokens == short}
+        rows, drafts = {r for r, _ in base}, {k for _, k in base}
+        if len(base) != len(rows) * len(drafts) or drafts != set(range(max(drafts) + 1)):
+            return None
+        if any((cost.rows, cost.drafts) not in base for cost in costs):
             return None
         return cls(costs)
 
-    def seconds_by_drafts(self, rows: int) -> list[float]:
-        """Seconds of a decode step of ``rows`` >= 1 rows by drafts per row, ``[0, max_drafts]``."""
+    def seconds_by_drafts(self, rows: int, context: float) -> list[float]:
+        """Seconds of a decode step of ``rows`` >= 1 rows of ``context`` tokens on average, by
+        drafts per row, ``[0, max_drafts]``."""
         i = bisect.bisect_left(self.rows, rows)
         if i < len(self.rows) and self.rows[i] == rows:
-            return self.seconds[i]
-        if i == 0:
-            return self.seconds[0]
-        if i == len(self.rows):
-            return [value * rows / self.rows[-1] for value in self.seconds[-1]]
-        r0, r1 = self.rows[i - 1], self.rows[i]
-        return [low + (high - low) * (rows - r0) / (r1 - r0) for low, high in zip(self.seconds[i - 1], self.seconds[i])]
+            line = self.seconds[i]
+        elif i == 0:
+            line = self.seconds[0]
+        elif i == len(self.rows):
+            line = [value * rows / self.rows[-1] for value in self.seconds[-1]]
+        else:
+            r0, r1 = self.rows[i - 1], self.rows[i]
+            line = [low + (high - low) * (rows - r0) / (r1 - r0) for low, high in zip(self.seconds[i - 1], self.seconds[i])]
+        extra = max(0.0, context - self.context) * rows
+        return [value + extra * (self.per_row + self.per_entry * (1 + k)) for k, value in enumerate(line)]
 
     def step_seconds(self, by_drafts: list[float], rows: int, drafts: int) -> float:
         """Seconds of a step of ``rows`` rows carrying ``drafts`` drafts in all, from its
@@ -168,10 +199,10 @@ class DraftPlanner:
         self.acceptance = AcceptanceEstimate.empty(max_drafts, PRIOR_DECAY)  # over every sequence: each one's prior
         self._first_prior = [FIRST_ACCEPTANCE ** (j + 1) for j in range(max_drafts)]
 
-    def plan(self, rows: list[tuple[SequenceDrafts, int]], spare: int) -> list[int]:
+    def plan(self, rows: list[tuple[SequenceDrafts, int]], spare: int, context: float = 0.0) -> list[int]:
         """Drafts for each of a step's decode rows, given as ``(drafts state, cap)`` (``cap``: the
         drafts the row may carry before passing ``max_tokens``); ``spare``: the step's budget
-        tokens left after every decode row has its one."""
+        tokens left after every decode row has its one; ``context``: the rows' mean KV tokens."""
         caps = [max(0, min(state.max_drafts, cap)) for state, cap in rows]
         if self.costs is None or not rows:
             return self._in_order(caps, spare)
@@ -188,7 +219,7 @@ class DraftPlanner:
                 continue
             gains += [(gain, i) for gain in state.acceptance.gains(prior)[:cap] if gain >= MIN_GAIN]
         gains.sort(key=lambda gain: -gain[0])
-        by_drafts = self.costs.seconds_by_drafts(len(rows))
+        by_drafts = self.costs.seconds_by_drafts(len(rows), context)
         best = len(rows) / self.costs.step_seconds(by_drafts, len(rows), len(probes))
         best_n, tokens = 0, 0.0
         for n, (gain, _) in enumerate(gains[: spare - len(probes)], start=1):

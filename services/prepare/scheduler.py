@@ -283,7 +283,8 @@ class Scheduler:
         drafts = [0] * len(decoding)
         if self.config.num_speculative_tokens:
             spare = budget - len(decoding)  # budget tokens left for drafts once every row has its one
-            drafts = self._draft_planner.plan([(seq.drafts, self._draft_room(seq)) for seq in decoding], spare)
+            context = sum(seq.num_kv_tokens for seq in decoding) / len(decoding) if decoding else 0.0
+            drafts = self._draft_planner.plan([(seq.drafts, self._draft_room(seq)) for seq in decoding], spare, context)
         for seq, k in zip(decoding, drafts):
             budget -= self._add_row(step, seq, 1, k)
         return budget

@@ -50,14 +50,16 @@ class AttachReply(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., pipeline_depth: _Optional[int] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., dispatch: _Optional[str] = ..., instance_id: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., speculative_method: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ...) -> None: ...
 
 class StepCost(_message.Message):
-    __slots__ = ("rows", "drafts", "seconds")
+    __slots__ = ("rows", "drafts", "seconds", "context_tokens")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rows: int
     drafts: int
     seconds: float
-    def __init__(self, rows: _Optional[int] = ..., drafts: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    context_tokens: int
+    def __init__(self, rows: _Optional[int] = ..., drafts: _Optional[int] = ..., seconds: _Optional[float] = ..., context_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "started", "finished", "seq_index", "generation", "start_pos", "num_tokens", "token_ids", "sample", "num_new_blocks", "new_block_ids", "aborted", "num_draft_tokens")

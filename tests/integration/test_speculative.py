@@ -238,8 +238,8 @@ def test_the_goodput_policy_measures_step_costs_plans_drafts_by_them_and_keeps_t
         fields = dict(temperature=0.0, max_tokens=48)
         results = {prompt: generate(stub, prompt, **fields) for prompt in (REPEAT, PROMPTS[2])}
         log = pipeline.device.log_path.read_text()
-    costs = re.search(r"decode step costs \(ms, rows x drafts per row\): (.*)", log)
-    assert costs and "1x0 " in costs.group(1) and "1x3 " in costs.group(1), log[-3000:]
+    costs = re.search(r"decode step costs \(ms, rows x drafts per row @ context tokens\): (.*)", log)
+    assert costs and all(f"{point} " in costs.group(1) for point in ("1x0@8", "1x3@8", "8x3@8", "8x0@256", "8x3@256")), log[-3000:]
     for prompt, result in results.items():
         assert list(result.token_ids) == list(reference(generation, prompt, **fields).token_ids), prompt
         assert 0 <= result.usage.accepted_tokens <= result.usage.draft_tokens

@@ -33,9 +33,21 @@ def test_the_cost_model_is_monotone_interpolates_between_rows_and_extrapolates_p
     noisy = StepCostModel([device_pb2.StepCost(rows=r, drafts=k, seconds=s) for r, k, s in
                            [(1, 0, 1.0), (1, 1, 0.9), (4, 0, 2.0), (4, 1, 4.0)]])
     assert noisy.seconds == [[1.0, 1.0], [2.0, 4.0]]  # the dip at (1, 1) raised to (1, 0)
-    assert noisy.seconds_by_drafts(2) == pytest.approx([4 / 3, 2.0])
-    assert noisy.seconds_by_drafts(8) == [4.0, 8.0]
-    assert noisy.step_seconds(noisy.seconds_by_drafts(4), 4, 2) == pytest.approx(3.0)  # half a draft per row
+    assert noisy.seconds_by_drafts(2, 0) == pytest.approx([4 / 3, 2.0])
+    assert noisy.seconds_by_drafts(8, 0) == [4.0, 8.0]
+    assert noisy.step_seconds(noisy.seconds_by_drafts(4, 0), 4, 2) == pytest.approx(3.0)  # half a draft per row
+    assert noisy.per_row == noisy.per_entry == 0  # no line at a longer context
+
+
+def test_the_context_adds_a_cost_per_row_and_per_entry_fitted_to_the_long_context_line():
+    def seconds(rows, drafts, context):
+        return 0.010 * rows * (1 + 0.2 * drafts) + context * rows * (2e-6 + 1e-6 * (1 + drafts))
+
+    costs = [device_pb2.StepCost(rows=r, drafts=k, context_tokens=8, seconds=seconds(r, k, 8)) for r in (1, 8) for k in range(K + 1)]
+    costs += [device_pb2.StepCost(rows=8, drafts=k, context_tokens=256, seconds=seconds(8, k, 256)) for k in range(K + 1)]
+    model = StepCostModel.from_attach(device_pb2.AttachReply(step_costs=costs))
+    assert (model.per_row, model.per_entry) == (pytest.approx(2e-6), pytest.approx(1e-6))
+    assert model.seconds_by_drafts(4, 108) == pytest.approx([seconds(4, k, 108) for k in range(K + 1)])
     reply = device_pb2.AttachReply(step_costs=[device_pb2.StepCost(rows=1, drafts=1, seconds=1.0)])
     assert StepCostModel.from_attach(reply) is None  # no 0-draft measurement: not a table
     assert StepCostModel.from_attach(device_pb2.AttachReply()) is None
