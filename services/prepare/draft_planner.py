@@ -8,12 +8,13 @@ chosen to maximise its expected tokens per second (SmartSpec's goodput, Liu et a
 "Optimizing Speculative Decoding for Serving Large Language Models Using Goodput", there with one
 draft length per batch; here per row):
 
-- each sequence's **acceptance** (`AcceptanceEstimate`): per draft position ``j``, the share of its
-  rows asking for at least ``j`` drafts whose first ``j`` were all accepted, i.e. the expected
-  tokens that draft ``j`` adds (Leviathan et al. 2023, section 3.1, without their assumption of one
-  acceptance rate for every position: a prompt-lookup draft that is right tends to stay right).
-  The counts decay exponentially, so that a request whose output starts or stops following its
-  prompt is followed, and the scheduler-wide estimate is each sequence's prior;
+- each sequence's **acceptance** (`AcceptanceEstimate`): per draft position ``j``, the probability
+  that draft ``j`` is accepted when the drafts before it were, from its published rows; draft ``j``
+  adds the product of these up to ``j`` in expected tokens (Leviathan et al. 2023, section 3.1,
+  without their assumption of one rate for every position). A position's prior is the position
+  before it (a prompt-lookup draft that is right tends to stay right), the first one's the
+  scheduler-wide estimate; counts decay exponentially, so that a request whose output starts or
+  stops following its prompt is followed;
 - the step's **cost** (`StepCostModel`): the device's decode-step times by rows and drafts per row,
   measured at its start-up (``device/step_costs.py``, carried in ``AttachReply.step_costs``);
 - the planner takes drafts in order of expected gain and keeps the number that gives the most
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 DECAY = 0.9  # per published drafting row: a sequence's acceptance follows its last ~10 rows
 PRIOR_DECAY = 0.99  # the scheduler-wide estimate follows the last ~100 drafting rows of all sequences
 PRIOR_TRIALS = 2.0  # weight of the scheduler-wide acceptance in a sequence's estimate
-FIRST_ACCEPTANCE = 0.5  # the scheduler-wide prior before any row was published: draft j adds 0.5 ** (j + 1)
+FIRST_ACCEPTANCE = 0.5  # the scheduler-wide prior of a first draft before any row was published
 FIRST_PROBE_ROWS = 16
 MAX_PROBE_ROWS = 256
 MIN_GAIN = 0.01  # expected tokens below which a draft is not considered
@@ -47,9 +48,9 @@ MIN_GAIN = 0.01  # expected tokens below which a draft is not considered
 
 @dataclass(slots=True)
 class AcceptanceEstimate:
-    """Per draft position ``j`` (0 = the first): decayed counts of the published rows that asked for
-    more than ``j`` drafts (``trials[j]``) and of those that had more than ``j`` accepted
-    (``successes[j]``). A row only updates the positions it asked for.
+    """Per draft position ``j`` (0 = the first): decayed counts of the published rows whose drafts
+    before ``j`` were all accepted and that asked for draft ``j`` (``trials[j]``), and of those that
+    had draft ``j`` accepted too (``successes[j]``).
 
     Args:
         max_drafts: positions tracked (the device's K).
@@ -66,18 +67,26 @@ class AcceptanceEstimate:
 
     def observe(self, asked: int, accepted: int) -> None:
         """A published row that asked for ``asked`` drafts, ``accepted`` of them accepted."""
-        for j in range(min(asked, len(self.trials))):
+        for j in range(min(asked, accepted + 1, len(self.trials))):
             self.trials[j] = self.decay * self.trials[j] + 1.0
             self.successes[j] = self.decay * self.successes[j] + (accepted > j)
 
-    def gains(self, prior: list[float]) -> list[float]:
-        """Expected tokens each draft position adds, with ``prior``'s value at each position
-        weighing as `PRIOR_TRIALS` rows; never rising with the position (a draft is accepted only
-        after every one before it)."""
-        gains, bound = [], 1.0
-        for s, t, p in zip(self.successes, self.trials, prior):
-            bound = min(bound, (s + PRIOR_TRIALS * p) / (t + PRIOR_TRIALS))
-            gains.append(bound)
+    def rates(self, first_prior: float) -> list[float]:
+        """Each position's acceptance after the ones before it: successes / trials with `PRIOR_TRIALS`
+        rows of prior, the prior being ``first_prior`` at the first position and the estimate of
+        the position before at the others."""
+        rates, prior = [], first_prior
+        for s, t in zip(self.successes, self.trials):
+            prior = (s + PRIOR_TRIALS * prior) / (t + PRIOR_TRIALS)
+            rates.append(prior)
+        return rates
+
+    def gains(self, first_prior: float) -> list[float]:
+        """Expected tokens each draft position adds: the product of the `rates` up to it."""
+        gains, product = [], 1.0
+        for rate in self.rates(first_prior):
+            product *= rate
+            gains.append(product)
         return gains
 
 
@@ -190,14 +199,12 @@ class DraftPlanner:
     """Chooses every decode row's drafts for a step (module docstring).
 
     Args:
-        max_drafts: the device's K.
         costs: the device's `StepCostModel`; ``None``: every row asks for as many as it may.
     """
 
-    def __init__(self, max_drafts: int, costs: StepCostModel | None) -> None:
+    def __init__(self, costs: StepCostModel | None) -> None:
         self.costs = costs
-        self.acceptance = AcceptanceEstimate.empty(max_drafts, PRIOR_DECAY)  # over every sequence: each one's prior
-        self._first_prior = [FIRST_ACCEPTANCE ** (j + 1) for j in range(max_drafts)]
+        self.acceptance = AcceptanceEstimate.empty(1, PRIOR_DECAY)  # every sequence's first draft: each one's prior of it
 
     def plan(self, rows: list[tuple[SequenceDrafts, int]], spare: int, context: float = 0.0) -> list[int]:
         """Drafts for each of a step's decode rows, given as ``(drafts state, cap)`` (``cap``: the
@@ -206,7 +213,7 @@ class DraftPlanner:
         caps = [max(0, min(state.max_drafts, cap)) for state, cap in rows]
         if self.costs is None or not rows:
             return self._in_order(caps, spare)
-        prior = self.acceptance.gains(self._first_prior)
+        prior = self.acceptance.rates(FIRST_ACCEPTANCE)[0]
         chosen = [0] * len(rows)
         probes = set()
         gains = []  # (expected tokens the draft adds, row)

@@ -26,7 +26,7 @@ MILD = cost_model(lambda rows, drafts: 0.010 * rows * (1 + 0.1 * drafts))
 def sequence(rate: float) -> SequenceDrafts:
     """A sequence whose estimate has seen many rows, each draft accepted with probability ``rate``
     after the ones before it."""
-    return SequenceDrafts(K, AcceptanceEstimate([100 * rate ** (j + 1) for j in range(K)], [100.0] * K, 0.9))
+    return SequenceDrafts(K, AcceptanceEstimate([100 * rate ** (j + 1) for j in range(K)], [100 * rate ** j for j in range(K)], 0.9))
 
 
 def test_the_cost_model_is_monotone_interpolates_between_rows_and_extrapolates_past_them():
@@ -54,25 +54,25 @@ def test_the_context_adds_a_cost_per_row_and_per_entry_fitted_to_the_long_contex
 
 
 def test_where_entries_are_free_every_accepting_row_drafts_fully():
-    planner = DraftPlanner(K, FLAT)
+    planner = DraftPlanner(FLAT)
     assert planner.plan([(sequence(0.6), K), (sequence(0.3), K)], spare=100) == [K, K]
 
 
 def test_where_drafts_are_dear_only_rows_that_are_usually_accepted_draft():
-    planner = DraftPlanner(K, STEEP)
+    planner = DraftPlanner(STEEP)
     assert planner.plan([(sequence(0.9), K), (sequence(0.1), K), (sequence(0.9), K)], spare=100) == [K, 0, K]
     assert planner.plan([(sequence(0.1), K)], spare=100) == [0]
 
 
 def test_caps_the_budget_and_sampling_that_forbids_drafts_are_kept():
-    planner = DraftPlanner(K, FLAT)
+    planner = DraftPlanner(FLAT)
     forbidden = SequenceDrafts(0)
     assert planner.plan([(sequence(0.9), 1), (forbidden, K), (sequence(0.9), K)], spare=2) == [1, 0, 1]
-    assert DraftPlanner(K, None).plan([(sequence(0.0), K), (sequence(0.0), 2)], spare=4) == [K, 1]  # without costs: in order, all asked
+    assert DraftPlanner(None).plan([(sequence(0.0), K), (sequence(0.0), 2)], spare=4) == [K, 1]  # without costs: in order, all asked
 
 
 def test_a_sequence_that_does_not_draft_probes_with_one_draft_and_then_waits_twice_as_long():
-    planner = DraftPlanner(K, STEEP)
+    planner = DraftPlanner(STEEP)
     state = sequence(0.05)
     planned = [planner.plan([(state, K)], spare=100)[0] for _ in range(FIRST_PROBE_ROWS + 1 + 2 * FIRST_PROBE_ROWS + 1)]
     assert planned.index(1) == FIRST_PROBE_ROWS and planned.count(1) == 2
@@ -80,18 +80,28 @@ def test_a_sequence_that_does_not_draft_probes_with_one_draft_and_then_waits_twi
 
 
 def test_accepted_drafts_raise_the_estimate_and_rejected_ones_lower_it():
-    planner = DraftPlanner(K, STEEP)
+    planner = DraftPlanner(STEEP)
     state = SequenceDrafts(K)
     for _ in range(20):
         planner.observe(state, K, 0)
-    prior = [0.5] * K
-    assert state.acceptance.gains(prior)[0] < 0.1 and planner.plan([(state, K)], spare=100) == [0]
+    assert state.acceptance.gains(0.5)[0] < 0.1 and planner.plan([(state, K)], spare=100) == [0]
+    assert state.acceptance.trials[1] == 0  # no row got past its first draft
     for _ in range(20):
         planner.observe(state, K, K)
-    assert min(state.acceptance.gains(prior)) > 0.8 and planner.plan([(state, K)], spare=100) == [K]
-    assert 0.1 < planner.acceptance.gains(prior)[0] < 0.9  # the scheduler-wide prior remembers both
+    assert min(state.acceptance.gains(0.5)) > 0.7 and planner.plan([(state, K)], spare=100) == [K]
+    assert 0.1 < planner.acceptance.rates(0.5)[0] < 0.9  # the scheduler-wide prior remembers both
+    trials = list(state.acceptance.trials)
     planner.observe(state, 1, 0)  # a row asking for one draft says nothing of the second
-    assert state.acceptance.trials[1] == state.acceptance.trials[2]
+    assert state.acceptance.trials[1:] == trials[1:]
+
+
+def test_a_position_never_asked_for_takes_the_acceptance_of_the_one_before():
+    state = SequenceDrafts(K)
+    for _ in range(10):  # rows of two drafts, both accepted
+        state.acceptance.observe(2, 2)
+    rates = state.acceptance.rates(0.5)
+    assert rates[2] == rates[1] > 0.8  # the third, never asked, as likely as the second
+    assert DraftPlanner(STEEP).plan([(state, K)], spare=100) == [K]
 
 
 def test_the_scheduler_plans_drafts_from_published_acceptance():
