@@ -22,7 +22,7 @@ synchronisation; ``pos`` is a decode row's pending token's position, from the de
 2. passes ``j = 2..K``: one forward of single-token entries over the rows asking for at least ``j``
    drafts, draft ``j - 1`` at ``pos + j - 1``; its argmax is draft ``j``.
 
-A decode row that asks for no drafts (paused by prepare's draft governor, constrained, penalised)
+A decode row that asks for no drafts (not chosen by prepare's draft planner, constrained, penalised)
 still takes part in the first pass, so the draft's KV follows its tokens. The KV of drafts the
 target rejects lies past the accepted run and is written again before it is read, as the
 target's. The drafts are argmaxes, a point-mass draft distribution, so the acceptance rule of

@@ -320,13 +320,14 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
         validate_sampling_params(params, config.vocab_size)
 
     _warm_up(executor, table, limits, check_sampling)
+    if grammar is not None:
+        grammar.grammars.wait_ready()
     step_costs = []
     if num_drafts and args.speculative_policy == "goodput" and model is not None:
         from stageserve.device.step_costs import measure_step_costs
 
+        # After the grammar worker's start-up work: it would take a core from the measured steps.
         step_costs = measure_step_costs(executor, table, limits, check_sampling)
-    if grammar is not None:
-        grammar.grammars.wait_ready()
     outbox.clear()
     attach_reply = _attach_reply(args, model_path, config, limits, backend.name, dtype_name, step_costs)
     return DeviceCore(attach_reply, limits, table, executor, outbox, check_sampling, grammar)

@@ -9,20 +9,22 @@ context. prepare's draft planner (``prepare/draft_planner.py``) weighs each row'
 drafts against these costs, as SmartSpec does with its profiled batch latency (Liu et al. 2024,
 "Optimizing Speculative Decoding for Serving Large Language Models Using Goodput").
 
-`measure_step_costs` runs real steps through the executor, as the warm-up does: for each row count
-``R`` of `ROW_POINTS` that fits, ``R`` sequences of `SHORT_CONTEXT` prompt tokens are started (one
-prefill step), then decode steps of ``R`` rows with ``k = 0 .. K`` drafts each; once more at
-`LONG_CONTEXT` tokens for the largest ``R`` up to `LONG_CONTEXT_ROWS` (what the context adds).
-Each step is submitted and waited for alone, so its time is the step's whole device work
-(proposer, forward, sampling, verification) plus its staging: the fastest of `REPEATS` runs, taken
-round-robin over the draft counts after one untimed round. The sequences are dropped afterwards (the table is reset).
+`measure_step_costs` runs real steps through the executor, as the warm-up does. A group of ``R``
+sequences of `SHORT_CONTEXT` prompt tokens is started for each row count ``R`` of `ROW_POINTS`
+that fits, and one of `LONG_CONTEXT` tokens for the largest ``R`` up to `LONG_CONTEXT_ROWS` (what
+the context adds); then rounds of decode steps, each round one step of every group at every
+``k = 0 .. K`` drafts per row. Each step is submitted and waited for alone, so its time is the
+step's whole device work (proposer, forward, sampling, verification) plus its staging; a cost is
+the fastest of `REPEATS` timed rounds, after an untimed one that builds every shape's kernel plans.
+Interleaving the rounds spreads a slow spell of the machine over all the cells instead of one row
+count. The sequences are dropped afterwards (the table is reset).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from itertools import takewhile
+from dataclasses import dataclass, field
 
 from stageserve.device.step_plan import PlanLimits, decode_plan
 from stageserve.v1 import common_pb2, device_pb2
@@ -34,6 +36,21 @@ REPEATS = 3
 SHORT_CONTEXT = 8  # prompt tokens of each measured sequence
 LONG_CONTEXT = 256  # prompt tokens of the sequences that measure the context's cost
 LONG_CONTEXT_ROWS = 8
+
+
+@dataclass
+class _Group:
+    """``rows`` measured sequences of ``context`` prompt tokens, from ``first`` on in the table."""
+
+    rows: int
+    context: int
+    first: int
+    positions: list[int] = field(default_factory=list)  # each sequence's pending token's position
+    seconds: list[list[float]] = field(default_factory=list)  # per draft count, the timed runs
+
+    @property
+    def seqs(self) -> list[int]:
+        return list(range(self.first, self.first + self.rows))
 
 
 def measure_step_costs(executor, table, limits: PlanLimits, check_sampling) -> list[device_pb2.StepCost]:
@@ -48,14 +65,44 @@ def measure_step_costs(executor, table, limits: PlanLimits, check_sampling) -> l
     Raises:
         RuntimeError: a measured step failed (the message carries the step's error).
     """
-    measured = list(takewhile(lambda rows: _fits(limits, rows, SHORT_CONTEXT), ROW_POINTS))
-    long_rows = [rows for rows in measured if rows <= LONG_CONTEXT_ROWS and _fits(limits, rows, LONG_CONTEXT)][-1:]
-    costs = [cost for rows in measured for cost in _measure_rows(executor, table, limits, check_sampling, rows, SHORT_CONTEXT)]
-    costs += [cost for rows in long_rows for cost in _measure_rows(executor, table, limits, check_sampling, rows, LONG_CONTEXT)]
+    groups: list[_Group] = []
+    for rows in ROW_POINTS:  # as far as the table and the pool allow
+        if not _add_group(groups, limits, rows, SHORT_CONTEXT):
+            break
+    if groups:
+        _add_group(groups, limits, max(g.rows for g in groups if g.rows <= LONG_CONTEXT_ROWS), LONG_CONTEXT)
     table.reset()
+    step_id = 1
+    for group in groups:
+        _start(executor, table, limits, check_sampling, group, step_id)
+        step_id += 1
+    for repeat in range(1 + REPEATS):
+        for group in groups:
+            for drafts, times in enumerate(group.seconds):
+                seconds = _decode(executor, table, limits, check_sampling, group, drafts, step_id)
+                step_id += 1
+                if repeat:  # the first round builds each shape's kernel plans
+                    times.append(seconds)
+    table.reset()
+    # The fastest run: another process taking a core only ever adds time.
+    costs = [device_pb2.StepCost(rows=group.rows, drafts=drafts, context_tokens=group.context, seconds=min(times))
+             for group in groups for drafts, times in enumerate(group.seconds)]
     log.info("decode step costs (ms, rows x drafts per row @ context tokens): %s",
              ", ".join(f"{cost.rows}x{cost.drafts}@{cost.context_tokens} {cost.seconds * 1e3:.1f}" for cost in costs))
     return costs
+
+
+def _add_group(groups: list[_Group], limits: PlanLimits, rows: int, context: int) -> bool:
+    """Append a group of ``rows`` sequences of ``context`` prompt tokens if it fits a step, the
+    context, and the sequence table and the KV pool beside ``groups``; whether it did."""
+    seqs = sum(g.rows for g in groups)
+    blocks = sum(g.rows * _blocks_per_seq(limits, g.context) for g in groups) + rows * _blocks_per_seq(limits, context)
+    fits = (rows * (1 + limits.num_speculative_tokens) <= limits.max_step_tokens and rows * context <= limits.max_step_tokens
+            and context + _decode_tokens(limits) + 1 <= limits.max_model_len and seqs + rows <= limits.max_num_seqs
+            and blocks <= limits.num_blocks)
+    if fits:
+        groups.append(_Group(rows, context, seqs))
+    return fits
 
 
 def _decode_tokens(limits: PlanLimits) -> int:
@@ -67,49 +114,37 @@ def _blocks_per_seq(limits: PlanLimits, context: int) -> int:
     return -(-(context + _decode_tokens(limits) + 1) // limits.block_size)
 
 
-def _fits(limits: PlanLimits, rows: int, context: int) -> bool:
-    """Whether ``rows`` sequences of ``context`` prompt tokens fit the table, a step and the KV pool."""
-    return (rows <= limits.max_num_seqs and rows * (1 + limits.num_speculative_tokens) <= limits.max_step_tokens
-            and rows * context <= limits.max_step_tokens and rows * _blocks_per_seq(limits, context) <= limits.num_blocks
-            and context + _decode_tokens(limits) + 1 <= limits.max_model_len)
-
-
-def _measure_rows(executor, table, limits: PlanLimits, check_sampling, rows: int, context: int) -> list[device_pb2.StepCost]:
-    """Start ``rows`` sequences of ``context`` prompt tokens and time decode steps of them at each
-    draft count (see the module docstring)."""
-    table.reset()
-    blocks_per_seq = _blocks_per_seq(limits, context)
+def _start(executor, table, limits: PlanLimits, check_sampling, group: _Group, step_id: int) -> None:
+    """Start ``group``'s sequences with one prefill step (distinct prompts without repeats, so that
+    prompt lookup finds no match: a draft costs the same matched or not)."""
+    seqs, per_seq = group.seqs, _blocks_per_seq(limits, group.context)
+    prompts = [[(seq * group.context + i) % limits.vocab_size for i in range(group.context)] for seq in seqs]
     greedy = common_pb2.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.0)
-    seqs = list(range(rows))
-    # Distinct prompts without repeats, so that prompt lookup finds no match (a draft costs the same matched or not).
-    prompts = [[(seq * context + i) % limits.vocab_size for i in range(context)] for seq in seqs]
-    starts = [common_pb2.SequenceStart(seq_index=seq, generation=1, request_id=f"step-cost-{seq}", prompt_token_ids=prompts[seq],
-                                       sampling=greedy) for seq in seqs]
-    blocks = [list(range(seq * blocks_per_seq, (seq + 1) * blocks_per_seq)) for seq in seqs]
-    prefill = dict(started=starts, seq_index=seqs, generation=[1] * rows, start_pos=[0] * rows, num_tokens=[context] * rows,
-                   token_ids=sum(prompts, []), sample=[True] * rows, num_new_blocks=[blocks_per_seq] * rows, new_block_ids=sum(blocks, []))
+    starts = [common_pb2.SequenceStart(seq_index=seq, generation=1, request_id=f"step-cost-{seq}", prompt_token_ids=prompt, sampling=greedy)
+              for seq, prompt in zip(seqs, prompts)]
+    plan = device_pb2.StepPlan(step_id=step_id, started=starts, seq_index=seqs, generation=[1] * group.rows, start_pos=[0] * group.rows,
+                               num_tokens=[group.context] * group.rows, token_ids=sum(prompts, []), sample=[True] * group.rows,
+                               num_new_blocks=[per_seq] * group.rows, new_block_ids=list(range(group.first * per_seq, (group.first + group.rows) * per_seq)))
     if limits.num_speculative_tokens:
-        prefill["num_draft_tokens"] = [0] * rows
-    positions = [context] * rows  # each sequence's pending token's position
-    _run(executor, table, limits, check_sampling, device_pb2.StepPlan(step_id=1, **prefill))
-    seconds: list[list[float]] = [[] for _ in range(limits.num_speculative_tokens + 1)]  # per draft count
-    step_id = 2
-    # Round-robin over the draft counts, so that a slow spell of the machine touches all of them; the
-    # first round builds each shape's kernel plans and is not timed.
-    for repeat in range(1 + REPEATS):
-        for drafts, times in enumerate(seconds):
-            plan = device_pb2.StepPlan(step_id=step_id, seq_index=seqs, generation=[1] * rows, start_pos=positions, num_tokens=[1 + drafts] * rows,
-                                       token_ids=[-1] * (rows * (1 + drafts)), sample=[True] * rows, num_new_blocks=[0] * rows)
-            step_id += 1
-            if limits.num_speculative_tokens:
-                plan.num_draft_tokens.extend([drafts] * rows)
-            began = time.perf_counter()
-            result = _run(executor, table, limits, check_sampling, plan)
-            if repeat:
-                times.append(time.perf_counter() - began)
-            positions = [pos + n for pos, n in zip(positions, result.num_tokens or [1] * rows)]
-    # The fastest run: another process taking a core only ever adds time.
-    return [device_pb2.StepCost(rows=rows, drafts=drafts, context_tokens=context, seconds=min(times)) for drafts, times in enumerate(seconds)]
+        plan.num_draft_tokens.extend([0] * group.rows)
+    _run(executor, table, limits, check_sampling, plan)
+    group.positions = [group.context] * group.rows
+    group.seconds = [[] for _ in range(limits.num_speculative_tokens + 1)]
+
+
+def _decode(executor, table, limits: PlanLimits, check_sampling, group: _Group, drafts: int, step_id: int) -> float:
+    """Run one decode step of ``group`` with ``drafts`` drafts per row; its seconds."""
+    rows = group.rows
+    plan = device_pb2.StepPlan(step_id=step_id, seq_index=group.seqs, generation=[1] * rows, start_pos=group.positions,
+                               num_tokens=[1 + drafts] * rows, token_ids=[-1] * (rows * (1 + drafts)), sample=[True] * rows,
+                               num_new_blocks=[0] * rows)
+    if limits.num_speculative_tokens:
+        plan.num_draft_tokens.extend([drafts] * rows)
+    began = time.perf_counter()
+    result = _run(executor, table, limits, check_sampling, plan)
+    seconds = time.perf_counter() - began
+    group.positions = [pos + n for pos, n in zip(group.positions, result.num_tokens or [1] * rows)]
+    return seconds
 
 
 def _run(executor, table, limits: PlanLimits, check_sampling, plan: device_pb2.StepPlan):
