@@ -40,11 +40,13 @@ LONG_CONTEXT_ROWS = 8
 
 @dataclass
 class _Group:
-    """``rows`` measured sequences of ``context`` prompt tokens, from ``first`` on in the table."""
+    """``rows`` measured sequences of ``context`` prompt tokens, from seq index ``first`` and KV
+    block ``first_block`` on."""
 
     rows: int
     context: int
     first: int
+    first_block: int
     positions: list[int] = field(default_factory=list)  # each sequence's pending token's position
     seconds: list[list[float]] = field(default_factory=list)  # per draft count, the timed runs
 
@@ -57,7 +59,7 @@ def measure_step_costs(executor, table, limits: PlanLimits, check_sampling) -> l
     """Seconds of a decode step of ``rows`` rows of ``context_tokens`` context each asking for
     ``drafts`` drafts: at `SHORT_CONTEXT` for every row count of `ROW_POINTS` that the sequence
     table, the step budget and the KV pool allow, at `LONG_CONTEXT` for the largest of them up to
-    `LONG_CONTEXT_ROWS` (none when that does not fit), each at every ``drafts`` in
+    `LONG_CONTEXT_ROWS` (shorter where ``max_model_len`` asks, none when that does not fit), each at every ``drafts`` in
     ``[0, limits.num_speculative_tokens]``.
 
     Runs on the device before it serves (``executor`` and ``table`` idle; the table is reset after).
@@ -66,11 +68,13 @@ def measure_step_costs(executor, table, limits: PlanLimits, check_sampling) -> l
         RuntimeError: a measured step failed (the message carries the step's error).
     """
     groups: list[_Group] = []
+    # The long-context group first, so that a small KV pool drops the largest row counts rather than it.
+    long_context = min(LONG_CONTEXT, limits.max_model_len - _decode_tokens(limits) - 1)  # a short --max-model-len: as long as it allows
+    if long_context >= 4 * SHORT_CONTEXT:
+        next((rows for rows in reversed(ROW_POINTS) if rows <= LONG_CONTEXT_ROWS and _add_group(groups, limits, rows, long_context)), None)
     for rows in ROW_POINTS:  # as far as the table and the pool allow
         if not _add_group(groups, limits, rows, SHORT_CONTEXT):
             break
-    if groups:
-        _add_group(groups, limits, max(g.rows for g in groups if g.rows <= LONG_CONTEXT_ROWS), LONG_CONTEXT)
     table.reset()
     step_id = 1
     for group in groups:
@@ -96,12 +100,12 @@ def _add_group(groups: list[_Group], limits: PlanLimits, rows: int, context: int
     """Append a group of ``rows`` sequences of ``context`` prompt tokens if it fits a step, the
     context, and the sequence table and the KV pool beside ``groups``; whether it did."""
     seqs = sum(g.rows for g in groups)
-    blocks = sum(g.rows * _blocks_per_seq(limits, g.context) for g in groups) + rows * _blocks_per_seq(limits, context)
+    blocks = sum(g.rows * _blocks_per_seq(limits, g.context) for g in groups)
     fits = (rows * (1 + limits.num_speculative_tokens) <= limits.max_step_tokens and rows * context <= limits.max_step_tokens
             and context + _decode_tokens(limits) + 1 <= limits.max_model_len and seqs + rows <= limits.max_num_seqs
-            and blocks <= limits.num_blocks)
+            and blocks + rows * _blocks_per_seq(limits, context) <= limits.num_blocks)
     if fits:
-        groups.append(_Group(rows, context, seqs))
+        groups.append(_Group(rows, context, seqs, blocks))
     return fits
 
 
@@ -124,7 +128,7 @@ def _start(executor, table, limits: PlanLimits, check_sampling, group: _Group, s
               for seq, prompt in zip(seqs, prompts)]
     plan = device_pb2.StepPlan(step_id=step_id, started=starts, seq_index=seqs, generation=[1] * group.rows, start_pos=[0] * group.rows,
                                num_tokens=[group.context] * group.rows, token_ids=sum(prompts, []), sample=[True] * group.rows,
-                               num_new_blocks=[per_seq] * group.rows, new_block_ids=list(range(group.first * per_seq, (group.first + group.rows) * per_seq)))
+                               num_new_blocks=[per_seq] * group.rows, new_block_ids=list(range(group.first_block, group.first_block + group.rows * per_seq)))
     if limits.num_speculative_tokens:
         plan.num_draft_tokens.extend([0] * group.rows)
     _run(executor, table, limits, check_sampling, plan)

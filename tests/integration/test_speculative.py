@@ -24,7 +24,7 @@ from stageserve.v1 import prepare_pb2, prepare_pb2_grpc
 
 from tests.tiny_checkpoint import write_tiny_checkpoint
 
-from .conftest import launch
+from .conftest import MAX_MODEL_LEN, launch
 from .test_generation_api import ABORT, chat, collect, wait_kv_all_free
 from .test_observability import metric, scrape
 
@@ -239,7 +239,8 @@ def test_the_goodput_policy_measures_step_costs_plans_drafts_by_them_and_keeps_t
         results = {prompt: generate(stub, prompt, **fields) for prompt in (REPEAT, PROMPTS[2])}
         log = pipeline.device.log_path.read_text()
     costs = re.search(r"decode step costs \(ms, rows x drafts per row @ context tokens\): (.*)", log)
-    assert costs and all(f"{point} " in costs.group(1) for point in ("1x0@8", "1x3@8", "8x3@8", "8x0@256", "8x3@256")), log[-3000:]
+    long = MAX_MODEL_LEN - 4 * (1 + 2 + 3 + 4) - 1  # --max-model-len allows this much context beside the measured steps
+    assert costs and all(f"{point} " in costs.group(1) for point in ("1x0@8", "1x3@8", "8x3@8", f"8x0@{long}", f"8x3@{long}")), log[-3000:]
     for prompt, result in results.items():
         assert list(result.token_ids) == list(reference(generation, prompt, **fields).token_ids), prompt
         assert 0 <= result.usage.accepted_tokens <= result.usage.draft_tokens
