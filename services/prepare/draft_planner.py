@@ -24,10 +24,10 @@ A sequence that has not drafted for a while **probes**: its next row asks for on
 cheapest measurement of its acceptance), after 16 rows without drafts, doubling after each probe
 that did not lead to drafting, up to 256; so a request whose output turns repetitive is noticed.
 
-The measured costs are the device's alone; the served step period also holds the host's work per
-step (prepare, reclaim, the client, on the same cores on a small machine), which makes a draft
-relatively cheaper. The planner adds that **overhead**, learnt as the mean amount by which the
-published decode-only steps' periods exceed their predicted costs.
+The measured costs are the device's alone; a served step also waits for the host's work
+(prepare, reclaim, the client), on the same cores on a small machine, which preempts the compute
+threads about in proportion to the step's length: a common factor, which does not change the
+choice.
 
 A device without measured costs (``--speculative-policy always``) gets ``K`` drafts on every row.
 """
@@ -49,7 +49,6 @@ FIRST_ACCEPTANCE = 0.5  # the scheduler-wide prior of a first draft before any r
 FIRST_PROBE_ROWS = 16
 MAX_PROBE_ROWS = 256
 MIN_GAIN = 0.01  # expected tokens below which a draft is not considered
-OVERHEAD_WEIGHT = 0.05  # of each measured period in the host overhead's moving average
 
 
 @dataclass(slots=True)
@@ -201,15 +200,6 @@ class StepCostModel:
         return by_drafts[low] + (by_drafts[high] - by_drafts[low]) * (per_row - low)
 
 
-@dataclass(frozen=True)
-class DraftPlan:
-    """A step's drafts per decode row, and what the device's costs predict for the step (seconds,
-    without the host overhead; ``None`` without costs)."""
-
-    drafts: list[int]
-    seconds: float | None = None
-
-
 class DraftPlanner:
     """Chooses every decode row's drafts for a step (module docstring).
 
@@ -220,15 +210,14 @@ class DraftPlanner:
     def __init__(self, costs: StepCostModel | None) -> None:
         self.costs = costs
         self.acceptance = AcceptanceEstimate.empty(1, PRIOR_DECAY)  # every sequence's first draft: each one's prior of it
-        self.overhead = 0.0  # seconds a served step period adds to the device's cost (module docstring)
 
-    def plan(self, rows: list[tuple[SequenceDrafts, int]], spare: int, context: float = 0.0) -> DraftPlan:
+    def plan(self, rows: list[tuple[SequenceDrafts, int]], spare: int, context: float = 0.0) -> list[int]:
         """Drafts for each of a step's decode rows, given as ``(drafts state, cap)`` (``cap``: the
         drafts the row may carry before passing ``max_tokens``); ``spare``: the step's budget
         tokens left after every decode row has its one; ``context``: the rows' mean KV tokens."""
         caps = [max(0, min(state.max_drafts, cap)) for state, cap in rows]
         if self.costs is None or not rows:
-            return DraftPlan(self._in_order(caps, spare))
+            return self._in_order(caps, spare)
         prior = self.acceptance.rates(FIRST_ACCEPTANCE)[0]
         chosen = [0] * len(rows)
         probes = set()
@@ -243,11 +232,11 @@ class DraftPlanner:
             gains += [(gain, i) for gain in state.acceptance.gains(prior)[:cap] if gain >= MIN_GAIN]
         gains.sort(key=lambda gain: -gain[0])
         by_drafts = self.costs.seconds_by_drafts(len(rows), context)
-        best = len(rows) / (self.costs.step_seconds(by_drafts, len(rows), len(probes)) + self.overhead)
+        best = len(rows) / (self.costs.step_seconds(by_drafts, len(rows), len(probes)))
         best_n, tokens = 0, 0.0
         for n, (gain, _) in enumerate(gains[: spare - len(probes)], start=1):
             tokens += gain
-            goodput = (len(rows) + tokens) / (self.costs.step_seconds(by_drafts, len(rows), len(probes) + n) + self.overhead)
+            goodput = (len(rows) + tokens) / (self.costs.step_seconds(by_drafts, len(rows), len(probes) + n))
             if goodput > best:
                 best, best_n = goodput, n
         for _, i in gains[:best_n]:
@@ -255,12 +244,7 @@ class DraftPlanner:
         for i, ((state, _), k, cap) in enumerate(zip(rows, chosen, caps)):
             if cap:
                 _note_planned(state, k, probe=i in probes)
-        return DraftPlan(chosen, self.costs.step_seconds(by_drafts, len(rows), len(probes) + best_n))
-
-    def observe_period(self, predicted: float, period: float) -> None:
-        """A published decode-only step whose cost was predicted as ``predicted`` seconds took
-        ``period`` seconds since the step before it was published (it was sent before that)."""
-        self.overhead += OVERHEAD_WEIGHT * (max(0.0, period - predicted) - self.overhead)
+        return chosen
 
     def observe(self, state: SequenceDrafts, asked: int, accepted: int) -> None:
         """A published decode row of ``state``'s sequence that asked for ``asked`` drafts and had

@@ -65,7 +65,6 @@ class _Attachment:
     send_plan: Callable[[device_pb2.StepPlan], None]
     credits: int
     sent_at: dict[int, float] = field(default_factory=dict)  # unpublished step id -> time.monotonic() at send
-    published_at: float | None = None  # time.monotonic() when the last step was published
     evictions_counted: int = 0  # the scheduler's prefix-cache evictions already added to the metric
 
 
@@ -250,13 +249,9 @@ class Engine:
             current = self._attachment
             if current is None or step_events.device_instance_id not in ("", current.attach.instance_id):
                 return
-            sent = current.sent_at.pop(step_events.step_id, None)
-            if sent is None:
+            if current.sent_at.pop(step_events.step_id, None) is None:
                 return  # not a step of this attachment (another subscriber's, or an earlier attachment's)
-            now, previous = time.monotonic(), current.published_at
-            current.published_at = now
-            period = now - previous if previous is not None and sent <= previous else None
-            for request, event in current.scheduler.update_from_output(step_events, period):
+            for request, event in current.scheduler.update_from_output(step_events):
                 if event.error_code:
                     self._end_request(request, RequestError.from_wire(event.error_code, event.error_message))
                 elif event.finish_reason:

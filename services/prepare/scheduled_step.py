@@ -62,9 +62,8 @@ class ScheduledStep:
     ``num_tokens[r]`` tokens in ``token_ids`` and ``num_new_blocks[r]`` ids in ``new_block_ids``),
     plus ``rows``, the host-side sequence of each row, and ``cache_writes``: ``(sequence, block
     index)`` of each prompt block whose last token a row writes (shareable once the step is published).
-    With speculative decoding ``num_draft_tokens`` has one entry per row, ``decode_drafts`` the
-    drafts each decode row asked for, and ``predicted_seconds`` the device's cost of a decode-only
-    step as the draft planner predicted it (``None`` otherwise)."""
+    With speculative decoding ``num_draft_tokens`` has one entry per row and ``decode_drafts`` the
+    drafts each decode row asked for."""
 
     step_id: int
     finished: list[int]
@@ -82,7 +81,6 @@ class ScheduledStep:
     cache_writes: list[tuple[SequenceState, int]] = field(default_factory=list)
     num_draft_tokens: list[int] = field(default_factory=list)
     decode_drafts: dict[SequenceState, int] = field(default_factory=dict)
-    predicted_seconds: float | None = None
 
     @property
     def is_empty(self) -> bool:

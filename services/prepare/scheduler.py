@@ -269,11 +269,8 @@ class Scheduler:
         self._pending_finished, self._pending_aborts = [], []
         budget = self.config.max_step_tokens
         budget = self._schedule_decode_rows(step, budget)
-        decode_rows = len(step.rows)
         budget = self._schedule_prefill_chunks(step, budget)
         self._admit(step, budget)
-        if len(step.rows) != decode_rows:
-            step.predicted_seconds = None  # the costs are of decode-only steps
         self._free_indices.extend(step.finished)  # the device drops them after this step
         if step.is_empty:
             return None
@@ -287,8 +284,7 @@ class Scheduler:
         if self.config.num_speculative_tokens:
             spare = budget - len(decoding)  # budget tokens left for drafts once every row has its one
             context = sum(seq.num_kv_tokens for seq in decoding) / len(decoding) if decoding else 0.0
-            plan = self._draft_planner.plan([(seq.drafts, self._draft_room(seq)) for seq in decoding], spare, context)
-            drafts, step.predicted_seconds = plan.drafts, plan.seconds
+            drafts = self._draft_planner.plan([(seq.drafts, self._draft_room(seq)) for seq in decoding], spare, context)
         for seq, k in zip(decoding, drafts):
             budget -= self._add_row(step, seq, 1, k)
         return budget
@@ -370,12 +366,8 @@ class Scheduler:
         return num_tokens
 
     # ---- outputs back ------------------------------------------------------------------------------
-    def update_from_output(self, step_events: reclaim_pb2.StepEvents,
-                           period: float | None = None) -> list[tuple[GenerationRequest, reclaim_pb2.SequenceEvent]]:
+    def update_from_output(self, step_events: reclaim_pb2.StepEvents) -> list[tuple[GenerationRequest, reclaim_pb2.SequenceEvent]]:
         """Take one published step: note finishes, release the step, free what is done.
-
-        ``period``: seconds since the previous step was published, when this one had been sent by
-        then (the device had it queued: the gap is this step's served period); else ``None``.
 
         Returns:
             ``(request, event)`` for every event of a live sequence (matched by seq index,
@@ -385,8 +377,6 @@ class Scheduler:
         touched = []
         step = self._in_flight.pop(step_events.step_id, None)
         decode_drafts = step.decode_drafts if step is not None else {}
-        if step is not None and step.predicted_seconds is not None and period is not None and not step_events.error_code:
-            self._draft_planner.observe_period(step.predicted_seconds, period)
         for event in step_events.events:
             seq = self._by_index.get(event.seq_index)
             if seq is None or seq.generation != event.generation or seq.request.request_id != event.request_id:
