@@ -18,7 +18,9 @@ draft length per batch; here per row):
 - the step's **cost** (`StepCostModel`): the device's decode-step times by rows and drafts per row,
   measured at its start-up (``device/step_costs.py``, carried in ``AttachReply.step_costs``);
 - the planner takes drafts in order of expected gain and keeps the number that gives the most
-  expected tokens (decode rows plus accepted drafts) per second; none where no number pays.
+  expected tokens (decode rows plus accepted drafts) per second; none unless that is at least 3 %
+  more than without drafts (`MIN_SPEEDUP`: a smaller predicted gain is within the measurements'
+  error, as likely a loss).
 
 A sequence that has not drafted for a while **probes**: its next row asks for one draft (the
 cheapest measurement of its acceptance), after 16 rows without drafts, doubling after each probe
@@ -49,6 +51,7 @@ FIRST_ACCEPTANCE = 0.5  # the scheduler-wide prior of a first draft before any r
 FIRST_PROBE_ROWS = 16
 MAX_PROBE_ROWS = 256
 MIN_GAIN = 0.01  # expected tokens below which a draft is not considered
+MIN_SPEEDUP = 1.03  # predicted goodput over no drafts below which a step drafts nothing: within the model's error
 
 
 @dataclass(slots=True)
@@ -232,11 +235,11 @@ class DraftPlanner:
             gains += [(gain, i) for gain in state.acceptance.gains(prior)[:cap] if gain >= MIN_GAIN]
         gains.sort(key=lambda gain: -gain[0])
         by_drafts = self.costs.seconds_by_drafts(len(rows), context)
-        best = len(rows) / (self.costs.step_seconds(by_drafts, len(rows), len(probes)))
+        best = MIN_SPEEDUP * len(rows) / self.costs.step_seconds(by_drafts, len(rows), len(probes))
         best_n, tokens = 0, 0.0
         for n, (gain, _) in enumerate(gains[: spare - len(probes)], start=1):
             tokens += gain
-            goodput = (len(rows) + tokens) / (self.costs.step_seconds(by_drafts, len(rows), len(probes) + n))
+            goodput = (len(rows) + tokens) / self.costs.step_seconds(by_drafts, len(rows), len(probes) + n)
             if goodput > best:
                 best, best_n = goodput, n
         for _, i in gains[:best_n]:
