@@ -44,7 +44,7 @@ from stageserve.device import cpu_kernels
 from stageserve.device.quant import GROUP, Int4Weight, Int8Weight, round_symmetric_int8
 
 LANES = 16  # output rows per panel of the VNNI layout (one per int32 lane)
-VNNI_MAX_ROWS = {8: 8, 16: 4}  # by input bits, measured (docs/benchmarks.md): above these rows the AMX copy wins
+VNNI_MAX_ROWS = {8: 8, 16: 8}  # by input bits, measured (docs/benchmarks.md): above these rows the AMX copy wins
 INT4_ROW_BLOCK = 64  # torch's int4 CPU kernel packs rows in blocks of 64 ([N / 64, K, 32] bytes)
 # torch's kernels (docs/benchmarks.md#quantized-weights: CPU time of a model's 120 linears on one thread,
 # weights cold: int4 10.7 / 15.9 / 17.0 / 33.3 ms at 1 / 2 / 4 / 8 rows against 19.6 / 20.1 / 22.4 / 20.1 ms
@@ -88,8 +88,7 @@ class VnniKernel:
     def __init__(self, weight: Int4Weight | Int8Weight, dtype: torch.dtype, input_bits: int = 16) -> None:
         """Pack ``weight`` (N a multiple of 16); ``dtype`` is the activations' (bfloat16 or float32);
         ``input_bits`` 16 or 8: two or one int8 levels per input (``cpu_kernels.quant_linear``; the
-        module docstring says why two), the second doubling the integer work, so it serves fewer
-        rows (`VNNI_MAX_ROWS`)."""
+        module docstring says why two), the second doubling the integer work."""
         self.dtype, self.bits, self.input_bits = dtype, 4 if isinstance(weight, Int4Weight) else 8, input_bits
         self.max_rows = VNNI_MAX_ROWS[input_bits]
         n, k = weight.q.shape

@@ -3,10 +3,16 @@
 // 32 (x ~ s * p, s = max |x| / 127), the integer dot products on AVX512-VNNI (VPDPBUSD: 64 u8 x s8
 // products per instruction). This is llama.cpp's scheme for Q4_0/Q4_1/Q8_0 x Q8_0/Q8_1 (ggml-quants.c,
 // ggml_vec_dot_q4_1_q8_1): per group, sum_k w_k x_k = s (d * sum_k q_k p_k + m * sum_k p_k).
-// input_bits = 16 adds a second int8 level for what the first leaves, x ~ s p + s' p' with
-// s' = max |x - s p| / 127 (error 1/127 of the first's): two rows through the same dots, summed.
+// input_bits = 16 adds a second int8 level for what the first leaves: x rounded to a 257th of that
+// step, x ~ s (256 p + p') with s = max |x| / 32639 (32639 = 256 * 127 + 127), both p and p' int8, an
+// error of at most max |x| / 65278 (the previous second level, s' = max |x - s p| / 127, gave at most
+// max |x| / 64516). The levels' dots are combined per group in int32 (256 * sum q p + sum q p'), so the
+// float work (one conversion, two FMAs per group) is per input row, not per int8 row, and all of a
+// call's rows (up to 8, `VNNI_MAX_ROWS`) share one pass over each panel, unpacking it once. Embedded model's 120 layer
+// linears, 2 threads (docs/benchmarks.md): against the kernel with two float levels and passes of
+// 4 int8 rows, <the figures>.
 //
-// Layout (quant.py `VnniWeight` packs it): the weight in panels of 16 output rows, each panel's groups
+// Layout (quant_linear.py `VnniKernel` packs it): the weight in panels of 16 output rows, each panel's groups
 // of 32 inputs consecutive; within a group, 64-byte chunks holding 4 inputs of each of the 16 rows
 // (byte 4 i + j = row i, input j), i.e. one VPDPBUSD operand per chunk with the row in the int32 lane.
 // 4-bit: chunk c (of 4) holds inputs 8c..8c+3 in its low nibbles, 8c+4..8c+7 in its high ones. 8-bit:
@@ -38,9 +44,11 @@ namespace {
 
 constexpr int64_t kGroup = 32;     // inputs per scale
 constexpr int64_t kLanes = 16;     // output rows per panel (one per int32 lane)
-// Input rows sharing one pass over a panel, by levels: each row holds one int32 sum per level and a
-// float one (3 of the 32 zmm registers at two levels), and the panel is unpacked once per pass.
-template <int kLevels> constexpr int kPassRows = kLevels == 1 ? 4 : 4;
+// Input rows sharing one pass over a panel (up to `VNNI_MAX_ROWS`, so a call unpacks each panel once):
+// a row holds one int32 sum per level and a float one, 24 of the 32 zmm registers at two levels.
+// Against passes of 4 (thread CPU time, 1 thread, interleaved): 2 levels, 6 / 8 rows, 0.84 / 0.93 of
+// the time; 1 level 0.89 / 0.92.
+constexpr int kPassRows = 8;
 // How far ahead of the weight stream to prefetch into L1: the hardware prefetcher alone streamed ~9 GB/s;
 // a cold one-row pass over the model's 120 layer linears (benchmarks/quant_linears.py, one input level,
 // 2-core Intel Xeon with AMX) went from 5.9 to 3.3 ms with it.
@@ -57,9 +65,9 @@ struct Int8Rows {
 };
 
 // One group of 32 values (a, b) of input row `row` into group g of `out`: v = round(x / s) to nearest
-// even with s = max |x| / 127 (one level, llama.cpp's) or max |x| / (127 * 256) (two), so |v| <= 127
-// or 32512; two levels split v into 256 p + p' with p = floor((v + 128) / 256) in [-127, 127] and
-// p' in [-128, 127]: x rounded to a 256th of the one-level step, in two int8 rows.
+// even with s = max |x| / 127 (one level, llama.cpp's) or max |x| / 32639 (two), so |v| <= 127 or
+// 32639; two levels split v into 256 p + p' with p = floor((v + 128) / 256) in [-127, 127] and p' in
+// [-128, 127] (two int8 rows).
 template <int kLevels>
 SS_AVX512 SS_INLINE void quantize_group(__m512 a, __m512 b, Int8Rows& out, int64_t row, int64_t g) {
   constexpr float kUnits = kLevels == 1 ? 127.0f : 127.0f * 256.0f + 127.0f;
@@ -169,11 +177,10 @@ SS_VNNI void panel_tail(const uint8_t* panel_bytes, const c10::Half* scales, con
 // All `rows` input rows through one panel, kPassRows at a time.
 template <int kBits, int kLevels, typename T>
 SS_VNNI void panel(const uint8_t* panel_bytes, const c10::Half* scales, const Int8Rows& x, int64_t rows, int64_t k, T* y, int64_t n) {
-  constexpr int kPass = kPassRows<kLevels>;
   int64_t r = 0;
-  for (; r + kPass <= rows; r += kPass) panel_rows<kBits, kLevels, kPass>(panel_bytes, scales, x, r, k, y, n);
+  for (; r + kPassRows <= rows; r += kPassRows) panel_rows<kBits, kLevels, kPassRows>(panel_bytes, scales, x, r, k, y, n);
   // the weight panel is in L1 by now: the tail re-reads it from there
-  panel_tail<kBits, kLevels, kPass - 1>(panel_bytes, scales, x, r, rows - r, k, y, n);
+  panel_tail<kBits, kLevels, kPassRows - 1>(panel_bytes, scales, x, r, rows - r, k, y, n);
 }
 
 template <int kLevels, typename T>
