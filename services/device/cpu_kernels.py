@@ -237,7 +237,8 @@ def has_avx512_vnni() -> bool:
 def quant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bits: int, input_bits: int = 8) -> torch.Tensor:
     """``x @ W.T`` for a 4- or 8-bit weight in groups of 32 along K (``w = d * q + m`` per group),
     ``x`` quantized per row to int8 groups of 32 inside (``input_bits=16``: plus a second int8 level
-    for the first's rounding error, ``x ~ s p + s' p'``, at twice the integer work), the dots on AVX512-VNNI.
+    for the first's rounding error, ``x ~ s (256 p + p')``, at twice the integer work), the dots on
+    AVX512-VNNI. A row's result does not depend on the other rows of ``x``.
 
     ``x`` ``[M, K]`` bfloat16 or float32 contiguous; ``packed`` uint8 ``[N / 16, K / 32, 256]``
     (``bits=4``) or ``[N / 16, K / 32, 512]`` (``bits=8``) and ``scales`` float16 ``[N / 16, K / 32,

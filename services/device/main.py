@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sim-step-ms", type=float, default=5.0, metavar="MS", help="--backend sim: device time of every step (default %(default)s)")
     parser.add_argument("--sim-token-us", type=float, default=0.0, metavar="US", help="--backend sim: added device time per token a step carries (default %(default)s)")
     parser.add_argument("--no-dense-copy", action="store_true",
-                        help="quantized weights: keep no dense copy for inputs of more than 4 rows, dequantize per call instead (least memory; steps of many rows run several times slower)")
+                        help="quantized weights: keep no dense copy for inputs of more rows than the quantized kernel takes (8, or 4 on torch's kernels), dequantize per call instead (least memory; steps of many rows run several times slower)")
     parser.add_argument("--dispatch", choices=("async", "sync"), default="async", help="async: submit without waiting; sync: wait each step before the next (for comparison)")
     spec = parser.add_argument_group("speculative decoding (docs/speculative.md)")
     spec.add_argument("--speculative-method", choices=("none", *PROPOSER_NAMES), default="none",

@@ -6,20 +6,24 @@ with its packed layout (the formats, from GGUF or rounded from float weights: `q
   keep GGUF's groups of 32 with float16 scales, so Q4_0, Q4_1 and Q8_0 map exactly. Each input row
   is quantized per group of 32 as llama.cpp quantizes activations for its Q4/Q8 dot products
   (ggml-quants.c, ``quantize_row_q8_0``: ``s = max |x| / 127``, here rounding to nearest even), and
-  by default a second int8 level quantizes what the first rounded off (``input_bits=16``): an error
-  of at most ``1 / 254 / 127`` of each group's largest input, below bfloat16's own rounding. With
-  one level (llama.cpp's, ``input_bits=8``) the few-row kernel and the dense copy that larger
-  inputs run on rounded differently enough to tip greedy near-ties, so a request's tokens depended
-  on how many rows shared its steps (12 of the suite's concurrent-against-solo and speculative
-  comparisons failed), and the embedded model's perplexity on the test passage was 16.75 against
-  16.54 with two levels and 16.46 in bfloat16. The integer dots run on VPDPBUSD; a pass over the
-  weight serves up to 4 int8 rows, and the weight stream is prefetched 8 KB ahead. Measured on a
-  2-core Intel Xeon with AMX, 2026-12-01 (``python benchmarks/quant_linears.py --threads 2``, weights
-  cold; docs/benchmarks.md has the table): at one row, the embedded model's 120 layer linears take
-  about half the time of torch's int4 kernel and a third of the bfloat16 AMX kernel's, the tied
-  49152 x 576 int8 head half of torch's int8 kernel's; the second level costs the head nothing at
-  one row (its weight stream bounds it), the layers 4.10 against 3.33 ms, and up to twice the
-  integer work from 2 rows on, so `VNNI_MAX_ROWS` (4) is where the AMX copy starts to win.
+  by default a second int8 level takes what the first rounded off (``input_bits=16``): each input
+  rounded to a 257th of that step, ``x ~ s (256 p + p')`` with ``s = max |x| / 32639``, an error of
+  at most ``1 / 65278`` of each group's largest input, below bfloat16's own rounding. With one level
+  (llama.cpp's, ``input_bits=8``) the few-row kernel and the dense copy that larger inputs run on
+  rounded differently enough to tip greedy near-ties, so a request's tokens depended on how many
+  rows shared its steps (12 of the suite's concurrent-against-solo and speculative comparisons
+  failed), and the embedded model's perplexity on the test passage was 16.75 against 16.54 with two
+  levels and 16.46 in bfloat16. The integer dots run on VPDPBUSD, the two levels' combined per
+  group in int32 (so the float work is per input row); one pass over the weight serves all of a
+  call's rows, and the weight stream is prefetched 8 KB ahead. A row's result does not depend on
+  the other rows of the call. Measured on a 2-core Intel Xeon with AMX, 2026-12-01
+  (``python benchmarks/quant_linears.py --threads 2``, weights cold; docs/benchmarks.md has the
+  tables): at one row, the embedded model's 120 layer linears take about half the time of torch's
+  int4 kernel and a third to a half of the bfloat16 AMX kernel's, the tied 49152 x 576 int8 head
+  half of torch's int8 kernel's. On two levels the layers beat the AMX copy up to 6 rows and are
+  about even at 8, the head is even at 6 and loses up to ~1 ms at 8; `VNNI_MAX_ROWS` is 8, so a
+  speculative verification of up to 7 drafts runs its linears on the kernel, each row bit-equal to
+  a one-row step's.
 - `TorchInt4Kernel` / `TorchInt8Kernel`, elsewhere: torch's ``_weight_int4pack_mm_for_cpu`` (its
   scale and zero in the activation dtype: in bfloat16 each group's scale rounded to 8 significant
   bits) and ``_weight_int8pack_mm`` (one scale per row: each row is requantized to the scale of its
@@ -44,7 +48,7 @@ from stageserve.device import cpu_kernels
 from stageserve.device.quant import GROUP, Int4Weight, Int8Weight, round_symmetric_int8
 
 LANES = 16  # output rows per panel of the VNNI layout (one per int32 lane)
-VNNI_MAX_ROWS = {8: 8, 16: 4}  # by input bits, measured (docs/benchmarks.md): above these rows the AMX copy wins
+VNNI_MAX_ROWS = {8: 8, 16: 8}  # by input bits, measured (docs/benchmarks.md): about where the AMX copy starts to win
 INT4_ROW_BLOCK = 64  # torch's int4 CPU kernel packs rows in blocks of 64 ([N / 64, K, 32] bytes)
 # torch's kernels (docs/benchmarks.md#quantized-weights: CPU time of a model's 120 linears on one thread,
 # weights cold: int4 10.7 / 15.9 / 17.0 / 33.3 ms at 1 / 2 / 4 / 8 rows against 19.6 / 20.1 / 22.4 / 20.1 ms
@@ -88,8 +92,7 @@ class VnniKernel:
     def __init__(self, weight: Int4Weight | Int8Weight, dtype: torch.dtype, input_bits: int = 16) -> None:
         """Pack ``weight`` (N a multiple of 16); ``dtype`` is the activations' (bfloat16 or float32);
         ``input_bits`` 16 or 8: two or one int8 levels per input (``cpu_kernels.quant_linear``; the
-        module docstring says why two), the second doubling the integer work, so it serves fewer
-        rows (`VNNI_MAX_ROWS`)."""
+        module docstring says why two), the second doubling the integer work."""
         self.dtype, self.bits, self.input_bits = dtype, 4 if isinstance(weight, Int4Weight) else 8, input_bits
         self.max_rows = VNNI_MAX_ROWS[input_bits]
         n, k = weight.q.shape

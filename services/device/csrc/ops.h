@@ -40,7 +40,7 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, at::Int
 
 // x [M, K] @ W^T -> [M, N] for 4- or 8-bit weights packed in 16-row panels of 32-input groups
 // ([N / 16, K / 32, 256 or 512] uint8, float16 scales [N / 16, K / 32, 2, 16]), x quantized per row to
-// int8 groups of 32 (input_bits 8) or two int8 levels (16); needs AVX512-VNNI (`cpu_has_avx512_vnni`)  (quant_linear.cpp)
+// int8 groups of 32 (input_bits 8) or two int8 levels, a 257th of the first's step (16); needs AVX512-VNNI (`cpu_has_avx512_vnni`)  (quant_linear.cpp)
 bool cpu_has_avx512_vnni();
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t bits, int64_t input_bits);
 

@@ -60,7 +60,7 @@ def _bound(linear: QuantizedLinear, reference: torch.Tensor, x: torch.Tensor) ->
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 5, 8, 40])  # the quantized kernel (<= max_rows; 4 rows a pass) and the per-call dequantized weight
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 40])  # the quantized kernel (<= max_rows, one pass) and the per-call dequantized weight
 @pytest.mark.parametrize("cpu", ["this", "without VNNI"])
 def test_gguf_linear_matches_the_dequantized_reference(qtype, dtype, rows, cpu, monkeypatch):
     if cpu != "this":  # torch's kernels, as on a CPU without AVX512-VNNI
@@ -83,18 +83,33 @@ def test_gguf_linear_matches_the_dequantized_reference(qtype, dtype, rows, cpu, 
 
 @pytest.mark.skipif(not VNNI, reason="the VNNI kernel needs AVX512-VNNI")
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 8])
 def test_two_input_levels_leave_a_127th_of_the_input_rounding(qtype, rows):
     """``input_bits=16`` (the default): the input's second int8 level takes what the first rounded
     off, so the error bound of the input rounding shrinks 127-fold (float32 activations and output)."""
     weight = _gguf_weight(qtype)
     reference = weight.dequantize()
     linear = QuantizedLinear(quant.kernel_weight([weight], "auto"), None, torch.float32)
-    assert linear.kernel.max_rows == 4
+    assert linear.kernel.max_rows == 8
     x = torch.randn(rows, K)
     input_max = x.abs().view(-1, K // 32, 32).amax(-1).repeat_interleave(32, 1)
     bound = 1e-5 * (x.abs() @ reference.abs().T) + (input_max / 254 / 127) @ reference.abs().T + 1e-6
     assert ((linear(x) - x @ reference.T).abs() <= bound).all()
+
+
+@pytest.mark.skipif(not VNNI, reason="the VNNI kernel needs AVX512-VNNI")
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("input_bits", [8, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gives_the_same_bits_alone_and_among_other_rows(qtype, input_bits, dtype):
+    """Batch invariance: every row of a 2- to 11-row input (one pass of up to 8 rows, then a shorter
+    one) is bit-equal to that row run alone, so a speculative verification's rows get a plain decode
+    step's logits and concurrent requests don't change each other's tokens."""
+    linear = QuantizedLinear(quant.kernel_weight([_gguf_weight(qtype)], "auto"), None, dtype, input_bits=input_bits)
+    x = torch.randn(11, K).to(dtype)
+    alone = torch.cat([linear.kernel(x[r:r + 1]) for r in range(len(x))])
+    for rows in range(2, len(x) + 1):
+        assert torch.equal(linear.kernel(x[:rows]), alone[:rows]), rows
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1] + ([Q.Q8_0] if VNNI else []))  # torch's int8 kernel requantizes per row
