@@ -15,8 +15,8 @@ draft length per batch; here per row):
   before it (a prompt-lookup draft that is right tends to stay right), the first one's the
   scheduler-wide estimate; counts decay exponentially, so that a request whose output starts or
   stops following its prompt is followed;
-- the step's **cost** (`StepCostModel`): the device's decode-step times by rows and drafts per row,
-  measured at its start-up (``device/step_costs.py``, carried in ``AttachReply.step_costs``);
+- the step's **cost** (`StepCostModel`): the device's decode-step times by rows, drafts per row and
+  context, measured at its start-up (``device/step_costs.py``, carried in ``AttachReply.step_costs``);
 - the planner takes drafts in order of expected gain and keeps the number that gives the most
   expected tokens (decode rows plus accepted drafts) per second; none unless that is at least 3 %
   more than without drafts (`MIN_SPEEDUP`: a smaller predicted gain is within the measurements'
@@ -37,7 +37,7 @@ A device without measured costs (``--speculative-policy always``) gets ``K`` dra
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -58,11 +58,8 @@ MIN_SPEEDUP = 1.03  # predicted goodput over no drafts below which a step drafts
 class AcceptanceEstimate:
     """Per draft position ``j`` (0 = the first): decayed counts of the published rows whose drafts
     before ``j`` were all accepted and that asked for draft ``j`` (``trials[j]``), and of those that
-    had draft ``j`` accepted too (``successes[j]``).
-
-    Args:
-        max_drafts: positions tracked (the device's K).
-        decay: factor of a position's counts per row that updates it.
+    had draft ``j`` accepted too (``successes[j]``); ``decay``: the factor of a position's counts
+    per row that updates it.
     """
 
     successes: list[float]
@@ -71,6 +68,7 @@ class AcceptanceEstimate:
 
     @classmethod
     def empty(cls, max_drafts: int, decay: float = DECAY) -> AcceptanceEstimate:
+        """No rows seen, ``max_drafts`` positions."""
         return cls([0.0] * max_drafts, [0.0] * max_drafts, decay)
 
     def observe(self, asked: int, accepted: int) -> None:
