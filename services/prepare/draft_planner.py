@@ -11,10 +11,11 @@ draft length per batch; here per row):
 - each sequence's **acceptance** (`AcceptanceEstimate`): per draft position ``j``, the probability
   that draft ``j`` is accepted when the drafts before it were, from its published rows; draft ``j``
   adds the product of these up to ``j`` in expected tokens (Leviathan et al. 2023, section 3.1,
-  without their assumption of one rate for every position). A position's prior is the position
-  before it (a prompt-lookup draft that is right tends to stay right), the first one's the
-  scheduler-wide estimate; counts decay exponentially, so that a request whose output starts or
-  stops following its prompt is followed;
+  without their assumption of one rate for every position: a prompt-lookup draft that is right
+  tends to stay right). Each position's prior is the scheduler-wide estimate of that position
+  (whose own prior is 0.5 at the first position and the position before it at the others); counts
+  decay exponentially, so that a request whose output starts or stops following its prompt is
+  followed;
 - the step's **cost** (`StepCostModel`): the device's decode-step times by rows, drafts per row and
   context, measured at its start-up (``device/step_costs.py``, carried in ``AttachReply.step_costs``);
 - the planner takes drafts in order of expected gain and keeps the number that gives the most
@@ -77,20 +78,20 @@ class AcceptanceEstimate:
             self.trials[j] = self.decay * self.trials[j] + 1.0
             self.successes[j] = self.decay * self.successes[j] + (accepted > j)
 
-    def rates(self, first_prior: float) -> list[float]:
+    def rates(self, prior: list[float] | None = None) -> list[float]:
         """Each position's acceptance after the ones before it: successes / trials with `PRIOR_TRIALS`
-        rows of prior, the prior being ``first_prior`` at the first position and the estimate of
-        the position before at the others."""
-        rates, prior = [], first_prior
-        for s, t in zip(self.successes, self.trials):
-            prior = (s + PRIOR_TRIALS * prior) / (t + PRIOR_TRIALS)
-            rates.append(prior)
+        rows of prior, ``prior[j]`` at position ``j``; without ``prior``, `FIRST_ACCEPTANCE` at the
+        first position and the estimate of the position before at the others."""
+        rates, previous = [], FIRST_ACCEPTANCE
+        for j, (s, t) in enumerate(zip(self.successes, self.trials)):
+            previous = (s + PRIOR_TRIALS * (previous if prior is None else prior[j])) / (t + PRIOR_TRIALS)
+            rates.append(previous)
         return rates
 
-    def gains(self, first_prior: float) -> list[float]:
+    def gains(self, prior: list[float] | None = None) -> list[float]:
         """Expected tokens each draft position adds: the product of the `rates` up to it."""
         gains, product = [], 1.0
-        for rate in self.rates(first_prior):
+        for rate in self.rates(prior):
             product *= rate
             gains.append(product)
         return gains
@@ -205,12 +206,13 @@ class DraftPlanner:
     """Chooses every decode row's drafts for a step (module docstring).
 
     Args:
+        max_drafts: the device's K.
         costs: the device's `StepCostModel`; ``None``: every row asks for as many as it may.
     """
 
-    def __init__(self, costs: StepCostModel | None) -> None:
+    def __init__(self, max_drafts: int, costs: StepCostModel | None) -> None:
         self.costs = costs
-        self.acceptance = AcceptanceEstimate.empty(1, PRIOR_DECAY)  # every sequence's first draft: each one's prior of it
+        self.acceptance = AcceptanceEstimate.empty(max_drafts, PRIOR_DECAY)  # over every sequence: each one's prior
 
     def plan(self, rows: list[tuple[SequenceDrafts, int]], spare: int, context: float = 0.0) -> list[int]:
         """Drafts for each of a step's decode rows, given as ``(drafts state, cap)`` (``cap``: the
@@ -219,7 +221,7 @@ class DraftPlanner:
         caps = [max(0, min(state.max_drafts, cap)) for state, cap in rows]
         if self.costs is None or not rows:
             return self._in_order(caps, spare)
-        prior = self.acceptance.rates(FIRST_ACCEPTANCE)[0]
+        prior = self.acceptance.rates()
         chosen = [0] * len(rows)
         probes = set()
         gains = []  # (expected tokens the draft adds, row)

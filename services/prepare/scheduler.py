@@ -155,7 +155,7 @@ class Scheduler:
         self._by_request: dict[GenerationRequest, SequenceState] = {}
         self._in_flight: dict[int, ScheduledStep] = {}
         self._next_step_id = first_step_id
-        self._draft_planner = DraftPlanner(config.step_costs)
+        self._draft_planner = DraftPlanner(config.num_speculative_tokens, config.step_costs)
 
     # ---- figures -------------------------------------------------------------------------------
     @property

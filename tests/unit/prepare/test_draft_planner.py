@@ -54,25 +54,25 @@ def test_the_context_adds_a_cost_per_row_and_per_entry_fitted_to_the_long_contex
 
 
 def test_where_entries_are_free_every_accepting_row_drafts_fully():
-    planner = DraftPlanner(FLAT)
+    planner = DraftPlanner(K, FLAT)
     assert planner.plan([(sequence(0.6), K), (sequence(0.3), K)], spare=100) == [K, K]
 
 
 def test_where_drafts_are_dear_only_rows_that_are_usually_accepted_draft():
-    planner = DraftPlanner(STEEP)
+    planner = DraftPlanner(K, STEEP)
     assert planner.plan([(sequence(0.9), K), (sequence(0.1), K), (sequence(0.9), K)], spare=100) == [K, 0, K]
     assert planner.plan([(sequence(0.1), K)], spare=100) == [0]
 
 
 def test_caps_the_budget_and_sampling_that_forbids_drafts_are_kept():
-    planner = DraftPlanner(FLAT)
+    planner = DraftPlanner(K, FLAT)
     forbidden = SequenceDrafts(0)
     assert planner.plan([(sequence(0.9), 1), (forbidden, K), (sequence(0.9), K)], spare=2) == [1, 0, 1]
-    assert DraftPlanner(None).plan([(sequence(0.0), K), (sequence(0.0), 2)], spare=4) == [K, 1]  # without costs: in order, all asked
+    assert DraftPlanner(K, None).plan([(sequence(0.0), K), (sequence(0.0), 2)], spare=4) == [K, 1]  # without costs: in order, all asked
 
 
 def test_a_sequence_that_does_not_draft_probes_with_one_draft_and_then_waits_twice_as_long():
-    planner = DraftPlanner(STEEP)
+    planner = DraftPlanner(K, STEEP)
     state = sequence(0.05)
     planned = [planner.plan([(state, K)], spare=100)[0] for _ in range(FIRST_PROBE_ROWS + 1 + 2 * FIRST_PROBE_ROWS + 1)]
     assert planned.index(1) == FIRST_PROBE_ROWS and planned.count(1) == 2
@@ -80,28 +80,38 @@ def test_a_sequence_that_does_not_draft_probes_with_one_draft_and_then_waits_twi
 
 
 def test_accepted_drafts_raise_the_estimate_and_rejected_ones_lower_it():
-    planner = DraftPlanner(STEEP)
+    planner = DraftPlanner(K, STEEP)
     state = SequenceDrafts(K)
     for _ in range(20):
         planner.observe(state, K, 0)
-    assert state.acceptance.gains(0.5)[0] < 0.1 and planner.plan([(state, K)], spare=100) == [0]
+    assert state.acceptance.gains()[0] < 0.1 and planner.plan([(state, K)], spare=100) == [0]
     assert state.acceptance.trials[1] == 0  # no row got past its first draft
     for _ in range(20):
         planner.observe(state, K, K)
-    assert min(state.acceptance.gains(0.5)) > 0.7 and planner.plan([(state, K)], spare=100) == [K]
-    assert 0.1 < planner.acceptance.rates(0.5)[0] < 0.9  # the scheduler-wide prior remembers both
+    assert min(state.acceptance.gains()) > 0.7 and planner.plan([(state, K)], spare=100) == [K]
+    assert 0.1 < planner.acceptance.rates()[0] < 0.9  # the scheduler-wide prior remembers both
     trials = list(state.acceptance.trials)
     planner.observe(state, 1, 0)  # a row asking for one draft says nothing of the second
     assert state.acceptance.trials[1:] == trials[1:]
 
 
-def test_a_position_never_asked_for_takes_the_acceptance_of_the_one_before():
+def test_a_position_a_sequence_never_reached_takes_the_scheduler_wide_estimate():
+    planner = DraftPlanner(K, MILD)
+    others = SequenceDrafts(K)
+    for _ in range(30):  # other sequences: a run, once started, goes on
+        planner.observe(others, K, K)
     state = SequenceDrafts(K)
-    for _ in range(10):  # rows of two drafts, both accepted
-        state.acceptance.observe(2, 2)
-    rates = state.acceptance.rates(0.5)
-    assert rates[2] == rates[1] > 0.8  # the third, never asked, as likely as the second
-    assert DraftPlanner(STEEP).plan([(state, K)], spare=100) == [K]
+    for _ in range(10):  # this one: asks for one draft, accepted one time in three
+        planner.observe(state, 1, 0)
+        planner.observe(state, 1, 0)
+        planner.observe(state, 1, 1)
+    rates = state.acceptance.rates(planner.acceptance.rates())
+    assert rates[0] < 0.5 and rates[1] > 0.9 and rates[2] > 0.9  # the later positions from the others
+    assert planner.plan([(state, K)], spare=100) == [K]
+    alone = AcceptanceEstimate.empty(K)
+    for _ in range(10):  # without a prior: a position never reached takes the one before
+        alone.observe(2, 2)
+    assert alone.rates()[2] == alone.rates()[1] > 0.8
 
 
 def test_the_scheduler_plans_drafts_from_published_acceptance():
