@@ -19,9 +19,10 @@ draft length per batch; here per row):
 - the step's **cost** (`StepCostModel`): the device's decode-step times by rows, drafts per row and
   context, measured at its start-up (``device/step_costs.py``, carried in ``AttachReply.step_costs``);
 - the planner takes drafts in order of expected gain and keeps the number that gives the most
-  expected tokens (decode rows plus accepted drafts) per second; none unless that is at least 3 %
-  more than without drafts (`MIN_SPEEDUP`: a smaller predicted gain is within the measurements'
-  error, as likely a loss).
+  expected tokens (decode rows plus accepted drafts) per second; none unless that is at least 10 %
+  more than without drafts (`MIN_SPEEDUP`: on the open-ended benchmark a served drafting step cost
+  up to ~20 % more than the start-up measurement says, so a smaller predicted gain is as likely a
+  loss).
 
 A sequence that has not drafted for a while **probes**: its next row asks for one draft (the
 cheapest measurement of its acceptance), after 16 rows without drafts, doubling after each probe
@@ -52,7 +53,7 @@ FIRST_ACCEPTANCE = 0.5  # the scheduler-wide prior of a first draft before any r
 FIRST_PROBE_ROWS = 16
 MAX_PROBE_ROWS = 256
 MIN_GAIN = 0.01  # expected tokens below which a draft is not considered
-MIN_SPEEDUP = 1.03  # predicted goodput over no drafts below which a step drafts nothing: within the model's error
+MIN_SPEEDUP = 1.10  # predicted goodput over no drafts below which a step drafts nothing: within the model's error
 
 
 @dataclass(slots=True)
