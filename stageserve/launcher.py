@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from stageserve.device.main import SPECULATIVE_POLICIES
 from stageserve.metrics_http import metrics_port_file
 from stageserve.security.tls import TlsFiles, dial
 from stageserve.stop_signals import STOP_SIGNALS, StopRequest
@@ -260,7 +261,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", default="", metavar="PATH",
                         help="with --speculative-method draft: GGUF file or Hugging Face directory of a smaller model sharing --model's tokenizer")
     parser.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K", help="drafts per decode row and step, with a --speculative-method")
-    parser.add_argument("--speculative-policy", default="goodput", choices=["goodput", "always"],
+    parser.add_argument("--speculative-policy", default="goodput", choices=SPECULATIVE_POLICIES,
                         help="goodput: drafts where the device's measured step costs say they pay; always: K on every row")
     parser.add_argument("--trace-dir", type=Path, default=None, metavar="DIR",
                         help="all three services record a Chrome trace from start-up into DIR, written at shutdown "

@@ -26,6 +26,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("auto", "dequantize", "int8", "int4")  # the same as stageserve.device.quant.WEIGHT_FORMATS, which imports torch
 # ngram: stageserve.device.proposer.PROPOSERS; draft: stageserve.device.draft_model (both import torch)
 PROPOSER_NAMES = ("ngram", "draft")
+SPECULATIVE_POLICIES = ("goodput", "always")  # --speculative-policy (docs/speculative.md#which-rows-draft)
 CPU_DEFAULT_KV_BYTES = 512 * 1024**2
 ACCELERATOR_DEFAULT_KV_FRACTION = 0.85
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -68,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="with --speculative-method draft: GGUF file or Hugging Face directory of a smaller model sharing --model's tokenizer, "
                            "loaded as --model is (--dtype, --weights); its KV pool shares the KV memory")
     spec.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K", help="drafts per decode row and step at most, with a --speculative-method (default %(default)s)")
-    spec.add_argument("--speculative-policy", choices=("goodput", "always"), default="goodput",
+    spec.add_argument("--speculative-policy", choices=SPECULATIVE_POLICIES, default="goodput",
                       help="goodput: the device measures its step costs at start-up and prepare gives each decode row the drafts "
                            "expected to add the most tokens per second (none where they do not pay); always: every row asks for K "
                            "(default %(default)s)")
@@ -526,24 +527,17 @@ def _warm_up(executor, table, limits, check_sampling) -> None:
     Raises:
         RuntimeError: the warm-up step failed (the message carries the step's error).
     """
-    from stageserve.device.step_plan import decode_plan
+    from stageserve.device.step_costs import GREEDY, run_alone
     from stageserve.v1 import common_pb2, device_pb2
 
     tokens = list(range(min(8, limits.block_size * limits.num_blocks, limits.max_model_len)))
     blocks = -(-len(tokens) // limits.block_size)
     start = common_pb2.SequenceStart(
-        seq_index=0, generation=1, request_id="warm-up", prompt_token_ids=tokens,
-        sampling=common_pb2.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.0),
+        seq_index=0, generation=1, request_id="warm-up", prompt_token_ids=tokens, sampling=GREEDY,
     )
     plan = device_pb2.StepPlan(
         step_id=1, started=[start], seq_index=[0], generation=[1], start_pos=[0], num_tokens=[len(tokens)],
         token_ids=tokens, sample=[True], num_new_blocks=[blocks], new_block_ids=list(range(blocks)),
     )
-    ticket = executor.submit(table.admit(decode_plan(plan, limits, check_sampling)))
-    try:
-        ticket.wait()
-    except Exception as exc:
-        raise RuntimeError(f"warm-up step failed: {type(exc).__name__}: {exc}") from exc
-    executor.flush()
-    executor.release(ticket.ticket_id)
+    run_alone(executor, table, limits, check_sampling, plan, "warm-up step")
     table.reset()

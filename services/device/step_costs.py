@@ -36,6 +36,7 @@ REPEATS = 3
 SHORT_CONTEXT = 8  # prompt tokens of each measured sequence
 LONG_CONTEXT = 256  # prompt tokens of the sequences that measure the context's cost
 LONG_CONTEXT_ROWS = 8
+GREEDY = common_pb2.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.0)  # of every sequence run at start-up
 
 
 @dataclass
@@ -47,8 +48,13 @@ class _Group:
     context: int
     first: int
     first_block: int
-    positions: list[int] = field(default_factory=list)  # each sequence's pending token's position
-    seconds: list[list[float]] = field(default_factory=list)  # per draft count, the timed runs
+    num_drafts: int  # K: draft counts 0..K are measured
+    positions: list[int] = field(init=False)  # each sequence's pending token's position
+    seconds: list[list[float]] = field(init=False)  # per draft count, the timed runs
+
+    def __post_init__(self) -> None:
+        self.positions = [self.context] * self.rows
+        self.seconds = [[] for _ in range(self.num_drafts + 1)]
 
     @property
     def seqs(self) -> list[int]:
@@ -56,13 +62,18 @@ class _Group:
 
 
 def measure_step_costs(executor, table, limits: PlanLimits, check_sampling) -> list[device_pb2.StepCost]:
-    """Seconds of a decode step of ``rows`` rows of ``context_tokens`` context each asking for
-    ``drafts`` drafts: at `SHORT_CONTEXT` for every row count of `ROW_POINTS` that the sequence
-    table, the step budget and the KV pool allow, at `LONG_CONTEXT` for the largest of them up to
-    `LONG_CONTEXT_ROWS` (shorter where ``max_model_len`` asks, none when that does not fit), each at every ``drafts`` in
+    """Seconds (wall clock, submit to completion) of a decode step of ``rows`` rows of
+    ``context_tokens`` tokens of context each asking for ``drafts`` drafts: at `SHORT_CONTEXT` for
+    every row count of `ROW_POINTS` that the sequence table, the step budget and the KV pool allow,
+    at `LONG_CONTEXT` for the most rows up to `LONG_CONTEXT_ROWS` that fit (fewer tokens where
+    ``max_model_len`` asks, none when even that does not fit), each at every ``drafts`` in
     ``[0, limits.num_speculative_tokens]``.
 
-    Runs on the device before it serves (``executor`` and ``table`` idle; the table is reset after).
+    Args:
+        executor: the device's `StepExecutor`, idle (nothing submitted).
+        table: its `SequenceTable`, empty; reset again afterwards.
+        limits: the device's `PlanLimits`.
+        check_sampling: raises ``ValueError`` for bad sampling parameters (as for served plans).
 
     Raises:
         RuntimeError: a measured step failed (the message carries the step's error).
@@ -71,7 +82,9 @@ def measure_step_costs(executor, table, limits: PlanLimits, check_sampling) -> l
     # The long-context group first, so that a small KV pool drops the largest row counts rather than it.
     long_context = min(LONG_CONTEXT, limits.max_model_len - _decode_tokens(limits) - 1)  # a short --max-model-len: as long as it allows
     if long_context >= 4 * SHORT_CONTEXT:
-        next((rows for rows in reversed(ROW_POINTS) if rows <= LONG_CONTEXT_ROWS and _add_group(groups, limits, rows, long_context)), None)
+        for rows in reversed([rows for rows in ROW_POINTS if rows <= LONG_CONTEXT_ROWS]):  # the most rows that fit
+            if _add_group(groups, limits, rows, long_context):
+                break
     for rows in ROW_POINTS:  # as far as the table and the pool allow
         if not _add_group(groups, limits, rows, SHORT_CONTEXT):
             break
@@ -105,7 +118,7 @@ def _add_group(groups: list[_Group], limits: PlanLimits, rows: int, context: int
             and context + _decode_tokens(limits) + 1 <= limits.max_model_len and seqs + rows <= limits.max_num_seqs
             and blocks + rows * _blocks_per_seq(limits, context) <= limits.num_blocks)
     if fits:
-        groups.append(_Group(rows, context, seqs, blocks))
+        groups.append(_Group(rows, context, seqs, blocks, limits.num_speculative_tokens))
     return fits
 
 
@@ -123,17 +136,14 @@ def _start(executor, table, limits: PlanLimits, check_sampling, group: _Group, s
     prompt lookup finds no match: a draft costs the same matched or not)."""
     seqs, per_seq = group.seqs, _blocks_per_seq(limits, group.context)
     prompts = [[(seq * group.context + i) % limits.vocab_size for i in range(group.context)] for seq in seqs]
-    greedy = common_pb2.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.0)
-    starts = [common_pb2.SequenceStart(seq_index=seq, generation=1, request_id=f"step-cost-{seq}", prompt_token_ids=prompt, sampling=greedy)
+    starts = [common_pb2.SequenceStart(seq_index=seq, generation=1, request_id=f"step-cost-{seq}", prompt_token_ids=prompt, sampling=GREEDY)
               for seq, prompt in zip(seqs, prompts)]
     plan = device_pb2.StepPlan(step_id=step_id, started=starts, seq_index=seqs, generation=[1] * group.rows, start_pos=[0] * group.rows,
                                num_tokens=[group.context] * group.rows, token_ids=sum(prompts, []), sample=[True] * group.rows,
                                num_new_blocks=[per_seq] * group.rows, new_block_ids=list(range(group.first_block, group.first_block + group.rows * per_seq)))
     if limits.num_speculative_tokens:
         plan.num_draft_tokens.extend([0] * group.rows)
-    _run(executor, table, limits, check_sampling, plan)
-    group.positions = [group.context] * group.rows
-    group.seconds = [[] for _ in range(limits.num_speculative_tokens + 1)]
+    run_alone(executor, table, limits, check_sampling, plan, "step cost measurement")
 
 
 def _decode(executor, table, limits: PlanLimits, check_sampling, group: _Group, drafts: int, step_id: int) -> float:
@@ -145,19 +155,25 @@ def _decode(executor, table, limits: PlanLimits, check_sampling, group: _Group, 
     if limits.num_speculative_tokens:
         plan.num_draft_tokens.extend([drafts] * rows)
     began = time.perf_counter()
-    result = _run(executor, table, limits, check_sampling, plan)
+    result = run_alone(executor, table, limits, check_sampling, plan, "step cost measurement")
     seconds = time.perf_counter() - began
     group.positions = [pos + n for pos, n in zip(group.positions, result.num_tokens or [1] * rows)]
     return seconds
 
 
-def _run(executor, table, limits: PlanLimits, check_sampling, plan: device_pb2.StepPlan):
-    """Submit ``plan``, wait for it, release its slot; its `StepResult`."""
+def run_alone(executor, table, limits: PlanLimits, check_sampling, plan: device_pb2.StepPlan, what: str):
+    """Submit ``plan`` on the idle ``executor`` (after ``table`` admits it), wait for it and every
+    output delivered, release its slot; its `StepResult`. Start-up only (the warm-up, the cost
+    measurement): the device does not serve yet.
+
+    Raises:
+        RuntimeError: the step failed; the message starts with ``what`` and carries the step's error.
+    """
     ticket = executor.submit(table.admit(decode_plan(plan, limits, check_sampling)))
     try:
         return ticket.wait()
     except Exception as exc:
-        raise RuntimeError(f"step cost measurement failed: {type(exc).__name__}: {exc}") from exc
+        raise RuntimeError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
     finally:
         executor.flush()
         executor.release(ticket.ticket_id)

@@ -21,8 +21,8 @@ draft length per batch; here per row):
 - the planner takes drafts in order of expected gain and keeps the number that gives the most
   expected tokens (decode rows plus accepted drafts) per second; none unless that is at least 10 %
   more than without drafts (`MIN_SPEEDUP`: on the open-ended benchmark a served drafting step cost
-  up to ~20 % more than the start-up measurement says, so a smaller predicted gain is as likely a
-  loss).
+  up to ~20 % more than the start-up measurement says, on a 2-core Intel Xeon with AMX,
+  docs/benchmarks.md "With the draft planner", so a smaller predicted gain is as likely a loss).
 
 A sequence that has not drafted for a while **probes**: its next row asks for one draft (the
 cheapest measurement of its acceptance), after 16 rows without drafts, doubling after each probe
@@ -39,12 +39,15 @@ A device without measured costs (``--speculative-policy always``) gets ``K`` dra
 from __future__ import annotations
 
 import bisect
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from stageserve.prepare.validation import GenerationRequest
     from stageserve.v1 import device_pb2
+
+log = logging.getLogger(__name__)
 
 DECAY = 0.9  # per published drafting row: a sequence's acceptance follows its last ~10 rows
 PRIOR_DECAY = 0.99  # the scheduler-wide estimate follows the last ~100 drafting rows of all sequences
@@ -123,7 +126,7 @@ class StepCostModel:
     """A decode step's seconds by decode rows, drafts and context, from the device's measurements.
 
     The table measured at the short context is made monotone (a step never costs less for more rows
-    or drafts: the median of a few runs can dip); between measured row counts the time is
+    or drafts: the fastest of a few runs can dip); between measured row counts the time is
     interpolated linearly, past the largest it grows in proportion to the rows; a step of ``rows``
     rows carrying ``drafts`` drafts in all costs as ``rows`` rows of ``drafts / rows`` drafts each,
     interpolated. Each context token past the short context adds ``per_row + per_entry * (1 + k)``
@@ -133,6 +136,7 @@ class StepCostModel:
     """
 
     def __init__(self, costs: list[device_pb2.StepCost]) -> None:
+        """Raises ``KeyError`` naming a ``(rows, drafts)`` cell the table lacks."""
         self.context = min(cost.context_tokens for cost in costs)
         base = {(cost.rows, cost.drafts): cost.seconds for cost in costs if cost.context_tokens == self.context}
         self.rows = sorted({rows for rows, _ in base})
@@ -164,19 +168,15 @@ class StepCostModel:
 
     @classmethod
     def from_attach(cls, reply: device_pb2.AttachReply) -> StepCostModel | None:
-        """The model of ``reply.step_costs``; ``None`` when the device measured none (or not a whole
-        table at its shortest context: rows x drafts 0..K)."""
-        costs = list(reply.step_costs)
-        if not costs:
+        """The model of ``reply.step_costs``; ``None`` when the device measured none, or not a whole
+        table (rows x drafts 0..K at its shortest context, each long-context cell's counterpart)."""
+        if not reply.step_costs:
             return None
-        short = min(cost.context_tokens for cost in costs)
-        base = {(cost.rows, cost.drafts) for cost in costs if cost.context_tokens == short}
-        rows, drafts = {r for r, _ in base}, {k for _, k in base}
-        if len(base) != len(rows) * len(drafts) or drafts != set(range(max(drafts) + 1)):
+        try:
+            return cls(list(reply.step_costs))
+        except KeyError as missing:
+            log.warning("the device's step costs lack %s; every decode row asks for %d drafts", missing, reply.num_speculative_tokens)
             return None
-        if any((cost.rows, cost.drafts) not in base for cost in costs):
-            return None
-        return cls(costs)
 
     def seconds_by_drafts(self, rows: int, context: float) -> list[float]:
         """Seconds of a decode step of ``rows`` >= 1 rows of ``context`` tokens on average, by

@@ -27,6 +27,8 @@ import os
 import sys
 from pathlib import Path
 
+from stageserve.device.main import SPECULATIVE_POLICIES, WEIGHT_FORMATS
+
 LLAMA_SERVER_HELP = "the llama-server program (default: llama-server on PATH; without one, stageserve's sides only)"
 
 
@@ -84,9 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="also run --speculative-method draft with this draft model (GGUF or Hugging Face directory sharing --model's tokenizer) at each K")
     spec.add_argument("--llama-server", type=Path, default=None, metavar="PATH",
                       help=LLAMA_SERVER_HELP + " (without and with its --spec-type ngram-simple at each K)")
-    spec.add_argument("--speculative-policy", nargs="+", default=["goodput"], choices=["goodput", "always"], dest="speculative_policies",
+    spec.add_argument("--speculative-policy", nargs="+", default=["goodput"], choices=SPECULATIVE_POLICIES, dest="speculative_policies",
                       help="run each speculating side with each of these device --speculative-policy values (default goodput)")
-    spec.add_argument("--weights", default="auto", dest="spec_weights", metavar="FORMAT",
+    spec.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS, dest="spec_weights",
                       help="stageserve device --weights of every stageserve side (default auto; dequantize: every weight in --dtype)")
     sweep.add_argument("--plot", type=Path, default=Path("docs/benchmarks-concurrency.png"), help="PNG path (default %(default)s)")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from stageserve.prepare.draft_planner import FIRST_PROBE_ROWS, AcceptanceEstimate, DraftPlanner, SequenceDrafts, StepCostModel
+from stageserve.prepare.scheduler import SchedulerConfig
 from stageserve.v1 import device_pb2
 
 from .test_scheduler import event, make_request, make_scheduler, publish
@@ -45,8 +46,10 @@ def test_the_context_adds_a_cost_per_row_and_per_entry_fitted_to_the_long_contex
 
     costs = [device_pb2.StepCost(rows=r, drafts=k, context_tokens=8, seconds=seconds(r, k, 8)) for r in (1, 8) for k in range(K + 1)]
     costs += [device_pb2.StepCost(rows=8, drafts=k, context_tokens=256, seconds=seconds(8, k, 256)) for k in range(K + 1)]
-    model = StepCostModel.from_attach(device_pb2.AttachReply(step_costs=costs))
+    reply = device_pb2.AttachReply(num_speculative_tokens=K, step_costs=costs)
+    model = StepCostModel.from_attach(reply)
     assert (model.per_row, model.per_entry) == (pytest.approx(2e-6), pytest.approx(1e-6))
+    assert SchedulerConfig.from_attach(reply, max_prefill_chunk=8, max_waiting=8).step_costs.per_entry == model.per_entry
     assert model.seconds_by_drafts(4, 108) == pytest.approx([seconds(4, k, 108) for k in range(K + 1)])
     reply = device_pb2.AttachReply(step_costs=[device_pb2.StepCost(rows=1, drafts=1, seconds=1.0)])
     assert StepCostModel.from_attach(reply) is None  # no 0-draft measurement: not a table
