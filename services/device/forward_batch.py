@@ -78,6 +78,31 @@ class ForwardBatch:
             sample_indices=move(self.sample_indices),
         )
 
+    def keep_decode(self, keep: torch.Tensor) -> tuple[ForwardBatch, torch.Tensor]:
+        """This batch without the single-token rows where ``keep`` ``[num_decode]`` bool is false,
+        and the sampling rows it keeps: ``[S']`` int64 indices into ``sample_indices`` (its logits
+        row ``i`` is this batch's logits row ``kept[i]``). Reads ``keep`` on the host: a CPU batch."""
+        tokens = keep.nonzero().squeeze(1)  # [Bd'] decode tokens kept
+        dropped = self.num_decode - tokens.shape[0]
+        rest = torch.arange(self.num_decode, self.input_ids.shape[0])
+        order = torch.cat([tokens, rest])
+
+        def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[tokens]
+
+        # Old token index -> new one (-1: dropped), then the sampling rows whose token stays.
+        new_index = torch.full((self.input_ids.shape[0],), -1, dtype=torch.int64)
+        new_index[order] = torch.arange(order.shape[0])
+        remapped = new_index[self.sample_indices]
+        kept = (remapped >= 0).nonzero().squeeze(1)
+        batch = ForwardBatch(
+            input_ids=self.input_ids[order], positions=self.positions[order], slot_mapping=self.slot_mapping[order],
+            num_decode=tokens.shape[0], decode_blocks=rows(self.decode_blocks), decode_mask=rows(self.decode_mask),
+            prefills=[PrefillSegment(p.start - dropped, p.length, p.context_slots, p.mask) for p in self.prefills],
+            sample_indices=remapped[kept],
+        )
+        return batch, kept
+
 
 def build_forward_batch(rows: list[BatchRow] | list[tuple], block_size: int, device: torch.device | str) -> ForwardBatch:
     """Build the step's ``ForwardBatch`` on the host from ``(token_ids, start_pos, block_table, sample)`` rows, then move it to ``device``.

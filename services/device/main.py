@@ -298,7 +298,7 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
         max_model_len=min(model_len, num_blocks * args.block_size),
         num_speculative_tokens=num_drafts,
     )
-    grammar = None
+    grammar = speculation = None
     if model is None:
         runner = SimStepRunner(args.sim_step_ms / 1e3, args.sim_token_us / 1e6, config.vocab_size, config.eos_token_ids)
     else:
@@ -328,9 +328,10 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
         from stageserve.device.step_costs import measure_step_costs
 
         # After the grammar worker's start-up work: it would take a core from the measured steps.
-        step_costs = measure_step_costs(executor, table, limits, check_sampling)
+        step_costs = measure_step_costs(executor, table, limits, check_sampling, speculation)
     outbox.clear()
-    attach_reply = _attach_reply(args, model_path, config, limits, backend.name, dtype_name, step_costs)
+    attach_reply = _attach_reply(args, model_path, config, limits, backend.name, dtype_name, step_costs,
+                                 speculation is not None and speculation.drops_unproposed)
     return DeviceCore(attach_reply, limits, table, executor, outbox, check_sampling, grammar)
 
 
@@ -468,8 +469,10 @@ def _kv_bytes(args: argparse.Namespace, device, saved_bytes: int = 0) -> int:
     return CPU_DEFAULT_KV_BYTES + saved_bytes
 
 
-def _attach_reply(args: argparse.Namespace, model_path: Path, config, limits, backend_name: str, dtype_name: str, step_costs: list):
-    """The ``AttachReply`` of a device built from ``args`` (a new ``instance_id``), with the measured ``step_costs``."""
+def _attach_reply(args: argparse.Namespace, model_path: Path, config, limits, backend_name: str, dtype_name: str, step_costs: list,
+                  drops_unproposed: bool):
+    """The ``AttachReply`` of a device built from ``args`` (a new ``instance_id``), with the measured
+    ``step_costs`` and whether its steps run only the proposed drafts' entries."""
     from stageserve.v1 import device_pb2
 
     return device_pb2.AttachReply(
@@ -489,6 +492,7 @@ def _attach_reply(args: argparse.Namespace, model_path: Path, config, limits, ba
         num_speculative_tokens=limits.num_speculative_tokens,
         speculative_method=args.speculative_method if limits.num_speculative_tokens else "",
         step_costs=step_costs,
+        drops_unproposed_drafts=drops_unproposed,
     )
 
 

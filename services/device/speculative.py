@@ -34,6 +34,8 @@ instead; see docs/speculative.md.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -118,6 +120,22 @@ class Speculation:
         self.proposer, self.num_speculative_tokens, self.block_size = proposer, num_speculative_tokens, block_size
         self.history = TokenHistory(max_num_seqs, max_model_len + 1, device)  # + 1: a row's write past its last position
         self.device = device
+        # Where the device's work runs on the host, reading how many drafts were proposed costs no
+        # synchronisation with an accelerator, so a step runs only the entries of proposed drafts;
+        # on CUDA/NPU the entries' count would be a host sync inside the step: every asked entry runs.
+        self.drops_unproposed = device.type == "cpu"
+
+    @contextmanager
+    def proposing_every_draft(self) -> Iterator[None]:
+        """Within: every draft a row asks for counts as proposed (the proposer still runs; a draft it
+        did not make is token 0), so a step runs all its entries: for measuring what they cost
+        (`step_costs`), never while serving."""
+        proposer = self.proposer
+        self.proposer = _EveryDraftProposed(proposer)
+        try:
+            yield
+        finally:
+            self.proposer = proposer
 
     def stage_rows(self, admitted: AdmittedStep) -> tuple[list[tuple], StagedSpeculation]:
         """The forward batch's rows ``(token_ids, start_pos, block_table, sample)`` with each decode row
@@ -192,6 +210,22 @@ class Speculation:
             batch.decode_blocks[index], position, self.block_size, batch.decode_mask.shape[1])
         return drafts, valid
 
+    def without_unproposed(self, staged: StagedSpeculation, batch: ForwardBatch, valid: torch.Tensor) -> tuple[ForwardBatch, torch.Tensor | None]:
+        """``batch`` without the entries of drafts the proposer did not make (``valid`` ``[Rd, K]``
+        from `fill_inputs`), and the sampling entries it keeps (``[S']`` int64 indices into ``[S]``;
+        ``None``: all of them, ``batch`` itself), on a CPU device (`drops_unproposed`); elsewhere
+        ``(batch, None)``. A dropped entry's target token would follow a draft that does not exist:
+        no accepted run reaches it."""
+        if not self.drops_unproposed or staged.num_drafts == 0:
+            return batch, None
+        runs = torch.cat([torch.ones(valid.shape[0], 1, dtype=torch.bool), valid], dim=1)  # [Rd, 1 + K]: the pending token, each proposed draft
+        needed = runs[staged.entry_row, staged.entry_offset]  # [E]
+        if bool(needed.all()):
+            return batch, None
+        keep = torch.ones(batch.num_decode, dtype=torch.bool)
+        keep[staged.entry_index] = needed
+        return batch.keep_decode(keep)
+
     def output_index(self, staged: StagedSpeculation, batch: ForwardBatch) -> torch.Tensor:
         """``[S]`` int64: the index in its sequence's output of the token each sampling entry draws
         (its position + 1 - prompt length), the key of its sampling noise."""
@@ -213,3 +247,18 @@ class Speculation:
         history.tokens[staged.sample_seq, position + 1] = sampled
         history.length[staged.row_seq] = position[staged.row_entries[:, 0]] + accepted + 2
         return Verified(accepted + 1, row_valid.sum(dim=1), target.gather(1, accepted.unsqueeze(1)).squeeze(1))
+
+
+class _EveryDraftProposed:
+    """`Speculation.proposing_every_draft`'s proposer: ``inner``'s drafts, all valid."""
+
+    def __init__(self, inner: Proposer) -> None:
+        self.inner = inner
+
+    def stage(self, layout: StepLayout) -> object:
+        return self.inner.stage(layout)
+
+    def propose(self, history: TokenHistory, seq_index: torch.Tensor, num_drafts: int, max_length: int,
+                step: ProposalStep | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        drafts, valid = self.inner.propose(history, seq_index, num_drafts, max_length, step)
+        return drafts, torch.ones_like(valid)

@@ -61,7 +61,7 @@ class _Group:
         return list(range(self.first, self.first + self.rows))
 
 
-def measure_step_costs(executor, table, limits: PlanLimits, check_sampling) -> list[device_pb2.StepCost]:
+def measure_step_costs(executor, table, limits: PlanLimits, check_sampling, speculation) -> list[device_pb2.StepCost]:
     """Seconds (wall clock, submit to completion) of a decode step of ``rows`` rows of
     ``context_tokens`` tokens of context each asking for ``drafts`` drafts: at `SHORT_CONTEXT` for
     every row count of `ROW_POINTS` that the sequence table, the step budget and the KV pool allow,
@@ -74,6 +74,8 @@ def measure_step_costs(executor, table, limits: PlanLimits, check_sampling) -> l
         table: its `SequenceTable`, empty; reset again afterwards.
         limits: the device's `PlanLimits`.
         check_sampling: raises ``ValueError`` for bad sampling parameters (as for served plans).
+        speculation: the runner's `Speculation`; every asked draft counts as proposed while measuring
+            (`Speculation.proposing_every_draft`): the costs are those of the entries run.
 
     Raises:
         RuntimeError: a measured step failed (the message carries the step's error).
@@ -93,13 +95,14 @@ def measure_step_costs(executor, table, limits: PlanLimits, check_sampling) -> l
     for group in groups:
         _start(executor, table, limits, check_sampling, group, step_id)
         step_id += 1
-    for repeat in range(1 + REPEATS):
-        for group in groups:
-            for drafts, times in enumerate(group.seconds):
-                seconds = _decode(executor, table, limits, check_sampling, group, drafts, step_id)
-                step_id += 1
-                if repeat:  # the first round builds each shape's kernel plans
-                    times.append(seconds)
+    with speculation.proposing_every_draft():
+        for repeat in range(1 + REPEATS):
+            for group in groups:
+                for drafts, times in enumerate(group.seconds):
+                    seconds = _decode(executor, table, limits, check_sampling, group, drafts, step_id)
+                    step_id += 1
+                    if repeat:  # the first round builds each shape's kernel plans
+                        times.append(seconds)
     table.reset()
     # The fastest run: another process taking a core only ever adds time.
     costs = [device_pb2.StepCost(rows=group.rows, drafts=drafts, context_tokens=group.context, seconds=min(times))
@@ -132,8 +135,7 @@ def _blocks_per_seq(limits: PlanLimits, context: int) -> int:
 
 
 def _start(executor, table, limits: PlanLimits, check_sampling, group: _Group, step_id: int) -> None:
-    """Start ``group``'s sequences with one prefill step (distinct prompts without repeats, so that
-    prompt lookup finds no match: a draft costs the same matched or not)."""
+    """Start ``group``'s sequences with one prefill step (distinct prompts)."""
     seqs, per_seq = group.seqs, _blocks_per_seq(limits, group.context)
     prompts = [[(seq * group.context + i) % limits.vocab_size for i in range(group.context)] for seq in seqs]
     starts = [common_pb2.SequenceStart(seq_index=seq, generation=1, request_id=f"step-cost-{seq}", prompt_token_ids=prompt, sampling=GREEDY)

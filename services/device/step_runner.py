@@ -152,27 +152,48 @@ class ModelStepRunner:
         """Draft, verify in one forward pass, sample every entry, accept, copy out (`speculative`)."""
         table, speculation, spec, batch = self.table, self.speculation, staged.speculation, staged.batch
         drafts, valid = speculation.fill_inputs(spec, batch, table.last_token)
-        logits = self.model.forward(batch, self.kv_cache)  # [S, vocab]
+        forward, kept = speculation.without_unproposed(spec, batch, valid)
+        logits = self.model.forward(forward, self.kv_cache)  # [S', vocab]: the entries run
         entries, rows = spec.sample_seq, spec.row_seq
         if entries.numel() == 0:
             return
+        output_index = speculation.output_index(spec, batch)
+        if kept is not None:
+            entries, output_index = entries[kept], output_index[kept]
         if staged.grammar is not None:  # a constrained row has no drafts: one entry, at its row's first
             first_entry = list(accumulate([0, *(1 + k for k in staged.admitted.step.sampled_num_drafts)]))
-            self.grammar.mask_logits(staged.grammar, logits, [first_entry[row] for row in staged.grammar.rows])
-        tensors = table.sampling_tensors(staged.admitted, entries, speculation.output_index(spec, batch))
+            at = [first_entry[row] for row in staged.grammar.rows]
+            self.grammar.mask_logits(staged.grammar, logits, at if kept is None else _positions_in(kept, at))
+        tensors = table.sampling_tensors(staged.admitted, entries, output_index)
         result = sample(logits, tensors, table.presence[entries] if tensors.any_penalty else None, fused_argmax=self.model.cpu_kernels)
-        verified = speculation.verify(spec, batch, result.token_ids, drafts, valid)
+        count, num_rows = spec.sample_seq.shape[0], rows.shape[0]
+        sampled = result.token_ids
+        if kept is not None:  # a dropped entry's token is never emitted (its row's accepted run ends before it)
+            sampled = torch.zeros(count, dtype=torch.int64).index_copy_(0, kept, sampled)
+        verified = speculation.verify(spec, batch, sampled, drafts, valid)
         table.record_sampled(rows, verified.last_token, tensors)  # penalised rows never draft: one token each
-        count, num_rows = entries.shape[0], rows.shape[0]
-        out.token_ids[:count].copy_(result.token_ids, non_blocking=True)
+        out.token_ids[:count].copy_(sampled, non_blocking=True)
         out.num_tokens[:num_rows].copy_(verified.num_tokens, non_blocking=True)
         out.num_drafted[:num_rows].copy_(verified.num_drafted, non_blocking=True)
-        _copy_logprobs(result, tensors.max_logprobs, count, out)
+        _copy_logprobs(result, tensors.max_logprobs, count, out, kept)
 
 
-def _copy_logprobs(result: SampleResult, top: int, count: int, out: SlotBuffers) -> None:
-    """Copy the first ``count`` rows' logprobs (when computed) into the slot's host buffers, non-blocking."""
-    if result.logprobs is not None:
+def _positions_in(kept: torch.Tensor, entries: list[int]) -> list[int]:
+    """Where each of ``entries`` (indices into the step's sampling entries, all kept) sits in ``kept``."""
+    where = {entry: i for i, entry in enumerate(kept.tolist())}
+    return [where[entry] for entry in entries]
+
+
+def _copy_logprobs(result: SampleResult, top: int, count: int, out: SlotBuffers, kept: torch.Tensor | None = None) -> None:
+    """Copy the first ``count`` rows' logprobs (when computed) into the slot's host buffers, non-blocking;
+    with ``kept`` (a CPU step that ran only some entries), ``result``'s rows go to rows ``kept``."""
+    if result.logprobs is None:
+        return
+    if kept is None:
         out.logprobs[:count].copy_(result.logprobs, non_blocking=True)
         out.top_token_ids[:count, :top].copy_(result.top_ids, non_blocking=True)
         out.top_logprobs[:count, :top].copy_(result.top_logprobs, non_blocking=True)
+    else:
+        out.logprobs[kept] = result.logprobs
+        out.top_token_ids[kept, :top] = result.top_ids
+        out.top_logprobs[kept, :top] = result.top_logprobs

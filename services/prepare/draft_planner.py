@@ -1,28 +1,33 @@
 """How many drafts each decode row of a step asks the device's proposer for.
 
-Verifying ``k`` drafts costs ``k`` more entries in the step's forward pass whether the proposer
-found anything or the target accepts it, and what an entry costs depends on the device and on the
-step (on a CPU the few-row quantized kernel makes a one-row step cheap and a six-entry one not; a
-bfloat16 step of a few rows costs about the same at one entry or six). So each step's drafts are
-chosen to maximise its expected tokens per second (SmartSpec's goodput, Liu et al. 2024,
-"Optimizing Speculative Decoding for Serving Large Language Models Using Goodput", there with one
-draft length per batch; here per row):
+Verifying a draft costs an entry in the step's forward pass whether the target accepts it or not,
+and what an entry costs depends on the device and on the step (on a CPU the few-row quantized
+kernel makes a one-row step cheap and a six-entry one not; a bfloat16 step of a few rows costs
+about the same at one entry or six). So each step's drafts are chosen to maximise its expected
+tokens per second (SmartSpec's goodput, Liu et al. 2024, "Optimizing Speculative Decoding for
+Serving Large Language Models Using Goodput", there with one draft length per batch; here per row):
 
-- each sequence's **acceptance** (`AcceptanceEstimate`): per draft position ``j``, the probability
-  that draft ``j`` is accepted when the drafts before it were, from its published rows; draft ``j``
-  adds the product of these up to ``j`` in expected tokens (Leviathan et al. 2023, section 3.1,
-  without their assumption of one rate for every position: a prompt-lookup draft that is right
-  tends to stay right). Each position's prior is the scheduler-wide estimate of that position
-  (whose own prior is 0.5 at the first position and the position before it at the others); counts
-  decay exponentially, so that a request whose output starts or stops following its prompt is
-  followed;
-- the step's **cost** (`StepCostModel`): the device's decode-step times by rows, drafts per row and
-  context, measured at its start-up (``device/step_costs.py``, carried in ``AttachReply.step_costs``);
-- the planner takes drafts in order of expected gain and keeps the number that gives the most
-  expected tokens (decode rows plus accepted drafts) per second; none unless that is at least 10 %
-  more than without drafts (`MIN_SPEEDUP`: on the open-ended benchmark a served drafting step cost
-  up to ~20 % more than the start-up measurement says, on a 2-core Intel Xeon with AMX,
-  docs/benchmarks.md "With the draft planner", so a smaller predicted gain is as likely a loss).
+- each sequence's **acceptance** (a `RunEstimate`): per draft position ``j``, the probability that
+  draft ``j`` is accepted when the drafts before it were, from its published rows; asking for
+  draft ``j`` adds the product of these up to ``j`` in expected tokens (Leviathan et al. 2023,
+  section 3.1, without their assumption of one rate for every position: a prompt-lookup draft that
+  is right tends to stay right). A draft the proposer does not make (prompt lookup without a match)
+  counts as not accepted, so this is per draft asked for;
+- its **proposals** (a `RunEstimate` too), on a device that runs only the entries of proposed drafts
+  (a CPU device, ``AttachReply.drops_unproposed_drafts``): the probability that the proposer makes
+  draft ``j`` when it made the ones before, so that asking for it costs that fraction of an entry
+  (elsewhere a whole one). Each position's prior, in both, is the scheduler-wide estimate of that
+  position (whose own prior is 0.5 at the first position and the position before it at the
+  others); counts decay exponentially, so that a request whose output starts or stops following its
+  prompt is followed;
+- the step's **cost** (`StepCostModel`): the device's decode-step times by rows, drafts run per row
+  and context, measured at its start-up (``device/step_costs.py``, carried in ``AttachReply.step_costs``);
+- the planner takes drafts in order of expected tokens per expected entry and keeps the number that
+  gives the most expected tokens (decode rows plus accepted drafts) per second; none unless that
+  is at least 10 % more than without drafts (`MIN_SPEEDUP`: on the open-ended benchmark a served
+  drafting step cost up to ~20 % more than the start-up measurement says, on a 2-core Intel Xeon
+  with AMX, docs/benchmarks.md "With the draft planner", so a smaller predicted gain is as likely a
+  loss).
 
 A sequence that has not drafted for a while **probes**: its next row asks for one draft (the
 cheapest measurement of its acceptance), after 16 rows without drafts, doubling after each probe
@@ -60,10 +65,11 @@ MIN_SPEEDUP = 1.10  # predicted goodput over no drafts below which a step drafts
 
 
 @dataclass(slots=True)
-class AcceptanceEstimate:
-    """Per draft position ``j`` (0 = the first): decayed counts of the published rows whose drafts
-    before ``j`` were all accepted and that asked for draft ``j`` (``trials[j]``), and of those that
-    had draft ``j`` accepted too (``successes[j]``); ``decay``: the factor of a position's counts
+class RunEstimate:
+    """How far a decode row's run of drafts goes, per draft position ``j`` (0 = the first): decayed
+    counts of the published rows that asked for draft ``j`` with the run reaching it (every draft
+    before it accepted, or proposed: whichever run this estimates; ``trials[j]``), and of those
+    whose run went on through ``j`` (``successes[j]``); ``decay``: the factor of a position's counts
     per row that updates it.
     """
 
@@ -72,33 +78,34 @@ class AcceptanceEstimate:
     decay: float
 
     @classmethod
-    def empty(cls, max_drafts: int, decay: float = DECAY) -> AcceptanceEstimate:
+    def empty(cls, max_drafts: int, decay: float = DECAY) -> RunEstimate:
         """No rows seen, ``max_drafts`` positions."""
         return cls([0.0] * max_drafts, [0.0] * max_drafts, decay)
 
-    def observe(self, asked: int, accepted: int) -> None:
-        """A published row that asked for ``asked`` drafts, ``accepted`` of them accepted."""
-        for j in range(min(asked, accepted + 1, len(self.trials))):
+    def observe(self, asked: int, run: int) -> None:
+        """A published row that asked for ``asked`` drafts, whose run went through ``run`` of them."""
+        for j in range(min(asked, run + 1, len(self.trials))):
             self.trials[j] = self.decay * self.trials[j] + 1.0
-            self.successes[j] = self.decay * self.successes[j] + (accepted > j)
+            self.successes[j] = self.decay * self.successes[j] + (run > j)
 
     def rates(self, prior: list[float] | None = None) -> list[float]:
-        """Each position's acceptance after the ones before it: successes / trials with `PRIOR_TRIALS`
-        rows of prior, ``prior[j]`` at position ``j``; without ``prior``, `FIRST_ACCEPTANCE` at the
-        first position and the estimate of the position before at the others."""
+        """Each position's probability of going on after the ones before it: successes / trials with
+        `PRIOR_TRIALS` rows of prior, ``prior[j]`` at position ``j``; without ``prior``,
+        `FIRST_ACCEPTANCE` at the first position and the estimate of the position before at the others."""
         rates, previous = [], FIRST_ACCEPTANCE
         for j, (s, t) in enumerate(zip(self.successes, self.trials)):
             previous = (s + PRIOR_TRIALS * (previous if prior is None else prior[j])) / (t + PRIOR_TRIALS)
             rates.append(previous)
         return rates
 
-    def gains(self, prior: list[float] | None = None) -> list[float]:
-        """Expected tokens each draft position adds: the product of the `rates` up to it."""
-        gains, product = [], 1.0
+    def reach(self, prior: list[float] | None = None) -> list[float]:
+        """Per position, the probability that the run goes through it: the product of the `rates`
+        up to it (for acceptance: the expected tokens each draft adds)."""
+        reach, product = [], 1.0
         for rate in self.rates(prior):
             product *= rate
-            gains.append(product)
-        return gains
+            reach.append(product)
+        return reach
 
 
 @dataclass(slots=True)
@@ -107,23 +114,28 @@ class SequenceDrafts:
 
     Attributes:
         max_drafts: the device's K, or 0 when the request's sampling forbids drafts (`may_draft`).
-        acceptance: its `AcceptanceEstimate`.
+        acceptance: its accepted drafts' `RunEstimate`; ``proposal``: its proposed drafts'.
+        proposed: drafts the device's proposer made for it so far (``SequenceEvent.draft_tokens``).
         rows_without_drafts: decode rows planned since it last asked for drafts.
         probe_after: ``rows_without_drafts`` at which its next row probes.
     """
 
     max_drafts: int
-    acceptance: AcceptanceEstimate = None  # type: ignore[assignment]  # set in __post_init__
+    acceptance: RunEstimate = None  # type: ignore[assignment]  # set in __post_init__
+    proposal: RunEstimate = None  # type: ignore[assignment]
+    proposed: int = 0
     rows_without_drafts: int = 0
     probe_after: int = FIRST_PROBE_ROWS
 
     def __post_init__(self) -> None:
         if self.acceptance is None:
-            self.acceptance = AcceptanceEstimate.empty(self.max_drafts)
+            self.acceptance = RunEstimate.empty(self.max_drafts)
+        if self.proposal is None:
+            self.proposal = RunEstimate.empty(self.max_drafts)
 
 
 class StepCostModel:
-    """A decode step's seconds by decode rows, drafts and context, from the device's measurements.
+    """A decode step's seconds by decode rows, drafts run and context, from the device's measurements.
 
     The table measured at the short context is made monotone (a step never costs less for more rows
     or drafts: the fastest of a few runs can dip); between measured row counts the time is
@@ -133,10 +145,14 @@ class StepCostModel:
     seconds per row of ``k`` drafts (every entry attends to the row's context; the entries of one
     row find it in cache after the first), fitted by least squares over ``k`` to the line measured
     at a long context, neither below 0; without that line the context adds nothing.
+
+    ``drops_unproposed``: the device runs only the entries of proposed drafts
+    (``AttachReply.drops_unproposed_drafts``), so a draft asked for costs only where it is proposed.
     """
 
-    def __init__(self, costs: list[device_pb2.StepCost]) -> None:
+    def __init__(self, costs: list[device_pb2.StepCost], drops_unproposed: bool = False) -> None:
         """Raises ``KeyError`` naming a ``(rows, drafts)`` cell the table lacks."""
+        self.drops_unproposed = drops_unproposed
         self.context = min(cost.context_tokens for cost in costs)
         base = {(cost.rows, cost.drafts): cost.seconds for cost in costs if cost.context_tokens == self.context}
         self.rows = sorted({rows for rows, _ in base})
@@ -173,7 +189,7 @@ class StepCostModel:
         if not reply.step_costs:
             return None
         try:
-            return cls(list(reply.step_costs))
+            return cls(list(reply.step_costs), reply.drops_unproposed_drafts)
         except KeyError as missing:
             log.warning("the device's step costs lack %s; every decode row asks for %d drafts", missing, reply.num_speculative_tokens)
             return None
@@ -194,9 +210,9 @@ class StepCostModel:
         extra = max(0.0, context - self.context) * rows
         return [value + extra * (self.per_row + self.per_entry * (1 + k)) for k, value in enumerate(line)]
 
-    def step_seconds(self, by_drafts: list[float], rows: int, drafts: int) -> float:
-        """Seconds of a step of ``rows`` rows carrying ``drafts`` drafts in all, from its
-        `seconds_by_drafts` line (interpolated at ``drafts / rows`` per row)."""
+    def step_seconds(self, by_drafts: list[float], rows: int, drafts: float) -> float:
+        """Seconds of a step of ``rows`` rows running ``drafts`` drafts in all (an expected number:
+        fractional), from its `seconds_by_drafts` line (interpolated at ``drafts / rows`` per row)."""
         per_row = min(drafts / rows, self.max_drafts)
         low = int(per_row)
         high = min(low + 1, self.max_drafts)
@@ -213,49 +229,62 @@ class DraftPlanner:
 
     def __init__(self, max_drafts: int, costs: StepCostModel | None) -> None:
         self.costs = costs
-        self.acceptance = AcceptanceEstimate.empty(max_drafts, PRIOR_DECAY)  # over every sequence: each one's prior
+        # Over every sequence: each one's priors.
+        self.acceptance = RunEstimate.empty(max_drafts, PRIOR_DECAY)
+        self.proposal = RunEstimate.empty(max_drafts, PRIOR_DECAY)
 
     def plan(self, rows: list[tuple[SequenceDrafts, int]], spare: int, context: float = 0.0) -> list[int]:
         """Drafts for each of a step's decode rows, given as ``(drafts state, cap)`` (``cap``: the
         drafts the row may carry before passing ``max_tokens``); ``spare``: the step's budget
         tokens left after every decode row has its one; ``context``: the rows' mean KV tokens."""
         caps = [max(0, min(state.max_drafts, cap)) for state, cap in rows]
-        if self.costs is None or not rows:
+        costs = self.costs
+        if costs is None or not rows:
             return self._in_order(caps, spare)
-        prior = self.acceptance.rates()
+        accepted_prior, proposed_prior = self.acceptance.rates(), self.proposal.rates()
         chosen = [0] * len(rows)
-        probes = set()
-        gains = []  # (expected tokens the draft adds, row)
+        probes, probe_entries = set(), 0.0
+        candidates = []  # (expected tokens per expected entry, expected tokens, expected entries, row)
         for i, ((state, _), cap) in enumerate(zip(rows, caps)):
             if not cap:
                 continue
+            entries = state.proposal.reach(proposed_prior)[:cap] if costs.drops_unproposed else [1.0] * cap
             if state.rows_without_drafts >= state.probe_after and len(probes) < spare:
                 chosen[i] = 1
                 probes.add(i)
+                probe_entries += entries[0]
                 continue
-            gains += [(gain, i) for gain in state.acceptance.gains(prior)[:cap] if gain >= MIN_GAIN]
-        gains.sort(key=lambda gain: -gain[0])
-        by_drafts = self.costs.seconds_by_drafts(len(rows), context)
-        best = MIN_SPEEDUP * len(rows) / self.costs.step_seconds(by_drafts, len(rows), len(probes))
-        best_n, tokens = 0, 0.0
-        for n, (gain, _) in enumerate(gains[: spare - len(probes)], start=1):
+            ratio = float("inf")
+            for gain, entry in zip(state.acceptance.reach(accepted_prior)[:cap], entries):
+                if gain < MIN_GAIN:
+                    break
+                ratio = min(ratio, gain / max(entry, gain))  # never above the draft before it: a row's drafts go in order
+                candidates.append((ratio, gain, entry, i))
+        candidates.sort(key=lambda candidate: -candidate[0])
+        by_drafts = costs.seconds_by_drafts(len(rows), context)
+        best = MIN_SPEEDUP * len(rows) / costs.step_seconds(by_drafts, len(rows), probe_entries)
+        best_n, tokens, entries_run = 0, 0.0, probe_entries
+        for n, (_, gain, entry, _) in enumerate(candidates[: spare - len(probes)], start=1):
             tokens += gain
-            goodput = (len(rows) + tokens) / self.costs.step_seconds(by_drafts, len(rows), len(probes) + n)
+            entries_run += entry
+            goodput = (len(rows) + tokens) / costs.step_seconds(by_drafts, len(rows), entries_run)
             if goodput > best:
                 best, best_n = goodput, n
-        for _, i in gains[:best_n]:
+        for *_, i in candidates[:best_n]:
             chosen[i] += 1
         for i, ((state, _), k, cap) in enumerate(zip(rows, chosen, caps)):
             if cap:
                 _note_planned(state, k, probe=i in probes)
         return chosen
 
-    def observe(self, state: SequenceDrafts, asked: int, accepted: int) -> None:
-        """A published decode row of ``state``'s sequence that asked for ``asked`` drafts and had
-        ``accepted`` accepted."""
+    def observe(self, state: SequenceDrafts, asked: int, proposed: int, accepted: int) -> None:
+        """A published decode row of ``state``'s sequence that asked for ``asked`` drafts, of which
+        the proposer made ``proposed`` and the target accepted ``accepted``."""
         if asked:
             state.acceptance.observe(asked, accepted)
+            state.proposal.observe(asked, proposed)
             self.acceptance.observe(asked, accepted)
+            self.proposal.observe(asked, proposed)
 
     @staticmethod
     def _in_order(caps: list[int], spare: int) -> list[int]:

@@ -386,9 +386,10 @@ class Scheduler:
                 seq.stopped = seq.finished = True
                 touched.append(seq)
             elif seq in decode_drafts:
-                asked = decode_drafts[seq]
-                seq.num_kv_tokens -= asked + 1 - len(event.token_ids)  # the drafts it did not accept
-                self._draft_planner.observe(seq.drafts, asked, len(event.token_ids) - 1)
+                asked, accepted = decode_drafts[seq], len(event.token_ids) - 1
+                seq.num_kv_tokens -= asked - accepted  # the drafts it did not accept
+                proposed, seq.drafts.proposed = event.draft_tokens - seq.drafts.proposed, event.draft_tokens
+                self._draft_planner.observe(seq.drafts, asked, proposed, accepted)
             seq.cache_poisoned |= bool(event.error_code)
         if step is not None:
             if step_events.error_code:

@@ -3,7 +3,8 @@ given), and with ``--draft-model`` draft-model speculative decoding at each K to
 on two workloads, all sides up together and run alternately (``--repeats``); with
 ``--llama-server``, llama.cpp's server on the same GGUF without and with its own prompt lookup
 (``--spec-type ngram-simple``, the same lookup and draft lengths) as well. Every side reads the
-same prompt token ids (the chat template applied in the benchmark).
+same prompt token ids (the chat template applied in the benchmark). Each round runs every side
+once, starting one side later than the round before.
 
 - **input-grounded**: each request asks the model to repeat a given passage (n-gram lookup finds
   the continuation in the prompt), greedy, ending at EOS or ``output_len``;
@@ -121,10 +122,12 @@ def compare_speculative(common: Common, streams: list[int], num_tokens: list[int
                 sides += llama_server_sides(llama_server, Path(tmp), common, max(streams), num_tokens, tokens_per_slot)
             for side in sides:  # warm-up: the first steps of a shape build the kernels' plans
                 side.run(workloads["open-ended"], Load(streams=2, requests=2), progress=False)
-            for _ in range(common.repeats):
+            for repeat in range(common.repeats):
                 for label, workload in workloads.items():
                     for count in streams:
-                        for side in sides:
+                        # Each round starts at the next side: a drift of the machine's speed within a
+                        # round does not always favour the same side.
+                        for side in sides[repeat % len(sides):] + sides[: repeat % len(sides)]:
                             metrics_port = side.pipeline.device.metrics_port if isinstance(side, ServicesSide) else None
                             before = spec_counters(metrics_port)
                             report = side.run(workload, Load(streams=count, requests=max(2 * count, 4)), common.progress).report

@@ -14,7 +14,7 @@ class AttachRequest(_message.Message):
     def __init__(self, peer: _Optional[str] = ...) -> None: ...
 
 class AttachReply(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "max_model_len", "kv_block_size", "kv_num_blocks", "max_num_seqs", "max_step_tokens", "pipeline_depth", "backend", "dtype", "dispatch", "instance_id", "num_speculative_tokens", "speculative_method", "step_costs")
+    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "max_model_len", "kv_block_size", "kv_num_blocks", "max_num_seqs", "max_step_tokens", "pipeline_depth", "backend", "dtype", "dispatch", "instance_id", "num_speculative_tokens", "speculative_method", "step_costs", "drops_unproposed_drafts")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class AttachReply(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
     STEP_COSTS_FIELD_NUMBER: _ClassVar[int]
+    DROPS_UNPROPOSED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -47,7 +48,8 @@ class AttachReply(_message.Message):
     num_speculative_tokens: int
     speculative_method: str
     step_costs: _containers.RepeatedCompositeFieldContainer[StepCost]
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., pipeline_depth: _Optional[int] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., dispatch: _Optional[str] = ..., instance_id: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., speculative_method: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ...) -> None: ...
+    drops_unproposed_drafts: bool
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., pipeline_depth: _Optional[int] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., dispatch: _Optional[str] = ..., instance_id: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., speculative_method: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., drops_unproposed_drafts: _Optional[bool] = ...) -> None: ...
 
 class StepCost(_message.Message):
     __slots__ = ("rows", "drafts", "seconds", "context_tokens")

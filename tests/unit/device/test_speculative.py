@@ -145,3 +145,33 @@ def test_a_penalised_sequence_may_not_draft():
         table.admit(decode_plan(decode(2, 0, num_tokens=[3], token_ids=[-1] * 3, num_draft_tokens=[2]), SPECULATING, check_sampling))
     step = table.admit(decode_plan(decode(3, 0, num_draft_tokens=[0]), SPECULATING, check_sampling))
     assert step.step.speculative and step.step.sampled_num_drafts == [0]
+
+
+def test_a_batch_without_some_decode_entries_computes_the_same_logits_for_the_rest(tmp_path):
+    """`ForwardBatch.keep_decode` (a CPU step dropping the entries of drafts that were not proposed):
+    the entries and rows it keeps get the logits the whole batch gives them, in order."""
+    from stageserve.device.forward_batch import build_forward_batch
+    from stageserve.device.kv_cache import PagedKVCache
+    from stageserve.device.model import LlamaModel
+    from tests.tiny_checkpoint import write_tiny_checkpoint
+
+    model = LlamaModel.from_path(write_tiny_checkpoint(tmp_path / "tiny"), torch.float32, CPU)
+    block_size, tables = 4, ([0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11])
+    prompts = ([5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16])
+
+    def logits_of(keep: list[bool] | None) -> tuple[torch.Tensor, list[int]]:
+        kv = PagedKVCache(model.config, 12, block_size, torch.float32, CPU)
+        model.forward(build_forward_batch([(p, 0, t, False) for p, t in zip(prompts, tables)], block_size, CPU), kv)
+        # A decode row's pending token and three drafts, a one-token chunk, a longer chunk that samples.
+        rows = [([1 + j], 5 + j, tables[0], True) for j in range(4)] + [([17], 3, tables[1], True), ([18, 19], 4, tables[2], True)]
+        batch = build_forward_batch(rows, block_size, CPU)
+        kept = list(range(6))
+        if keep is not None:
+            batch, kept_tensor = batch.keep_decode(torch.tensor(keep))
+            kept = kept_tensor.tolist()
+        return model.forward(batch, kv), kept
+
+    full, _ = logits_of(None)
+    part, kept = logits_of([True, True, False, False, True])  # the decode row's last two drafts were not proposed
+    assert kept == [0, 1, 4, 5]
+    torch.testing.assert_close(part, full[kept], rtol=1e-5, atol=1e-5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from stageserve.prepare.draft_planner import FIRST_PROBE_ROWS, AcceptanceEstimate, DraftPlanner, SequenceDrafts, StepCostModel
+from stageserve.prepare.draft_planner import FIRST_PROBE_ROWS, RunEstimate, DraftPlanner, SequenceDrafts, StepCostModel
 from stageserve.prepare.scheduler import SchedulerConfig
 from stageserve.v1 import device_pb2
 
@@ -27,7 +27,7 @@ MILD = cost_model(lambda rows, drafts: 0.010 * rows * (1 + 0.1 * drafts))
 def sequence(rate: float) -> SequenceDrafts:
     """A sequence whose estimate has seen many rows, each draft accepted with probability ``rate``
     after the ones before it."""
-    return SequenceDrafts(K, AcceptanceEstimate([100 * rate ** (j + 1) for j in range(K)], [100 * rate ** j for j in range(K)], 0.9))
+    return SequenceDrafts(K, RunEstimate([100 * rate ** (j + 1) for j in range(K)], [100 * rate ** j for j in range(K)], 0.9))
 
 
 def test_the_cost_model_is_monotone_interpolates_between_rows_and_extrapolates_past_them():
@@ -86,15 +86,15 @@ def test_accepted_drafts_raise_the_estimate_and_rejected_ones_lower_it():
     planner = DraftPlanner(K, STEEP)
     state = SequenceDrafts(K)
     for _ in range(20):
-        planner.observe(state, K, 0)
-    assert state.acceptance.gains()[0] < 0.1 and planner.plan([(state, K)], spare=100) == [0]
+        planner.observe(state, K, K, 0)
+    assert state.acceptance.reach()[0] < 0.1 and planner.plan([(state, K)], spare=100) == [0]
     assert state.acceptance.trials[1] == 0  # no row got past its first draft
     for _ in range(20):
-        planner.observe(state, K, K)
-    assert min(state.acceptance.gains()) > 0.7 and planner.plan([(state, K)], spare=100) == [K]
+        planner.observe(state, K, K, K)
+    assert min(state.acceptance.reach()) > 0.7 and planner.plan([(state, K)], spare=100) == [K]
     assert 0.1 < planner.acceptance.rates()[0] < 0.9  # the scheduler-wide prior remembers both
     trials = list(state.acceptance.trials)
-    planner.observe(state, 1, 0)  # a row asking for one draft says nothing of the second
+    planner.observe(state, 1, 1, 0)  # a row asking for one draft says nothing of the second
     assert state.acceptance.trials[1:] == trials[1:]
 
 
@@ -102,16 +102,16 @@ def test_a_position_a_sequence_never_reached_takes_the_scheduler_wide_estimate()
     planner = DraftPlanner(K, MILD)
     others = SequenceDrafts(K)
     for _ in range(30):  # other sequences: a run, once started, goes on
-        planner.observe(others, K, K)
+        planner.observe(others, K, K, K)
     state = SequenceDrafts(K)
     for _ in range(10):  # this one: asks for one draft, accepted one time in three
-        planner.observe(state, 1, 0)
-        planner.observe(state, 1, 0)
-        planner.observe(state, 1, 1)
+        planner.observe(state, 1, 1, 0)
+        planner.observe(state, 1, 1, 0)
+        planner.observe(state, 1, 1, 1)
     rates = state.acceptance.rates(planner.acceptance.rates())
     assert rates[0] < 0.5 and rates[1] > 0.9 and rates[2] > 0.9  # the later positions from the others
     assert planner.plan([(state, K)], spare=100) == [K]
-    alone = AcceptanceEstimate.empty(K)
+    alone = RunEstimate.empty(K)
     for _ in range(10):  # without a prior: a position never reached takes the one before
         alone.observe(2, 2)
     assert alone.rates()[2] == alone.rates()[1] > 0.8
@@ -128,3 +128,43 @@ def test_the_scheduler_plans_drafts_from_published_acceptance():
         publish(scheduler, step, event(step, "a", tokens=[8]))
     assert asked[0] > 0 and asked[-1] == 0  # the first prior (0.5, 0.25, ...) drafts; rejections stop it
 
+
+
+def test_where_unproposed_drafts_are_free_a_rarely_proposing_sequence_drafts_when_it_is_accepted():
+    """Prompt lookup that finds a match one row in four, and is then right: per draft asked for it
+    is accepted a quarter of the time, too little where each entry costs half a row, unless the
+    device drops the drafts it did not propose (a CPU device), where asking costs a quarter entry."""
+    def observed(planner: DraftPlanner) -> SequenceDrafts:
+        state = SequenceDrafts(K)
+        for row in range(100):
+            proposed = K if row % 4 == 3 else 0
+            planner.observe(state, K, proposed, proposed)
+        return state
+
+    seconds = [device_pb2.StepCost(rows=r, drafts=k, seconds=0.010 * r * (1 + 0.5 * k)) for r in (1, 2, 4, 8) for k in range(K + 1)]
+    every_entry = DraftPlanner(K, StepCostModel(seconds))
+    assert every_entry.plan([(observed(every_entry), K)], spare=100) == [0]
+    proposed_only = DraftPlanner(K, StepCostModel(seconds, drops_unproposed=True))
+    state = observed(proposed_only)
+    assert state.proposal.reach()[0] == pytest.approx(0.25, abs=0.1)
+    assert proposed_only.plan([(state, K)], spare=100) == [K]
+
+
+def test_the_scheduler_learns_proposals_from_the_published_draft_totals():
+    costs = StepCostModel([device_pb2.StepCost(rows=r, drafts=k, seconds=0.010 * r * (1 + 0.1 * k)) for r in (1, 2) for k in range(K + 1)],
+                          drops_unproposed=True)
+    scheduler = make_scheduler(num_speculative_tokens=K, max_step_tokens=32, step_costs=costs)
+    scheduler.add_request(make_request("a", prompt_tokens=4, max_tokens=200))
+    publish(scheduler, prefill := scheduler.schedule(), event(prefill, "a", tokens=[7]))
+    state = scheduler._running[0].drafts
+    total = 0
+    for row in range(6):  # the proposer makes two drafts in every other row, the target accepts them
+        step = scheduler.schedule()
+        asked = step.num_draft_tokens[0]
+        proposed = min(asked, 2 * (row % 2))
+        total += proposed
+        published = event(step, "a", tokens=[8] * (1 + proposed))
+        published.draft_tokens = total
+        publish(scheduler, step, published)
+    assert state.proposed == total > 0
+    assert 0.3 < state.proposal.rates()[0] < 0.7 and state.proposal.rates()[1] > 0.6
