@@ -22,6 +22,7 @@ import torch
 from stageserve.device.backends import to_device
 from stageserve.device.forward_batch import ForwardBatch
 from stageserve.device.step_plan import StartedSequence
+from stageserve.prompt_lookup import MAX_N, MIN_N
 
 
 class TokenHistory:
@@ -137,10 +138,11 @@ class NgramProposer:
 
     The longest ``n`` in ``[min_n, max_n]`` with a match wins, and among its matches the most
     recent one; a row without any match proposes nothing (all ``valid`` false). Vectorised over the
-    rows: one ``[R, L - n + 1, n]`` comparison per ``n``, no host synchronisation.
+    rows: one ``[R, L - n + 1, n]`` comparison per ``n``, no host synchronisation. The default
+    sizes are `stageserve.prompt_lookup`'s, whose host copy of the rule prepare replays.
     """
 
-    def __init__(self, min_n: int = 1, max_n: int = 3) -> None:
+    def __init__(self, min_n: int = MIN_N, max_n: int = MAX_N) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n

@@ -15,6 +15,8 @@ Per step (`Speculation`):
    entry 0 gets the pending token (``last_token``), entry ``j`` draft ``j - 1``; positions become
    ``length - 1 + j``, and the KV slots and attention masks follow them, so a rejected draft's KV
    (written at a position past the accepted run) is never read: the next step writes there again;
+   on a CPU device (`drops_unproposed`) ``without_unproposed`` then drops the entries of drafts
+   the proposer did not make: reading that count there waits for no accelerator;
 3. the sampler draws the target's token at every entry, with its noise keyed by (seed, output
    index), where the output index follows from the position;
 4. ``verify`` (device): `accept_drafts` keeps the drafts up to the first one that differs from the
@@ -113,6 +115,9 @@ class Speculation:
         max_num_seqs, max_model_len: the sequence table's size and the longest sequence (tokens).
         block_size: tokens per KV block.
         device: where the history lives.
+
+    Attributes:
+        drops_unproposed: whether a step runs only the entries of proposed drafts (a CPU device).
     """
 
     def __init__(self, proposer: Proposer, num_speculative_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,

@@ -1,8 +1,9 @@
 """What a decode step costs on this device, by decode rows, drafts per row and context: measured once at start-up.
 
-Speculative decoding pays for a draft whether or not the target accepts it: a decode row with ``k``
-drafts is ``1 + k`` entries of the step's forward pass (and, with a draft model, ``k`` passes of
-it). Whether that pays depends on the device: on a CPU a one-row step on the few-row quantized
+Speculative decoding pays for a draft whether or not the target accepts it: a decode row running
+``k`` drafts is ``1 + k`` entries of the step's forward pass (and, with a draft model, ``k`` passes
+of it; a CPU device runs only the drafts its proposer made, so every asked draft counts as proposed
+while measuring: the table is the cost of the drafts run). Whether that pays depends on the device: on a CPU a one-row step on the few-row quantized
 kernel is cheap and a six-entry step is not, while a bfloat16 step of a few rows is bound by the
 weight stream and costs the same at one entry or six; and every entry attends to its row's whole
 context. prepare's draft planner (``prepare/draft_planner.py``) weighs each row's expected accepted

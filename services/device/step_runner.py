@@ -13,7 +13,8 @@ rows, the new sequences' parameters. ``run`` (backend compute context, in submis
 6. copy the sampled ids (+ logprobs) into the step's slot-local host buffers (non-blocking).
 
 With speculative decoding (``speculation``), steps 2, 4 and 5 are those of `speculative`: each
-decode row verifies the proposer's drafts in the same forward pass and emits 1 + accepted tokens
+decode row verifies the proposer's drafts in the same forward pass (on a CPU device, only the
+entries of drafts the proposer made run) and emits 1 + accepted tokens
 (a constrained row asks for no drafts: prepare plans it with none, so its one entry is masked as
 in step 3b).
 

@@ -20,6 +20,10 @@ Serving Large Language Models Using Goodput", there with one draft length per ba
   position (whose own prior is 0.5 at the first position and the position before it at the
   others); counts decay exponentially, so that a request whose output starts or stops following its
   prompt is followed;
+- with prompt lookup (``ngram``), both are learnt from **every row**: prepare replays the lookup on
+  the published tokens (`draft_replay`) and, verification being exact, knows how many of the K
+  drafts it would have made the target would have accepted, whether or not the row asked for any;
+  with a draft model, from the rows that drafted;
 - the step's **cost** (`StepCostModel`): the device's decode-step times by rows, drafts run per row
   and context, measured at its start-up (``device/step_costs.py``, carried in ``AttachReply.step_costs``);
 - the planner takes drafts in order of expected tokens per expected entry and keeps the number that
@@ -29,9 +33,10 @@ Serving Large Language Models Using Goodput", there with one draft length per ba
   with AMX, docs/benchmarks.md "With the draft planner", so a smaller predicted gain is as likely a
   loss).
 
-A sequence that has not drafted for a while **probes**: its next row asks for one draft (the
-cheapest measurement of its acceptance), after 16 rows without drafts, doubling after each probe
-that did not lead to drafting, up to 256; so a request whose output turns repetitive is noticed.
+Without a replay (a draft model), a sequence that has not drafted for a while **probes**: its next
+row asks for one draft (the cheapest measurement of its acceptance), after 16 rows without drafts,
+doubling after each probe that did not lead to drafting, up to 256; so a request whose output
+turns repetitive is noticed.
 
 The measured costs are the device's alone; a served step also waits for the host's work
 (prepare, reclaim, the client), on the same cores on a small machine, which preempts the compute
@@ -49,6 +54,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from stageserve.prepare.draft_replay import DraftReplay
     from stageserve.prepare.validation import GenerationRequest
     from stageserve.v1 import device_pb2
 
@@ -115,14 +121,18 @@ class SequenceDrafts:
     Attributes:
         max_drafts: the device's K, or 0 when the request's sampling forbids drafts (`may_draft`).
         acceptance: its accepted drafts' `RunEstimate`; ``proposal``: its proposed drafts'.
+        replay: with the device's prompt lookup (``ngram``), the replay of what it would have
+            drafted at every row (`draft_replay`), which the estimates learn from instead of the
+            rows that drafted; ``None``: they learn from those (a draft model).
         proposed: drafts the device's proposer made for it so far (``SequenceEvent.draft_tokens``).
         rows_without_drafts: decode rows planned since it last asked for drafts.
-        probe_after: ``rows_without_drafts`` at which its next row probes.
+        probe_after: ``rows_without_drafts`` at which its next row probes (without a replay).
     """
 
     max_drafts: int
     acceptance: RunEstimate = None  # type: ignore[assignment]  # set in __post_init__
     proposal: RunEstimate = None  # type: ignore[assignment]
+    replay: DraftReplay | None = None
     proposed: int = 0
     rows_without_drafts: int = 0
     probe_after: int = FIRST_PROBE_ROWS
@@ -249,7 +259,7 @@ class DraftPlanner:
             if not cap:
                 continue
             entries = state.proposal.reach(proposed_prior)[:cap] if costs.drops_unproposed else [1.0] * cap
-            if state.rows_without_drafts >= state.probe_after and len(probes) < spare:
+            if state.replay is None and state.rows_without_drafts >= state.probe_after and len(probes) < spare:
                 chosen[i] = 1
                 probes.add(i)
                 probe_entries += entries[0]

@@ -60,6 +60,7 @@ from dataclasses import dataclass
 
 from stageserve.prepare.block_manager import BlockManager
 from stageserve.prepare.draft_planner import DraftPlanner, SequenceDrafts, StepCostModel, may_draft
+from stageserve.prepare.draft_replay import DraftReplay
 from stageserve.prepare.errors import QUEUE_FULL_RETRY_S, resource_exhausted
 from stageserve.prepare.prefix_cache import BlockHash, cache_namespace, chain_hashes
 from stageserve.prepare.scheduled_step import PLACEHOLDER_TOKEN, ScheduledStep, SequenceState
@@ -80,6 +81,7 @@ class SchedulerConfig:
         enable_prefix_caching: share published full prompt blocks between requests.
         model_identity: what else changes a block's KV (the model); part of every block hash.
         num_speculative_tokens: drafts a decode row may ask the device for (0: it does not speculate).
+        speculative_method: the device's proposer (``ngram``: prompt lookup, which prepare replays).
         step_costs: the device's measured decode-step costs, by which drafts are planned
             (`draft_planner`); ``None``: every decode row asks for ``num_speculative_tokens``.
     """
@@ -93,6 +95,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     model_identity: str = ""
     num_speculative_tokens: int = 0
+    speculative_method: str = ""
     step_costs: StepCostModel | None = None
 
     @classmethod
@@ -109,6 +112,7 @@ class SchedulerConfig:
             enable_prefix_caching=enable_prefix_caching,
             model_identity=f"{reply.model_name}|{reply.dtype}",
             num_speculative_tokens=reply.num_speculative_tokens,
+            speculative_method=reply.speculative_method,
             step_costs=StepCostModel.from_attach(reply),
         )
 
@@ -321,12 +325,19 @@ class Scheduler:
             seq = SequenceState(request, index, self._generations[index], self.block_manager.allocate(self.max_kv_tokens(request), shared),
                                 num_kv_tokens=len(shared) * self.config.kv_block_size, block_hashes=hashes,
                                 num_cached_tokens=len(shared) * self.config.kv_block_size,
-                                drafts=SequenceDrafts(self.config.num_speculative_tokens if may_draft(request) else 0))
+                                drafts=self._new_drafts(request))
             self._running.append(seq)
             self._by_index[index] = seq
             self._by_request[request] = seq
             step.started.append(seq)
             budget -= self._add_row(step, seq, min(request.num_prompt_tokens - seq.num_kv_tokens, self.config.max_prefill_chunk, budget))
+
+    def _new_drafts(self, request: GenerationRequest) -> SequenceDrafts:
+        """A new sequence's drafting state: none when its sampling forbids drafts, a replay of prompt
+        lookup when the device proposes by it and prepare plans by measured costs."""
+        k = self.config.num_speculative_tokens if may_draft(request) else 0
+        replays = k and self.config.step_costs is not None and self.config.speculative_method == "ngram"
+        return SequenceDrafts(k, replay=DraftReplay(list(request.prompt_token_ids), k) if replays else None)
 
     def _add_row(self, step: ScheduledStep, seq: SequenceState, num_tokens: int, drafts: int = 0) -> int:
         """Append one row of ``num_tokens`` tokens for ``seq`` (a decode row: plus ``drafts``
@@ -385,11 +396,8 @@ class Scheduler:
             if event.finish_reason or event.error_code:
                 seq.stopped = seq.finished = True
                 touched.append(seq)
-            elif seq in decode_drafts:
-                asked, accepted = decode_drafts[seq], len(event.token_ids) - 1
-                seq.num_kv_tokens -= asked - accepted  # the drafts it did not accept
-                proposed, seq.drafts.proposed = event.draft_tokens - seq.drafts.proposed, event.draft_tokens
-                self._draft_planner.observe(seq.drafts, asked, proposed, accepted)
+            else:
+                self._observe_drafts(seq, event, decode_drafts.get(seq))
             seq.cache_poisoned |= bool(event.error_code)
         if step is not None:
             if step_events.error_code:
@@ -400,6 +408,21 @@ class Scheduler:
             touched.extend(self._release_rows(step))
         self._free_done(touched)
         return routed
+
+    def _observe_drafts(self, seq: SequenceState, event: reclaim_pb2.SequenceEvent, asked: int | None) -> None:
+        """A live sequence's published row (``asked``: the drafts a decode row asked for; ``None``: a
+        prompt row): lower its bound by the drafts it did not accept, and update its estimates from
+        its replay of prompt lookup (every row) or, without one, from the drafts it asked for."""
+        drafts = seq.drafts
+        if asked is not None:
+            accepted = len(event.token_ids) - 1
+            seq.num_kv_tokens -= asked - accepted  # the drafts it did not accept
+            proposed, drafts.proposed = event.draft_tokens - drafts.proposed, event.draft_tokens
+            if drafts.replay is None:
+                self._draft_planner.observe(drafts, asked, proposed, accepted)
+        if drafts.replay is not None:
+            for proposed, accepted in drafts.replay.publish(list(event.token_ids), decode_row=asked is not None):
+                self._draft_planner.observe(drafts, drafts.max_drafts, proposed, accepted)
 
     @staticmethod
     def _poison(step: ScheduledStep) -> None:

@@ -175,3 +175,18 @@ def test_a_batch_without_some_decode_entries_computes_the_same_logits_for_the_re
     part, kept = logits_of([True, True, False, False, True])  # the decode row's last two drafts were not proposed
     assert kept == [0, 1, 4, 5]
     torch.testing.assert_close(part, full[kept], rtol=1e-5, atol=1e-5)
+
+
+def test_the_host_prompt_lookup_drafts_what_the_device_proposer_drafts():
+    """`stageserve.prompt_lookup.PromptLookup` (prepare's replay, one token at a time) and the
+    device's vectorised `NgramProposer` follow one rule: the same drafts after every prefix of
+    repetitive random sequences."""
+    from stageserve.prompt_lookup import MAX_N, MIN_N, PromptLookup
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        tokens = torch.randint(0, 6, (40,), generator=generator).tolist()  # 6 token ids: many matches of every length
+        lookup = PromptLookup(tokens[:1])
+        for length in range(2, len(tokens) + 1):
+            lookup.extend(tokens[length - 1 : length])
+            assert lookup.propose(4) == propose(NgramProposer(MIN_N, MAX_N), history_of(tokens[:length], width=48), 4)[0], tokens[:length]

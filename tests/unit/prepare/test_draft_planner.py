@@ -168,3 +168,23 @@ def test_the_scheduler_learns_proposals_from_the_published_draft_totals():
         publish(scheduler, step, published)
     assert state.proposed == total > 0
     assert 0.3 < state.proposal.rates()[0] < 0.7 and state.proposal.rates()[1] > 0.6
+
+
+def test_with_prompt_lookup_the_replay_learns_from_rows_that_asked_for_no_drafts():
+    """Where a draft costs half a row, a sequence starts without drafts (prior 0.5 per position is
+    not enough); its output then copies its prompt: the replay of prompt lookup sees every row's
+    drafts would have been accepted, and the sequence drafts, with no probe and no rejected draft."""
+    scheduler = make_scheduler(num_speculative_tokens=K, max_step_tokens=64, max_prefill_chunk=64, step_costs=STEEP, speculative_method="ngram")
+    request = make_request("a", prompt_tokens=60, max_tokens=100)
+    scheduler.add_request(request)
+    prompt = list(request.prompt_token_ids)
+    publish(scheduler, prefill := scheduler.schedule(), event(prefill, "a", tokens=[prompt[0]]))  # the output restarts the prompt
+    emitted, asked = 1, []
+    for _ in range(12):
+        step = scheduler.schedule()
+        k = step.num_draft_tokens[0]
+        asked.append(k)
+        publish(scheduler, step, event(step, "a", tokens=prompt[emitted : emitted + 1 + k]))  # the copy: every draft right
+        emitted += 1 + k
+    assert asked[0] == 0 and asked[-1] == K
+    assert scheduler._running[0].drafts.probe_after == FIRST_PROBE_ROWS  # learnt without probing
