@@ -60,9 +60,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DECAY = 0.9  # per published drafting row: a sequence's acceptance follows its last ~10 rows
-PRIOR_DECAY = 0.99  # the scheduler-wide estimate follows the last ~100 drafting rows of all sequences
-PRIOR_TRIALS = 2.0  # weight of the scheduler-wide acceptance in a sequence's estimate
+DECAY = 0.9  # per observed row (a drafting one, or with prompt lookup every one): a sequence follows its last ~10
+PRIOR_DECAY = 0.99  # the scheduler-wide estimates follow the last ~100 observed rows of all sequences
+PRIOR_TRIALS = 2.0  # weight of a scheduler-wide estimate in a sequence's
 FIRST_ACCEPTANCE = 0.5  # the scheduler-wide prior of a first draft before any row was published
 FIRST_PROBE_ROWS = 16
 MAX_PROBE_ROWS = 256
