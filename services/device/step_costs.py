@@ -3,12 +3,13 @@
 Speculative decoding pays for a draft whether or not the target accepts it: a decode row running
 ``k`` drafts is ``1 + k`` entries of the step's forward pass (and, with a draft model, ``k`` passes
 of it; a CPU device runs only the drafts its proposer made, so every asked draft counts as proposed
-while measuring: the table is the cost of the drafts run). Whether that pays depends on the device: on a CPU a one-row step on the few-row quantized
-kernel is cheap and a six-entry step is not, while a bfloat16 step of a few rows is bound by the
-weight stream and costs the same at one entry or six; and every entry attends to its row's whole
-context. prepare's draft planner (``prepare/draft_planner.py``) weighs each row's expected accepted
-drafts against these costs, as SmartSpec does with its profiled batch latency (Liu et al. 2024,
-"Optimizing Speculative Decoding for Serving Large Language Models Using Goodput").
+while measuring: the table is the cost of the drafts run). Whether that pays depends on the device:
+on a CPU a one-row step on the few-row quantized kernel is cheap and a six-entry step is not, while
+a bfloat16 step of a few rows is bound by the weight stream and costs the same at one entry or six;
+and every entry attends to its row's whole context. prepare's draft planner
+(``prepare/draft_planner.py``) weighs each row's expected accepted drafts against these costs, as
+SmartSpec does with its profiled batch latency (Liu et al. 2024, "Optimizing Speculative Decoding
+for Serving Large Language Models Using Goodput").
 
 `measure_step_costs` runs real steps through the executor, as the warm-up does. A group of ``R``
 sequences of `SHORT_CONTEXT` prompt tokens is started for each row count ``R`` of `ROW_POINTS`
