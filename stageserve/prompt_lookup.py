@@ -17,8 +17,8 @@ MAX_N = 3  # the longest
 
 class PromptLookup:
     """One sequence's tokens and, per ``n``, where each ``n``-gram that something followed last
-    occurred: the index of the token after it (O(1) per token, ``MAX_N - MIN_N + 1`` entries per
-    token held).
+    occurred: the index of the token after it (``MAX_N`` dict updates per token appended,
+    ``MAX_N - MIN_N + 1`` entries held per token).
 
     Args:
         tokens: the sequence so far (its prompt); token ids are int32 (as on the wire).
@@ -33,9 +33,8 @@ class PromptLookup:
         """Append ``tokens``: each one is what followed the ``n``-grams ending just before it."""
         for token in tokens:
             end = len(self.tokens)
-            for n, follow in zip(range(MIN_N, MAX_N + 1), self._follow):
-                if end >= n:
-                    follow[self._key(end - n, n)] = end
+            for n, key in self._suffix_keys(end):
+                self._follow[n - MIN_N][key] = end
             self.tokens.append(token)
 
     def propose(self, num_drafts: int) -> list[int]:
@@ -43,16 +42,20 @@ class PromptLookup:
         occurrence of the longest suffix of ``MIN_N..MAX_N`` tokens that occurred, as far as known;
         ``[]`` without a match."""
         length = len(self.tokens)
-        for n in range(MAX_N, MIN_N - 1, -1):
-            if length > n:  # an earlier occurrence needs a token after it, before the suffix's end
-                at = self._follow[n - MIN_N].get(self._key(length - n, n))
-                if at is not None:
-                    return self.tokens[at : min(at + num_drafts, length)]
+        for n, key in reversed(self._suffix_keys(length)):  # the longest first
+            # An earlier occurrence needs a token after it, before the suffix's end: n < length.
+            at = self._follow[n - MIN_N].get(key) if n < length else None
+            if at is not None:
+                return self.tokens[at : min(at + num_drafts, length)]
         return []
 
-    def _key(self, start: int, n: int) -> int:
-        """Tokens ``[start, start + n)`` packed into one int (32 bits each): a smaller dict key than a tuple."""
-        key = 0
-        for token in self.tokens[start : start + n]:
-            key = key << 32 | token
-        return key
+    def _suffix_keys(self, end: int) -> list[tuple[int, int]]:
+        """``(n, key)`` of the ``n``-grams ending before index ``end``, ``MIN_N <= n <= MAX_N`` as far
+        as the tokens go; a key packs the tokens into one int (32 bits each, built from the last
+        token back): a smaller dict key than a tuple, and no slice per ``n``."""
+        keys, key = [], 0
+        for n in range(1, min(MAX_N, end) + 1):
+            key |= self.tokens[end - n] << (32 * (n - 1))
+            if n >= MIN_N:
+                keys.append((n, key))
+        return keys

@@ -164,7 +164,9 @@ class ModelStepRunner:
         if staged.grammar is not None:  # a constrained row has no drafts: one entry, at its row's first
             first_entry = list(accumulate([0, *(1 + k for k in staged.admitted.step.sampled_num_drafts)]))
             at = [first_entry[row] for row in staged.grammar.rows]
-            self.grammar.mask_logits(staged.grammar, logits, at if kept is None else _positions_in(kept, at))
+            if kept is not None:  # where each (kept: a row's first entry always runs) sits among the entries run
+                at = torch.searchsorted(kept, torch.tensor(at, dtype=torch.int64)).tolist()
+            self.grammar.mask_logits(staged.grammar, logits, at)
         tensors = table.sampling_tensors(staged.admitted, entries, output_index)
         result = sample(logits, tensors, table.presence[entries] if tensors.any_penalty else None, fused_argmax=self.model.cpu_kernels)
         count, num_rows = spec.sample_seq.shape[0], rows.shape[0]
@@ -177,12 +179,6 @@ class ModelStepRunner:
         out.num_tokens[:num_rows].copy_(verified.num_tokens, non_blocking=True)
         out.num_drafted[:num_rows].copy_(verified.num_drafted, non_blocking=True)
         _copy_logprobs(result, tensors.max_logprobs, count, out, kept)
-
-
-def _positions_in(kept: torch.Tensor, entries: list[int]) -> list[int]:
-    """Where each of ``entries`` (indices into the step's sampling entries, all kept) sits in ``kept``."""
-    where = {entry: i for i, entry in enumerate(kept.tolist())}
-    return [where[entry] for entry in entries]
 
 
 def _copy_logprobs(result: SampleResult, top: int, count: int, out: SlotBuffers, kept: torch.Tensor | None = None) -> None:

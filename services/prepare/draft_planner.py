@@ -124,7 +124,8 @@ class SequenceDrafts:
         replay: with the device's prompt lookup (``ngram``), the replay of what it would have
             drafted at every row (`draft_replay`), which the estimates learn from instead of the
             rows that drafted; ``None``: they learn from those (a draft model).
-        proposed: drafts the device's proposer made for it so far (``SequenceEvent.draft_tokens``).
+        proposed: without a replay, drafts the device's proposer made for it so far
+            (``SequenceEvent.draft_tokens``).
         rows_without_drafts: decode rows planned since it last asked for drafts.
         probe_after: ``rows_without_drafts`` at which its next row probes (without a replay).
     """
@@ -251,7 +252,8 @@ class DraftPlanner:
         costs = self.costs
         if costs is None or not rows:
             return self._in_order(caps, spare)
-        accepted_prior, proposed_prior = self.acceptance.rates(), self.proposal.rates()
+        accepted_prior = self.acceptance.rates()
+        proposed_prior = self.proposal.rates() if costs.drops_unproposed else None
         chosen = [0] * len(rows)
         probes, probe_entries = set(), 0.0
         candidates = []  # (expected tokens per expected entry, expected tokens, expected entries, row)

@@ -336,7 +336,7 @@ class Scheduler:
         """A new sequence's drafting state: none when its sampling forbids drafts, a replay of prompt
         lookup when the device proposes by it and prepare plans by measured costs."""
         k = self.config.num_speculative_tokens if may_draft(request) else 0
-        replays = k and self.config.step_costs is not None and self.config.speculative_method == "ngram"
+        replays = bool(k) and self.config.step_costs is not None and self.config.speculative_method == "ngram"
         return SequenceDrafts(k, replay=DraftReplay(list(request.prompt_token_ids), k) if replays else None)
 
     def _add_row(self, step: ScheduledStep, seq: SequenceState, num_tokens: int, drafts: int = 0) -> int:
@@ -396,7 +396,7 @@ class Scheduler:
             if event.finish_reason or event.error_code:
                 seq.stopped = seq.finished = True
                 touched.append(seq)
-            else:
+            elif self.config.num_speculative_tokens:
                 self._observe_drafts(seq, event, decode_drafts.get(seq))
             seq.cache_poisoned |= bool(event.error_code)
         if step is not None:
@@ -417,8 +417,8 @@ class Scheduler:
         if asked is not None:
             accepted = len(event.token_ids) - 1
             seq.num_kv_tokens -= asked - accepted  # the drafts it did not accept
-            proposed, drafts.proposed = event.draft_tokens - drafts.proposed, event.draft_tokens
             if drafts.replay is None:
+                proposed, drafts.proposed = event.draft_tokens - drafts.proposed, event.draft_tokens
                 self._draft_planner.observe(drafts, asked, proposed, accepted)
         if drafts.replay is not None:
             for proposed, accepted in drafts.replay.publish(list(event.token_ids), decode_row=asked is not None):

@@ -190,3 +190,36 @@ def test_the_host_prompt_lookup_drafts_what_the_device_proposer_drafts():
         for length in range(2, len(tokens) + 1):
             lookup.extend(tokens[length - 1 : length])
             assert lookup.propose(4) == propose(NgramProposer(MIN_N, MAX_N), history_of(tokens[:length], width=48), 4)[0], tokens[:length]
+
+
+def test_a_cpu_step_drops_the_entries_of_drafts_not_proposed_and_measuring_proposes_them_all():
+    """`Speculation.without_unproposed`: of a decode row asking for 3 drafts of which the proposer
+    made 1, the pending token's and that draft's entries run (the entries of drafts 2 and 3 are
+    dropped), next to a row that drafted nothing and a prefill row; every entry runs when all are
+    proposed, and under `Speculation.proposing_every_draft` the proposer's misses count as proposed."""
+    from stageserve.device.forward_batch import build_forward_batch
+    from stageserve.device.speculative import Speculation
+    from stageserve.v1 import device_pb2
+
+    table = SequenceTable(SPECULATING.max_num_seqs, VOCAB, SPECULATING.block_size, CPU)
+    for step_id, seq, blocks in ((1, 0, (0, 1)), (2, 1, (2, 3))):
+        table.admit(decode_plan(prefill(step_id, seq, blocks=blocks, num_draft_tokens=[0]), SPECULATING, check_sampling))
+    plan = device_pb2.StepPlan(step_id=3, started=prefill(0, 2).started, seq_index=[0, 1, 2], generation=[1, 1, 1], start_pos=[3, 3, 0],
+                               num_tokens=[4, 2, 3], token_ids=[-1] * 6 + [5, 6, 7], sample=[True] * 3, num_new_blocks=[0, 0, 1],
+                               new_block_ids=[4], num_draft_tokens=[3, 1, 0])
+    admitted = table.admit(decode_plan(plan, SPECULATING, check_sampling))
+    speculation = Speculation(NgramProposer(), 3, SPECULATING.max_num_seqs, SPECULATING.max_model_len, SPECULATING.block_size, CPU)
+    assert speculation.drops_unproposed  # a CPU device
+    rows, staged = speculation.stage_rows(admitted)
+    batch = build_forward_batch(rows, SPECULATING.block_size, CPU)  # entries 0-3 (row 0), 4-5 (row 1), then the prompt
+    valid = torch.tensor([[True, False, False], [False, False, False]])
+    kept_batch, kept = speculation.without_unproposed(staged, batch, valid)
+    assert kept.tolist() == [0, 1, 4, 6]  # row 0: pending + draft 1; row 1: pending; the prefill row's sample
+    assert kept_batch.num_decode == 3 and kept_batch.input_ids.shape[0] == 3 + 3
+    assert speculation.without_unproposed(staged, batch, torch.tensor([[True] * 3, [True, False, False]])) == (batch, None)
+
+    history = history_of([1, 2, 3], [4, 5, 6], [7, 8, 9])  # no repeats: prompt lookup proposes nothing
+    with speculation.proposing_every_draft():
+        _, measured = speculation.proposer.propose(history, torch.tensor([0, 1]), 3, 3)
+    _, served = speculation.proposer.propose(history, torch.tensor([0, 1]), 3, 3)
+    assert measured.all() and not served.any()

@@ -29,6 +29,7 @@ def test_every_row_count_and_draft_count_is_measured_and_a_long_context_line(tmp
     assert cells(built) == expected
     assert all(cost.seconds > 0 for cost in built.attach_reply.step_costs)
     assert built.table.active_count() == 0  # the measured sequences are gone
+    assert built.attach_reply.drops_unproposed_drafts  # a CPU device runs only the proposed drafts
     built.executor.close()
 
 
