@@ -199,7 +199,8 @@ class LlamaModel:
             for linear in quantized:
                 linear.keep_dense_copy()
         elif mode == "auto" and quantized:
-            dense_copies.choose(quantized, self.dense_weight_bytes(self.dtype) - self.weight_bytes())
+            budget = self.dense_weight_bytes(self.dtype) - self.weight_bytes()
+            dense_copies.choose(quantized, budget, cache=dense_copies.cache_path(quantized, dense_copies.ROWS))
 
     def weight_bytes(self) -> int:
         """Bytes the model's weights hold on its device (every copy: oneDNN-packed, AMX-packed, quantized)."""

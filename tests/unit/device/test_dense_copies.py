@@ -46,3 +46,22 @@ def test_the_real_timer_measures_both_paths_and_drops_the_copy_it_built():
     lin = linear(128, 64)
     kernel_ms, dense_ms = dense_copies.time_on_kernel_and_dense(lin, rows=32, repeats=2)
     assert kernel_ms > 0 and dense_ms > 0 and lin.dense is None
+
+
+def test_the_first_timings_on_a_machine_are_every_later_process_s_choice(tmp_path):
+    cache = tmp_path / "timings.json"
+    faster_dense = {(64, 64): (2.0, 1.0)}
+    slower_dense = {(64, 64): (1.0, 2.0)}
+    first, later = [linear(64, 64)], [linear(64, 64)]
+    dense_copies.choose(first, budget_bytes=1 << 20, timer=lambda lin, rows: faster_dense[lin.shape], cache=cache)
+    # A later process times differently (a busy machine): it takes the cached timings instead.
+    dense_copies.choose(later, budget_bytes=1 << 20, timer=lambda lin, rows: slower_dense[lin.shape], cache=cache)
+    assert first[0].dense is not None and later[0].dense is not None
+    assert cache.exists() and not list(tmp_path.glob("*.tmp"))
+
+
+def test_the_cache_key_names_the_shapes_and_the_rows():
+    a = dense_copies.cache_path([linear(64, 64)], rows=32)
+    assert a == dense_copies.cache_path([linear(64, 64, seed=1)], rows=32)  # the weights' values do not matter
+    assert a != dense_copies.cache_path([linear(128, 64)], rows=32)
+    assert a != dense_copies.cache_path([linear(64, 64)], rows=16)
