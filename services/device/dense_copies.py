@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from stageserve.cache_dirs import user_cache_dir
 from stageserve.device.quant_linear import QuantizedLinear
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,7 @@ def cache_path(linears: Sequence[QuantizedLinear], rows: int) -> Path:
         cpu = "unknown cpu"
     keys = sorted({_shape_key(linear) for linear in linears})
     digest = hashlib.sha256(json.dumps([cpu, torch.__version__, str(linears[0].dtype), rows, keys]).encode())
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "stageserve" / "dense-copies" / f"{digest.hexdigest()[:16]}.json"
+    return user_cache_dir("dense-copies") / f"{digest.hexdigest()[:16]}.json"
 
 
 def _shape_key(linear: QuantizedLinear) -> str:
