@@ -5,17 +5,18 @@ A `QuantizedLinear` runs inputs of up to its kernel's ``max_rows`` rows on the k
 dense weight's memory and earns it only where the dense linear runs such inputs faster than the
 kernel, which depends on the CPU: with AMX the dense bfloat16 copy is several times faster at 32
 rows; without it (an AMD EPYC) the VNNI kernel is about even with oneDNN's bfloat16 at 16 rows and
-1.1-2x slower at 32, by shape. So `choose` times, for one linear of each shape and format, both on
-an input of ``rows`` rows (one thread's CPU time, interleaved, the least of ``REPEATS``) and keeps copies in order of the time
-they save per byte, while their bytes fit ``budget_bytes`` (the model passes what keeps its weights
-within one dense copy of the model: quantized weights never hold more than the dequantized model).
-The choice changes which linear runs a many-row input, never a row's values beyond the dense copy's
-own rounding (it holds the kernel's weight values, `QuantizedLinear.dense_weight`). So that every
+1.1-2x slower at 32, by shape. So `choose` times, for one linear of each shape and format, both
+on an input of ``rows`` rows (one thread's CPU time, interleaved, the least of ``REPEATS``) and
+keeps copies in order of the time they save per byte, while their bytes fit ``budget_bytes`` (the
+model passes what keeps its weights within one dense copy of the model: quantized weights never
+hold more than the dequantized model). The choice changes which linear runs a many-row input,
+never a row's values beyond the dense copy's own rounding (it holds the kernel's weight values,
+`QuantizedLinear.dense_weight`). So that every
 process on one machine makes the same choice (a request's greedy tokens must not depend on which of
 two devices, or which restart, served it), the first process to time a set of shapes writes the
 timings to ``$XDG_CACHE_HOME/stageserve/dense-copies/`` (default ``~/.cache``), keyed by the CPU
-model, torch's version, the dtype and the shapes, and later ones read them; delete
-the folder to time again. Where the cache cannot be written (a read-only disk), each process times.
+model, torch's version, the dtype and the shapes, and later ones read them; delete the folder to
+time again. Where the cache cannot be written (a read-only disk), each process times.
 """
 
 from __future__ import annotations
