@@ -391,7 +391,13 @@ def run(args: argparse.Namespace) -> int:
             if args.chat and args.once:
                 return code
             while not stop.wait(0.5):
-                if any(p.process.poll() is not None for p in pipeline.processes):
+                exited = [p for p in pipeline.processes if p.process.poll() is not None]
+                # A service that exits 0 drained on a stop signal: the terminal's Ctrl-C or hang-up
+                # reaches the whole process group, and on a busy machine a service can finish
+                # before this process has run its own handler. Any other exit is a failure.
+                if exited and all(p.process.returncode == 0 for p in exited):
+                    return code
+                if exited:
                     print("error: a service exited; stopping the others", file=sys.stderr)
                     return 1
             return code
