@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 from stageserve.device_endpoints import add_device_arguments
 from stageserve.security.config import add_key_arguments
@@ -57,6 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=_port_or_off, default=None, metavar="PORT",
                         help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models) "
                              "on this port; 0 = ephemeral, written to <port-file>.http-port (default: off)")
+    parser.add_argument("--tool-call-parser", choices=["hermes"], default="hermes",
+                        help="how the OpenAI API reads the model's own tool calls (tool_choice auto): hermes = "
+                             "<tool_call>{json}</tool_call>, as Qwen and Hermes templates teach (default: %(default)s)")
+    parser.add_argument("--chat-template", default="", metavar="FILE",
+                        help="a Jinja chat template to use instead of the model's own (default: the model's)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         security = ServiceSecurity.from_args(args, serves_internal=False)
         tokenizer = load_tokenizer(resolve_model_path(args.model))
+        if args.chat_template:
+            tokenizer.chat_template = Path(args.chat_template).read_text()
         server = AioServiceServer(SERVICE_NAME, args.host, args.port, max_workers=args.max_workers, port_file=args.port_file,
                                   tracer=tracer, profile_peers=profile_peers, thread_name="prepare-grpc", security=security,
                                   max_receive_bytes=MAX_REQUEST_BYTES, profile_dir=profile_dir(args))
@@ -137,7 +145,7 @@ def _start_http(args: argparse.Namespace, frontend, loop, security):
     from stageserve.prepare.openai_api import HttpServer, create_app
 
     tls = security.tls if security.tls is not None and security.tls.serves_tls else None
-    http = HttpServer(create_app(frontend, security.policy), args.host, args.http_port, loop, args.port_file, tls=tls)
+    http = HttpServer(create_app(frontend, security.policy, args.tool_call_parser), args.host, args.http_port, loop, args.port_file, tls=tls)
     log.info("OpenAI-compatible API on %s://%s:%d/v1 (%s)", "https" if tls else "http", args.host, http.port, security.describe())
     return http
 

@@ -6,7 +6,8 @@ Each request body is mapped onto the gRPC API's ``GenerateRequest`` (``openai_pr
 goes through the same :class:`~stageserve.prepare.frontend.GenerationFrontend` as a gRPC call:
 one validation, one scheduler, the same readiness and draining. Streaming (``stream: true``) is
 server-sent events, ending with ``data: [DONE]``; ``stream_options.include_usage`` adds the usage
-chunk. A client that disconnects (streaming or not) aborts its request, which frees its KV blocks.
+chunk (and ``continuous_usage_stats``, vLLM's, usage in every chunk). Request fields follow the
+tolerance policy (``openai_tolerance.py``); tool calls are read by ``tool_calls.py``. A client that disconnects (streaming or not) aborts its request, which frees its KV blocks.
 
 Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``; the status follows
 the gRPC one: 400 ``INVALID_ARGUMENT`` (``param`` names the field), 404 an unknown model, 409
@@ -43,9 +44,11 @@ from stageserve.prepare.frontend import GenerationFrontend, Submission
 from stageserve.prepare.limits import MAX_REQUEST_BYTES
 from stageserve.prepare.openai_protocol import ChatCompletionRequest, CompletionRequest, chat_request, completion_request
 from stageserve.prepare.openai_responses import ResponseBuilder, sse
+from stageserve.prepare.tool_calls import tool_call_reader
 from stageserve.prepare.validation import validate_request_id
 from stageserve.security.guard import HEALTH_SERVICE, OPEN, PUBLIC, AccessPolicy
 from stageserve.security.tls import TlsFiles
+from stageserve.v1 import prepare_pb2
 
 HTTP_PORT_SUFFIX = ".http-port"
 RETRY_AFTER_S = 1
@@ -88,14 +91,13 @@ def _parse(model: type[pydantic.BaseModel], body: object) -> pydantic.BaseModel:
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "body"
-        if first["type"] == "extra_forbidden":
-            raise invalid_argument(f"{where}: is not supported by this server; remove it") from exc
         raise invalid_argument(f"{where}: {first['msg']}") from exc
 
 
-def create_app(frontend: GenerationFrontend, policy: AccessPolicy | None = None) -> FastAPI:
+def create_app(frontend: GenerationFrontend, policy: AccessPolicy | None = None, tool_call_parser: str = "hermes") -> FastAPI:
     """The FastAPI application over ``frontend`` (which must run on the same event loop); callers
-    are checked against ``policy`` (default: open)."""
+    are checked against ``policy`` (default: open); ``tool_choice: auto`` reads calls with
+    ``tool_call_parser`` (one of ``tool_calls.TOOL_CALL_PARSERS``)."""
     app = FastAPI(title="stageserve OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     policy = policy or AccessPolicy()
 
@@ -119,14 +121,17 @@ def create_app(frontend: GenerationFrontend, policy: AccessPolicy | None = None)
     async def chat_completions(request: Request):
         owner = _owner(policy, request)
         body = _parse(ChatCompletionRequest, await _json(request))
-        return await _generate(frontend, request, body, chat_request, owner, chat=True,
-                               top_logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+        grpc_request = chat_request(body)
+        tools, mode = list(grpc_request.tools), body.tool_mode
+        return await _generate(frontend, request, body, grpc_request, owner, chat=True,
+                               top_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                               new_reader=lambda: tool_call_reader(tools, mode, tool_call_parser))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         owner = _owner(policy, request)
         body = _parse(CompletionRequest, await _json(request))
-        return await _generate(frontend, request, body, completion_request, owner, chat=False, top_logprobs=body.logprobs)
+        return await _generate(frontend, request, body, completion_request(body), owner, chat=False, top_logprobs=body.logprobs)
 
     return app
 
@@ -164,17 +169,17 @@ async def _json(request: Request) -> object:
         raise invalid_argument(f"body: not valid JSON ({exc})") from exc
 
 
-async def _generate(frontend: GenerationFrontend, request: Request, body, to_grpc: Callable, owner: str, chat: bool,
-                    top_logprobs: int | None):
-    """Serve one completion request, streamed or whole; a disconnect aborts it."""
+async def _generate(frontend: GenerationFrontend, request: Request, body, grpc_request: prepare_pb2.GenerateRequest, owner: str,
+                    chat: bool, top_logprobs: int | None, new_reader: Callable = lambda: None):
+    """Serve one completion request (``body``, mapped onto ``grpc_request``), streamed or whole; a disconnect aborts it."""
     served = model_name(frontend)
     if body.model != served:
         raise RequestError(grpc.StatusCode.NOT_FOUND, f"model: {body.model!r} is not served here; use {served!r} (see /v1/models)")
     request_id = validate_request_id(request.headers.get("x-request-id") or uuid.uuid4().hex)
-    submission = await frontend.submit(to_grpc(body), request_id, owner=owner)
+    submission = await frontend.submit(grpc_request, request_id, owner=owner)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, submission))
     builder = ResponseBuilder(chat, request_id, served, len(submission.handles), top_logprobs, submission.num_prompt_tokens,
-                              frontend.tokenizer)
+                              frontend.tokenizer, new_reader, continuous_usage=body.include_usage and body.continuous_usage)
     headers = {"x-request-id": request_id}
     if body.stream:
         return StreamingResponse(_stream(frontend, submission, builder, body.include_usage, watcher),

@@ -3,8 +3,11 @@ service processes on loopback (prepare with ``--http-port 0``)."""
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -17,6 +20,15 @@ from .test_generation_api import wait_kv_all_free
 MAX_NUM_SEQS = 4
 MAX_WAITING = 4  # at least n of test_n_choices: its choices wait together
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                  "required": ["city", "unit"], "additionalProperties": False}
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The current weather of a city",
+                                         "parameters": WEATHER_SCHEMA}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "description": "The time now in a timezone",
+                                              "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 16}},
+                                                             "required": ["tz"], "additionalProperties": False}}}
+WEATHER_CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +145,9 @@ def test_penalties_and_logit_bias_change_the_tokens(client, model, generation):
     ({"logit_bias": {"5": 500}}, "logit_bias"),
     ({"n": 0}, "n"),
     ({"max_tokens": 100000}, "max_tokens"),
-    ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
+    ({"extra_body": {"best_of": 2}}, "best_of"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"extra_body": {"response_format": {"type": "json_schema"}}}, "response_format"),  # json_schema missing
 ])
 def test_invalid_or_unsupported_parameter_is_a_bad_request_naming_it(client, model, fields, param):
@@ -201,6 +215,95 @@ def test_health_and_bad_json(served):
     assert httpx.get(f"{base}/health").json() == {"status": "ok"}
     refused = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "body"
+
+
+def test_fields_that_cannot_change_the_result_are_served(client, model):
+    plain = client.chat.completions.create(model=model, messages=[{"role": "system", "content": "Answer briefly."}, *CHAT],
+                                           temperature=0, max_tokens=16)
+    tolerated = client.chat.completions.create(
+        model=model, messages=[{"role": "developer", "content": "Answer briefly."}, *CHAT], temperature=0, max_tokens=16,
+        user="u-1", metadata={"run": "7"}, store=False, service_tier="auto", modalities=["text"], reasoning_effort="low",
+        prediction={"type": "content", "content": "Paris"}, parallel_tool_calls=True, extra_body={"an_unknown_field": 1})
+    assert tolerated.choices[0].message.content == plain.choices[0].message.content  # developer = system, the rest ignored
+
+
+def test_continuous_usage_stats_puts_usage_in_every_chunk(client, model):
+    chunks = list(client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=12, stream=True,
+                                                 stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    usages = [c.usage for c in chunks]
+    assert all(u is not None and u.prompt_tokens == usages[-1].prompt_tokens for u in usages)
+    counts = [u.completion_tokens for u in usages]
+    assert counts == sorted(counts) and counts[0] == 0 and 0 < counts[-1] <= 12
+    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
+    assert chunks[-1].choices == [] and counts[-2] == counts[-1]  # the finish chunk already has the final count
+
+
+def _arguments(call, schema: dict) -> dict:
+    """A tool call's arguments, checked to parse and to satisfy ``schema``."""
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, schema)
+    return arguments
+
+
+def _streamed_message(stream) -> tuple[str, dict[int, dict], str]:
+    """A streamed chat choice 0 joined: its content, its tool calls by index (name, id, arguments), its finish reason."""
+    content, calls, finish = [], {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason or finish
+        content.append(delta.content or "")
+        for part in delta.tool_calls or []:
+            call = calls.setdefault(part.index, {"name": "", "id": "", "arguments": ""})
+            call["name"] += part.function.name or ""
+            call["id"] += part.id or ""
+            call["arguments"] += part.function.arguments or ""
+            json.loads(call["arguments"])  # every call is sent whole: what arrived so far parses
+    return "".join(content), calls, finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_tool_choice_calls_it_with_arguments_matching_its_schema(client, model, stream):
+    kwargs = dict(model=model, messages=WEATHER_CHAT, tools=[TOOL, TIME_TOOL], temperature=0, max_tokens=48,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    if not stream:
+        reply = client.chat.completions.create(**kwargs)
+        message = reply.choices[0].message
+        assert reply.choices[0].finish_reason == "tool_calls" and message.content is None
+        assert [c.function.name for c in message.tool_calls] == ["get_weather"] and message.tool_calls[0].id.startswith("call_")
+        assert _arguments(message.tool_calls[0], WEATHER_SCHEMA)["unit"] in ("celsius", "fahrenheit")
+        return
+    content, calls, finish = _streamed_message(client.chat.completions.create(**kwargs, stream=True))
+    assert content == "" and finish == "tool_calls" and [c["name"] for c in calls.values()] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER_SCHEMA)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_tool_choice_makes_calls_that_match_their_schemas(client, model, stream):
+    tools = [TOOL, TIME_TOOL]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    kwargs = dict(model=model, messages=WEATHER_CHAT, tools=tools, tool_choice="required", parallel_tool_calls=False,
+                  temperature=0, max_tokens=64)
+    if not stream:
+        reply = client.chat.completions.create(**kwargs)
+        calls = reply.choices[0].message.tool_calls
+        assert reply.choices[0].finish_reason == "tool_calls" and len(calls) == 1  # parallel_tool_calls false: one call
+        _arguments(calls[0], schemas[calls[0].function.name])
+        return
+    content, calls, finish = _streamed_message(client.chat.completions.create(**kwargs, stream=True))
+    assert content == "" and finish == "tool_calls" and len(calls) == 1
+    jsonschema.validate(json.loads(calls[0]["arguments"]), schemas[calls[0]["name"]])
+
+
+def test_a_tool_result_in_the_history_is_answered(client, model):
+    first = client.chat.completions.create(model=model, messages=WEATHER_CHAT, tools=[TOOL], tool_choice="required",
+                                           temperature=0, max_tokens=48)
+    call = first.choices[0].message.tool_calls[0]
+    history = [*WEATHER_CHAT, first.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "sunny"})}]
+    second = client.chat.completions.create(model=model, messages=history, tools=[TOOL], temperature=0, max_tokens=24)
+    assert second.choices[0].finish_reason in ("stop", "length") and second.choices[0].message.content
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result were rendered into the prompt
 
 
 def kv_used(generation) -> int:
