@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", choices=["hermes"], default="hermes",
                         help="how the OpenAI API reads the model's own tool calls (tool_choice auto): hermes = "
                              "<tool_call>{json}</tool_call>, as Qwen and Hermes templates teach (default: %(default)s)")
+    parser.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                        help="the names clients use for the model (the first is shown by GetModelInfo and /v1/models; "
+                             "requests may use any; default: the model file's name)")
     parser.add_argument("--chat-template", default="", metavar="FILE",
                         help="a Jinja chat template to use instead of the model's own (default: the model's)")
 
@@ -79,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from stageserve.prepare.metrics import PrepareMetrics
     from stageserve.prepare.request_handle import LoopWaker
     from stageserve.prepare.router import DeviceRouter
+    from stageserve.prepare.sampling_defaults import load_sampling_defaults
     from stageserve.security.config import ServiceSecurity
     from stageserve.server import AioServiceServer, configure_logging, profile_dir
     from stageserve.tokenizer import load_tokenizer
@@ -93,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
                      "reclaim": args.reclaim}
     try:
         security = ServiceSecurity.from_args(args, serves_internal=False)
-        tokenizer = load_tokenizer(resolve_model_path(args.model))
+        model_path = resolve_model_path(args.model)
+        tokenizer = load_tokenizer(model_path)
+        sampling_defaults = load_sampling_defaults(model_path)
         if args.chat_template:
             tokenizer.chat_template = Path(args.chat_template).read_text()
         server = AioServiceServer(SERVICE_NAME, args.host, args.port, max_workers=args.max_workers, port_file=args.port_file,
@@ -117,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     )
     router = DeviceRouter(connector.sessions, metrics)
     metrics.watch_engine(router.current_load)
-    frontend = GenerationFrontend(router, tokenizer, LoopWaker(server.loop))
+    frontend = GenerationFrontend(router, tokenizer, LoopWaker(server.loop), tuple(args.served_model_name), sampling_defaults)
     server.add_servicer(prepare_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(frontend))
     server.start([SERVICE_NAME])
     try:

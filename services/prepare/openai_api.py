@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API of prepare: ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``GET /v1/models`` (and ``GET /health``), on FastAPI served by uvicorn on prepare's ``grpc.aio``
+``GET /v1/models``, and as vLLM serves them ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``
+(prepare's Prometheus metrics, as open as ``GET /health``), on FastAPI served by uvicorn on prepare's ``grpc.aio``
 event loop (``--http-port``).
 
 Each request body is mapped onto the gRPC API's ``GenerateRequest`` (``openai_protocol.py``) and
@@ -37,15 +38,17 @@ import grpc
 import pydantic
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from stageserve.prepare.errors import RequestError, invalid_argument
 from stageserve.prepare.frontend import GenerationFrontend, Submission
-from stageserve.prepare.limits import MAX_REQUEST_BYTES
-from stageserve.prepare.openai_protocol import ChatCompletionRequest, CompletionRequest, chat_request, completion_request
+from stageserve.prepare.limits import MAX_PROMPT_TOKEN_IDS, MAX_REQUEST_BYTES, at_most, check_tokenize_bounds
+from stageserve.prepare.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody, chat_request,
+                                                completion_request)
 from stageserve.prepare.openai_responses import ResponseBuilder, sse
 from stageserve.prepare.tool_calls import tool_call_reader
-from stageserve.prepare.validation import validate_request_id
+from stageserve.prepare.validation import tokenize_prompt, validate_request_id
 from stageserve.security.guard import HEALTH_SERVICE, OPEN, PUBLIC, AccessPolicy
 from stageserve.security.tls import TlsFiles
 from stageserve.v1 import prepare_pb2
@@ -133,6 +136,33 @@ def create_app(frontend: GenerationFrontend, policy: AccessPolicy | None = None,
         body = _parse(CompletionRequest, await _json(request))
         return await _generate(frontend, request, body, completion_request(body), owner, chat=False, top_logprobs=body.logprobs)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        _owner(policy, request)
+        body = _parse(TokenizeBody, await _json(request))
+        _check_model(frontend, body.model, optional=True)
+        ids = await asyncio.get_running_loop().run_in_executor(None, _tokenize, frontend.tokenizer, body)
+        return JSONResponse({"count": len(ids), "max_model_len": frontend.router.model_limits().max_model_len, "tokens": ids,
+                             "token_strs": frontend.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        _owner(policy, request)
+        body = _parse(DetokenizeBody, await _json(request))
+        _check_model(frontend, body.model, optional=True)
+        at_most("tokens", len(body.tokens), MAX_PROMPT_TOKEN_IDS, "entries")
+        vocab_size = frontend.router.model_limits().vocab_size
+        for i, token_id in enumerate(body.tokens):
+            if not 0 <= token_id < vocab_size:
+                raise invalid_argument(f"tokens[{i}]: token id {token_id} is outside the vocabulary [0, {vocab_size})")
+        text = await asyncio.get_running_loop().run_in_executor(None, frontend.tokenizer.decode, body.tokens)
+        return JSONResponse({"prompt": text})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        _owner(policy, request, policy.access(HEALTH_SERVICE))  # as open as /health: scrapers send no key
+        return Response(generate_latest(frontend.router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     return app
 
 
@@ -149,7 +179,25 @@ def _owner(policy: AccessPolicy, request: Request, access: str = PUBLIC) -> str:
 def model_name(frontend: GenerationFrontend) -> str:
     """The served model's name. Raises RequestError (``UNAVAILABLE``) while draining or not connected."""
     frontend.router.model_limits()  # the readiness check both APIs share
-    return frontend.router.load()[0].attach.model_name
+    return frontend.model_name(frontend.router.load()[0].attach)
+
+
+def _check_model(frontend: GenerationFrontend, requested: str, optional: bool = False) -> str:
+    """The served name if ``requested`` is one of its names (``optional``: or empty, as the utility
+    routes allow). Raises RequestError: 404 naming the served one."""
+    served = model_name(frontend)
+    if not (optional and not requested) and requested not in (served, *frontend.served_names):
+        raise RequestError(grpc.StatusCode.NOT_FOUND, f"model: {requested!r} is not served here; use {served!r} (see /v1/models)")
+    return served
+
+
+def _tokenize(tokenizer, body: "TokenizeBody") -> list[int]:
+    """``body``'s token ids, as ``Generate`` would see them (in the executor)."""
+    request = prepare_pb2.TokenizeRequest(prompt=body.prompt, messages=[m.grpc() for m in body.messages])
+    check_tokenize_bounds(request)
+    if request.prompt and not body.add_special_tokens:
+        return list(tokenizer.encode(request.prompt, add_special_tokens=False))
+    return tokenize_prompt(tokenizer, prompt=request.prompt, messages=request.messages)
 
 
 async def _json(request: Request) -> object:
@@ -172,9 +220,7 @@ async def _json(request: Request) -> object:
 async def _generate(frontend: GenerationFrontend, request: Request, body, grpc_request: prepare_pb2.GenerateRequest, owner: str,
                     chat: bool, top_logprobs: int | None, new_reader: Callable = lambda: None):
     """Serve one completion request (``body``, mapped onto ``grpc_request``), streamed or whole; a disconnect aborts it."""
-    served = model_name(frontend)
-    if body.model != served:
-        raise RequestError(grpc.StatusCode.NOT_FOUND, f"model: {body.model!r} is not served here; use {served!r} (see /v1/models)")
+    served = _check_model(frontend, body.model)
     request_id = validate_request_id(request.headers.get("x-request-id") or uuid.uuid4().hex)
     submission = await frontend.submit(grpc_request, request_id, owner=owner)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, submission))

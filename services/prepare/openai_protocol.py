@@ -329,3 +329,20 @@ def _unsigned(field: str, value: int) -> int:
     if value < 0:
         raise invalid_argument(f"{field}: {value} is negative; use a value >= 0")
     return value
+
+
+class TokenizeBody(TolerantModel):
+    """vLLM's ``POST /tokenize``: one of ``prompt`` and ``messages`` (rendered as a chat request would be)."""
+
+    model: str = ""
+    prompt: str = ""
+    messages: list[ChatMessage] = Field(default_factory=list)
+    add_special_tokens: bool = True  # prompt only: the tokenizer's own special tokens (a BOS), as Generate adds them
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(TolerantModel):
+    """vLLM's ``POST /detokenize``: token ids to text."""
+
+    model: str = ""
+    tokens: list[int]

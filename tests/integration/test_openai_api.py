@@ -16,6 +16,7 @@ from stageserve.v1 import prepare_pb2, prepare_pb2_grpc
 from .conftest import launch
 from .test_generation_api import wait_kv_all_free
 
+SERVED_NAME, EMBEDDED_NAME = "smol", "SmolLM2-135M-Instruct"  # --served-model-name: shown, and an alias
 # A small sequence table and queue, so that test_full_queue_is_rate_limited can fill them.
 MAX_NUM_SEQS = 4
 MAX_WAITING = 4  # at least n of test_n_choices: its choices wait together
@@ -34,7 +35,8 @@ WEATHER_CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     pipeline = launch(tmp_path_factory, "openai-api", device_args=["--max-num-seqs", str(MAX_NUM_SEQS)],
-                      prepare_args=["--http-port", "0", "--max-waiting", str(MAX_WAITING)])
+                      prepare_args=["--http-port", "0", "--max-waiting", str(MAX_WAITING),
+                                    "--served-model-name", SERVED_NAME, EMBEDDED_NAME])
     try:
         yield pipeline
     finally:
@@ -60,7 +62,29 @@ def generation(served):
 
 def test_models_lists_the_served_model(client, generation):
     models = client.models.list().data
-    assert [m.id for m in models] == [generation.GetModelInfo(prepare_pb2.GetModelInfoRequest()).model_name]
+    assert [m.id for m in models] == [generation.GetModelInfo(prepare_pb2.GetModelInfoRequest()).model_name] == [SERVED_NAME]
+    alias = client.completions.create(model=EMBEDDED_NAME, prompt="The capital of France is", temperature=0, max_tokens=4)
+    assert alias.model == SERVED_NAME and alias.choices[0].text
+
+
+def test_tokenize_and_detokenize_over_http(served, tokenizer):
+    base = f"http://127.0.0.1:{served.prepare.http_port}"
+    chat = httpx.post(f"{base}/tokenize", json={"model": SERVED_NAME, "messages": CHAT}).json()
+    assert chat["tokens"] == tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert chat["count"] == len(chat["tokens"]) and chat["max_model_len"] > 0 and chat["token_strs"] is None
+    text = httpx.post(f"{base}/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert text["tokens"] == tokenizer.encode("Hello world") and text["token_strs"] == tokenizer.convert_ids_to_tokens(text["tokens"])
+    assert httpx.post(f"{base}/detokenize", json={"tokens": text["tokens"]}).json() == {"prompt": "Hello world"}
+    refused = httpx.post(f"{base}/detokenize", json={"tokens": [10**9]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens"
+    assert httpx.post(f"{base}/tokenize", json={"model": "gpt-4o", "prompt": "x"}).status_code == 404
+
+
+def test_metrics_on_the_api_port(served, client, model):
+    client.completions.create(model=model, prompt="Hi", max_tokens=2)
+    scraped = httpx.get(f"http://127.0.0.1:{served.prepare.http_port}/metrics")
+    assert scraped.status_code == 200 and scraped.headers["content-type"].startswith("text/plain")
+    assert "stageserve_time_to_first_token_seconds_count" in scraped.text
 
 
 def test_chat_completion(client, model):
