@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API of prepare: ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``GET /v1/models``, and as vLLM serves them ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``
+``GET /v1/models``, ``POST /v1/responses`` (stateless, ``responses_api.py``), and as vLLM serves them ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``
 (prepare's Prometheus metrics, as open as ``GET /health``), on FastAPI served by uvicorn on prepare's ``grpc.aio``
 event loop (``--http-port``).
 
@@ -47,6 +47,7 @@ from stageserve.prepare.limits import MAX_PROMPT_TOKEN_IDS, MAX_REQUEST_BYTES, a
 from stageserve.prepare.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody, chat_request,
                                                 completion_request)
 from stageserve.prepare.openai_responses import ResponseBuilder, sse
+from stageserve.prepare.responses_api import ResponseEvents, ResponsesRequest, chat_body, response_object, response_shell
 from stageserve.prepare.tool_calls import tool_call_reader
 from stageserve.prepare.validation import tokenize_prompt, validate_request_id
 from stageserve.security.guard import HEALTH_SERVICE, OPEN, PUBLIC, AccessPolicy
@@ -136,6 +137,20 @@ def create_app(frontend: GenerationFrontend, policy: AccessPolicy | None = None,
         body = _parse(CompletionRequest, await _json(request))
         return await _generate(frontend, request, body, completion_request(body), owner, chat=False, top_logprobs=body.logprobs)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        owner = _owner(policy, request)
+        body = _parse(ResponsesRequest, await _json(request))
+        chat = _parse(ChatCompletionRequest, chat_body(body))
+        grpc_request = chat_request(chat)
+        tools, mode = list(grpc_request.tools), chat.tool_mode
+        request_id = _request_id(request)
+        shell = response_shell(body, request_id, model_name(frontend))
+        return await _generate(frontend, request, chat, grpc_request, owner, chat=True, top_logprobs=None,
+                               new_reader=lambda: tool_call_reader(tools, mode, tool_call_parser), request_id=request_id,
+                               whole=lambda completion: response_object(completion, shell),
+                               streamed=ResponseEvents(shell, stream_error_body).events)
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
         _owner(policy, request)
@@ -218,44 +233,66 @@ async def _json(request: Request) -> object:
 
 
 async def _generate(frontend: GenerationFrontend, request: Request, body, grpc_request: prepare_pb2.GenerateRequest, owner: str,
-                    chat: bool, top_logprobs: int | None, new_reader: Callable = lambda: None):
-    """Serve one completion request (``body``, mapped onto ``grpc_request``), streamed or whole; a disconnect aborts it."""
+                    chat: bool, top_logprobs: int | None, new_reader: Callable = lambda: None, request_id: str = "",
+                    whole: Callable[[dict], dict] = lambda response: response,
+                    streamed: Callable[[AsyncIterator[dict]], AsyncIterator[str]] | None = None):
+    """Serve one completion request (``body``, mapped onto ``grpc_request``), streamed or whole; a
+    disconnect aborts it. ``request_id``: the one to serve it under (default: :func:`_request_id`). ``whole`` reshapes the whole response, ``streamed`` turns the chunks into
+    the SSE body (default: one event per chunk, then ``[DONE]``)."""
     served = _check_model(frontend, body.model)
-    request_id = validate_request_id(request.headers.get("x-request-id") or uuid.uuid4().hex)
+    request_id = request_id or _request_id(request)
     submission = await frontend.submit(grpc_request, request_id, owner=owner)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, submission))
     builder = ResponseBuilder(chat, request_id, served, len(submission.handles), top_logprobs, submission.num_prompt_tokens,
                               frontend.tokenizer, new_reader, continuous_usage=body.include_usage and body.continuous_usage)
     headers = {"x-request-id": request_id}
     if body.stream:
-        return StreamingResponse(_stream(frontend, submission, builder, body.include_usage, watcher),
-                                 media_type="text/event-stream", headers=headers)
+        chunks = _chunks(frontend, submission, builder, body.include_usage, watcher)
+        return StreamingResponse((streamed or _sse)(chunks), media_type="text/event-stream", headers=headers)
     try:
         async with aclosing(submission.events(frontend.waker)) as events:
             async for index, event in events:
                 builder.add(index, event)
     finally:
         _end(submission, watcher)
-    return JSONResponse(builder.response(), headers=headers)
+    return JSONResponse(whole(builder.response()), headers=headers)
 
 
-async def _stream(frontend: GenerationFrontend, submission: Submission, builder: ResponseBuilder, include_usage: bool,
-                  watcher: asyncio.Task) -> AsyncIterator[str]:
-    """The SSE body: the opening chunks, one chunk per event, the usage chunk if asked, ``[DONE]``."""
+def _request_id(request: Request) -> str:
+    """The request's ``x-request-id`` (checked), else a new one. Raises RequestError (400) for a bad one."""
+    return validate_request_id(request.headers.get("x-request-id") or uuid.uuid4().hex)
+
+
+async def _chunks(frontend: GenerationFrontend, submission: Submission, builder: ResponseBuilder, include_usage: bool,
+                  watcher: asyncio.Task) -> AsyncIterator[dict]:
+    """The chunks: the opening ones, one per event, the usage chunk if asked. Raises RequestError: the request failed."""
     try:
         for chunk in builder.first_chunks():
-            yield sse(chunk)
+            yield chunk
         async with aclosing(submission.events(frontend.waker)) as events:
             async for index, event in events:
                 if (chunk := builder.chunk(index, event, include_usage)) is not None:
-                    yield sse(chunk)
+                    yield chunk
         if include_usage:
-            yield sse(builder.usage_chunk())
-    except RequestError as error:
-        _, kind = _HTTP_STATUS.get(error.code, (500, "internal_error"))
-        yield sse(_error_body(error, kind, None))
+            yield builder.usage_chunk()
     finally:
         _end(submission, watcher)
+
+
+def stream_error_body(error: RequestError) -> dict:
+    """OpenAI's error body of a request that failed after its stream started."""
+    _, kind = _HTTP_STATUS.get(error.code, (500, "internal_error"))
+    return _error_body(error, kind, None)
+
+
+async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """The SSE body of chat and text completions: one event per chunk, an error event if it fails, ``[DONE]``."""
+    try:
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                yield sse(chunk)
+    except RequestError as error:
+        yield sse(stream_error_body(error))
     yield sse("[DONE]")
 
 

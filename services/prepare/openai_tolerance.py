@@ -39,6 +39,8 @@ IGNORED_FIELDS: dict[str, str] = {
     "prompt_cache_key": "OpenAI's cache routing hint; the prefix cache here needs none",
     "stream_options.include_obfuscation": "OpenAI's padding of streamed chunks",
     "truncation": "Responses: the whole input must fit the context, as with 'disabled'",
+    "reasoning": "Responses: OpenAI's reasoning options; a model here reasons as its chat template says",
+    "include": "Responses: extra output data to return (encrypted reasoning, ...); none is kept here",
     "skip_special_tokens": "vLLM's; special tokens are always skipped",
     "spaces_between_special_tokens": "vLLM's; special tokens are always skipped",
     "add_generation_prompt": "vLLM's; chat requests always end with the assistant's generation prompt",

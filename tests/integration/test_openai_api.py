@@ -330,6 +330,47 @@ def test_a_tool_result_in_the_history_is_answered(client, model):
     assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result were rendered into the prompt
 
 
+def test_responses_api_plain_and_streamed(client, model):
+    chat = client.chat.completions.create(model=model, messages=[{"role": "system", "content": "Answer briefly."}, *CHAT],
+                                          temperature=0, max_tokens=24)
+    kwargs = dict(model=model, instructions="Answer briefly.", input=CHAT[0]["content"], temperature=0, max_output_tokens=24)
+    reply = client.responses.create(**kwargs, store=False)
+    assert reply.object == "response" and reply.status in ("completed", "incomplete")
+    assert reply.output_text == chat.choices[0].message.content and reply.output[0].type == "message"
+    assert (reply.usage.input_tokens, reply.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    events = list(client.responses.create(**kwargs, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed" if reply.status == "completed" else "response.incomplete"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == reply.output_text
+    assert events[-1].response.output_text == reply.output_text and [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_api_function_call_and_its_output(client, model):
+    tool = {"type": "function", **TOOL["function"]}
+    first = client.responses.create(model=model, input=WEATHER_CHAT[0]["content"], tools=[tool], temperature=0, max_output_tokens=48,
+                                    tool_choice={"type": "function", "name": "get_weather"})
+    call = first.output[0]
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER_SCHEMA)
+    events = list(client.responses.create(model=model, input=WEATHER_CHAT[0]["content"], tools=[tool], temperature=0,
+                                          max_output_tokens=48, tool_choice="required", stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [item.type for item in done] == ["function_call"] and json.loads(done[0].arguments) is not None
+    second = client.responses.create(model=model, tools=[tool], temperature=0, max_output_tokens=16, input=[
+        {"role": "user", "content": WEATHER_CHAT[0]["content"]},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 21}'}])
+    assert second.output_text and second.usage.input_tokens > first.usage.input_tokens
+
+
+def test_responses_api_is_stateless(client, model):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=model, input="Hi", previous_response_id="resp_1")
+    assert refused.value.body["param"] == "previous_response_id" and "whole conversation in input" in refused.value.body["message"]
+
+
 def kv_used(generation) -> int:
     info = generation.GetModelInfo(prepare_pb2.GetModelInfoRequest())
     return info.kv_blocks_total - info.kv_blocks_free
