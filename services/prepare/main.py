@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", choices=["hermes"], default="hermes",
                         help="how the OpenAI API reads the model's own tool calls (tool_choice auto): hermes = "
                              "<tool_call>{json}</tool_call>, as Qwen and Hermes templates teach (default: %(default)s)")
+    parser.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
+                        help="split chat answers into reasoning_content (the <think> text) and content: qwen3 = the model "
+                             "writes <think>...</think>; deepseek_r1 = the template opened <think> (default: not split)")
     parser.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
                         help="the names clients use for the model (the first is shown by GetModelInfo and /v1/models; "
                              "requests may use any; default: the model file's name)")
@@ -151,7 +154,7 @@ def _start_http(args: argparse.Namespace, frontend, loop, security):
     from stageserve.prepare.openai_api import HttpServer, create_app
 
     tls = security.tls if security.tls is not None and security.tls.serves_tls else None
-    http = HttpServer(create_app(frontend, security.policy, args.tool_call_parser), args.host, args.http_port, loop, args.port_file, tls=tls)
+    http = HttpServer(create_app(frontend, security.policy, args.tool_call_parser, args.reasoning_parser), args.host, args.http_port, loop, args.port_file, tls=tls)
     log.info("OpenAI-compatible API on %s://%s:%d/v1 (%s)", "https" if tls else "http", args.host, http.port, security.describe())
     return http
 

@@ -47,6 +47,7 @@ from stageserve.prepare.limits import MAX_PROMPT_TOKEN_IDS, MAX_REQUEST_BYTES, a
 from stageserve.prepare.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody, chat_request,
                                                 completion_request)
 from stageserve.prepare.openai_responses import ResponseBuilder, sse
+from stageserve.prepare.reasoning import reasoning_reader
 from stageserve.prepare.responses_api import ResponseEvents, ResponsesRequest, chat_body, response_object, response_shell
 from stageserve.prepare.tool_calls import tool_call_reader
 from stageserve.prepare.validation import tokenize_prompt, validate_request_id
@@ -98,10 +99,12 @@ def _parse(model: type[pydantic.BaseModel], body: object) -> pydantic.BaseModel:
         raise invalid_argument(f"{where}: {first['msg']}") from exc
 
 
-def create_app(frontend: GenerationFrontend, policy: AccessPolicy | None = None, tool_call_parser: str = "hermes") -> FastAPI:
+def create_app(frontend: GenerationFrontend, policy: AccessPolicy | None = None, tool_call_parser: str = "hermes",
+               reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI application over ``frontend`` (which must run on the same event loop); callers
     are checked against ``policy`` (default: open); ``tool_choice: auto`` reads calls with
-    ``tool_call_parser`` (one of ``tool_calls.TOOL_CALL_PARSERS``)."""
+    ``tool_call_parser`` (one of ``tool_calls.TOOL_CALL_PARSERS``); chat answers are split into
+    reasoning and content by ``reasoning_parser`` (one of ``reasoning.REASONING_PARSERS``; ``None``: not split)."""
     app = FastAPI(title="stageserve OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     policy = policy or AccessPolicy()
 
@@ -129,7 +132,8 @@ def create_app(frontend: GenerationFrontend, policy: AccessPolicy | None = None,
         tools, mode = list(grpc_request.tools), body.tool_mode
         return await _generate(frontend, request, body, grpc_request, owner, chat=True,
                                top_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                               new_reader=lambda: tool_call_reader(tools, mode, tool_call_parser))
+                               new_reader=lambda: tool_call_reader(tools, mode, tool_call_parser),
+                               new_thinker=lambda: reasoning_reader(reasoning_parser))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -148,6 +152,7 @@ def create_app(frontend: GenerationFrontend, policy: AccessPolicy | None = None,
         shell = response_shell(body, request_id, model_name(frontend))
         return await _generate(frontend, request, chat, grpc_request, owner, chat=True, top_logprobs=None,
                                new_reader=lambda: tool_call_reader(tools, mode, tool_call_parser), request_id=request_id,
+                               new_thinker=lambda: reasoning_reader(reasoning_parser),
                                whole=lambda completion: response_object(completion, shell),
                                streamed=ResponseEvents(shell, stream_error_body).events)
 
@@ -233,7 +238,8 @@ async def _json(request: Request) -> object:
 
 
 async def _generate(frontend: GenerationFrontend, request: Request, body, grpc_request: prepare_pb2.GenerateRequest, owner: str,
-                    chat: bool, top_logprobs: int | None, new_reader: Callable = lambda: None, request_id: str = "",
+                    chat: bool, top_logprobs: int | None, new_reader: Callable = lambda: None, new_thinker: Callable = lambda: None,
+                    request_id: str = "",
                     whole: Callable[[dict], dict] = lambda response: response,
                     streamed: Callable[[AsyncIterator[dict]], AsyncIterator[str]] | None = None):
     """Serve one completion request (``body``, mapped onto ``grpc_request``), streamed or whole; a
@@ -244,7 +250,8 @@ async def _generate(frontend: GenerationFrontend, request: Request, body, grpc_r
     submission = await frontend.submit(grpc_request, request_id, owner=owner)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, submission))
     builder = ResponseBuilder(chat, request_id, served, len(submission.handles), top_logprobs, submission.num_prompt_tokens,
-                              frontend.tokenizer, new_reader, continuous_usage=body.include_usage and body.continuous_usage)
+                              frontend.tokenizer, new_reader, continuous_usage=body.include_usage and body.continuous_usage,
+                              new_thinker=new_thinker)
     headers = {"x-request-id": request_id}
     if body.stream:
         chunks = _chunks(frontend, submission, builder, body.include_usage, watcher)

@@ -6,7 +6,9 @@ OpenAI's API reference: ``chat.completion`` / ``chat.completion.chunk`` for ``/v
 are the pipeline's (``common.proto``'s ``TokenLogprob``: natural log, after penalties, before
 temperature); a token's text is its own decoding, and ``bytes`` its UTF-8 bytes. With tools, a
 chat choice's text goes through its :class:`~stageserve.prepare.tool_calls.ToolCallReader`, which
-says what is content and what are ``tool_calls`` (finish_reason ``tool_calls`` when it made some).
+says what is content and what are ``tool_calls`` (finish_reason ``tool_calls`` when it made some);
+with a reasoning parser, its :class:`~stageserve.prepare.reasoning.ReasoningReader` first takes the
+``<think>`` text out as ``reasoning_content`` (vLLM's field).
 With ``stream_options.continuous_usage_stats`` (vLLM's extension, with ``include_usage``) every
 chunk carries the usage so far, not only the last.
 """
@@ -18,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from stageserve.prepare.reasoning import ReasoningReader
 from stageserve.prepare.tool_calls import ToolCallReader
 from stageserve.v1 import common_pb2, reclaim_pb2
 
@@ -43,6 +46,22 @@ class _ChoiceState:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     reader: ToolCallReader | None = None
+    thinker: ReasoningReader | None = None
+
+    def read(self, text: str, finished: bool) -> tuple[str, str, list[dict]]:
+        """A text delta read into ``(reasoning, content, tool call deltas)``; ``finished``: the last, flush what was held."""
+        reasoning, calls = "", []
+        if self.thinker is not None:
+            reasoning, text = self.thinker.feed(text) if text else ("", "")
+            if finished:
+                more, rest = self.thinker.finish()
+                reasoning, text = reasoning + more, text + rest
+        if self.reader is not None:
+            text, calls = self.reader.feed(text) if text else ("", [])
+            if finished:
+                rest, more = self.reader.finish()
+                text, calls = text + rest, calls + more
+        return reasoning, text, calls
 
     @property
     def shown_finish_reason(self) -> str | None:
@@ -65,10 +84,12 @@ class ResponseBuilder:
         tokenizer: decodes single tokens for logprobs.
         new_reader: makes each chat choice's tool-call reader (``None``: plain text).
         continuous_usage: every streamed chunk carries the usage so far.
+        new_thinker: makes each chat choice's reasoning reader (``None``: no reasoning parser).
     """
 
     def __init__(self, chat: bool, request_id: str, model: str, n: int, top_logprobs: int | None, prompt_tokens: int,
-                 tokenizer, new_reader: Callable[[], ToolCallReader | None] = lambda: None, continuous_usage: bool = False) -> None:
+                 tokenizer, new_reader: Callable[[], ToolCallReader | None] = lambda: None, continuous_usage: bool = False,
+                 new_thinker: Callable[[], ReasoningReader | None] = lambda: None) -> None:
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.model = model
@@ -77,7 +98,7 @@ class ResponseBuilder:
         self.prompt_tokens = prompt_tokens
         self._tokenizer = tokenizer
         self.continuous_usage = continuous_usage
-        self._choices = [_ChoiceState(reader=new_reader()) for _ in range(n)]
+        self._choices = [_ChoiceState(reader=new_reader(), thinker=new_thinker()) for _ in range(n)]
 
     # ---- streaming ----------------------------------------------------------------------------
     def first_chunks(self) -> list[dict]:
@@ -92,17 +113,14 @@ class ResponseBuilder:
         """The chunk of one event (``None`` when it carries no text and no finish); records it too."""
         logprobs = self._record(index, event)
         state = self._choices[index]
-        text, calls = event.text, []
-        if state.reader is not None:
-            text, calls = state.reader.feed(event.text) if event.text else ("", [])
-            if event.finish_reason:
-                rest, more = state.reader.finish()
-                text, calls = text + rest, calls + more
-        if not (text or calls or event.finish_reason or logprobs):
+        reasoning, text, calls = state.read(event.text, bool(event.finish_reason))
+        if not (reasoning or text or calls or event.finish_reason or logprobs):
             return None
         choice: dict = {"index": index, "logprobs": logprobs, "finish_reason": state.shown_finish_reason}
         if self.chat:
             choice["delta"] = {"content": text} if text else {}
+            if reasoning:
+                choice["delta"]["reasoning_content"] = reasoning
             if calls:
                 choice["delta"]["tool_calls"] = calls
         else:
@@ -143,13 +161,14 @@ class ResponseBuilder:
     # ---- helpers ------------------------------------------------------------------------------
     @staticmethod
     def _message(state: _ChoiceState, text: str) -> dict:
-        """A whole chat choice's message: its text as content, or read into content and tool calls."""
-        if state.reader is None:
+        """A whole chat choice's message: its text as content, or read into reasoning, content and tool calls."""
+        if state.reader is None and state.thinker is None:
             return {"role": "assistant", "content": text}
-        content, _ = state.reader.feed(text)
-        rest, _ = state.reader.finish()
-        message = {"role": "assistant", "content": (content + rest) or None}
-        if state.reader.calls:
+        reasoning, content, _ = state.read(text, finished=True)
+        message = {"role": "assistant", "content": content or None}
+        if state.thinker is not None:
+            message["reasoning_content"] = reasoning or None
+        if state.reader is not None and state.reader.calls:
             message["tool_calls"] = state.reader.calls
         return message
 

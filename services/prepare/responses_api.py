@@ -6,7 +6,8 @@ become the system message, ``input`` items the conversation (``message`` items, 
 messages), function ``tools`` and ``tool_choice`` the chat ones, ``text.format`` the
 ``response_format``, ``max_output_tokens`` ``max_tokens``. It is then served exactly as a chat
 request is, and its chat completion is turned into a ``response`` object (:func:`response_object`)
-or, streamed, its chunks into the Responses API's semantic events (:class:`ResponseEvents`:
+(with ``--reasoning-parser``, a ``reasoning`` item first) or, streamed, its chunks into the
+Responses API's semantic events (:class:`ResponseEvents`:
 ``response.created``, ``response.in_progress``, ``response.output_item.added``,
 ``response.content_part.added``, ``response.output_text.delta`` ... ``response.completed``, as the
 OpenAI SDK's ``responses.create(stream=True)`` reads them).
@@ -96,6 +97,7 @@ class ResponsesRequest(TolerantModel):
     parallel_tool_calls: bool = True
     text: TextOptions = Field(default_factory=TextOptions)
     user: str = ""
+    structured_outputs: dict | None = None  # vLLM's, as in chat completions
 
 
 def chat_body(body: ResponsesRequest) -> dict:
@@ -120,6 +122,8 @@ def chat_body(body: ResponsesRequest) -> dict:
             chat[name] = value
     if body.max_output_tokens is not None:
         chat["max_tokens"] = body.max_output_tokens
+    if body.structured_outputs is not None:
+        chat["structured_outputs"] = body.structured_outputs
     if body.tools:
         chat["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
                          for t in body.tools]
@@ -168,11 +172,18 @@ def function_call_item(call: dict, status: str = "completed") -> dict:
             "status": status}
 
 
+def reasoning_item(item_id: str, text: str) -> dict:
+    """A ``reasoning`` output item holding the model's ``<think>`` text (``--reasoning-parser``)."""
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
+
+
 def response_object(completion: dict, shell: dict) -> dict:
     """The ``response`` of a whole ``chat.completion`` (one choice), on ``shell``."""
     choice = completion["choices"][0]
     message = choice["message"]
-    output = [message_item(f"msg_{shell['id'].removeprefix('resp_')}", message["content"])] if message.get("content") else []
+    rid = shell["id"].removeprefix("resp_")
+    output = [reasoning_item(f"rs_{rid}", message["reasoning_content"])] if message.get("reasoning_content") else []
+    output += [message_item(f"msg_{shell['id'].removeprefix('resp_')}", message["content"])] if message.get("content") else []
     output += [function_call_item(call) for call in message.get("tool_calls", [])]
     cut = choice["finish_reason"] == "length"
     usage = completion["usage"]
@@ -198,6 +209,7 @@ class ResponseEvents:
         self._message_id = f"msg_{shell['id'].removeprefix('resp_')}"
         self._output: list[dict] = []  # items done
         self._text: list[str] | None = None  # the open message item's text, None when none is open
+        self._reasoning: list[str] = []  # reasoning text not yet sent
 
     async def events(self, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
         """The SSE body: the opening events, one or more per chunk, the closing ``response.completed``
@@ -218,18 +230,22 @@ class ResponseEvents:
             body = self._error_body(error)["error"]
             yield self._event("error", code=body["code"], message=body["message"], param=body["param"])
             return
-        for event in self._close_message():
+        for event in self._close_reasoning() + self._close_message():
             yield event
         calls = [{"id": item["call_id"], "function": {"name": item["name"], "arguments": item["arguments"]}}
                  for item in self._output if item["type"] == "function_call"]
         text = "".join(item["content"][0]["text"] for item in self._output if item["type"] == "message")
         completion = {"choices": [{"finish_reason": finish, "message": {"content": text, "tool_calls": calls}}], "usage": usage}
         final = response_object(completion, self._shell)
-        final["output"] = self._output  # in the order streamed
+        final["output"] = self._output  # in the order streamed (the reasoning item included)
         yield self._event("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
 
     def _delta(self, delta: dict) -> list[str]:
         events = []
+        if delta.get("reasoning_content"):  # reasoning comes first: its item is sent whole once the answer starts
+            self._reasoning.append(delta["reasoning_content"])
+        if delta.get("content") or delta.get("tool_calls"):
+            events += self._close_reasoning()
         if delta.get("content"):
             if self._text is None:
                 self._text = []
@@ -252,6 +268,15 @@ class ResponseEvents:
             events.append(self._event("response.output_item.done", output_index=index, item=item))
             self._output.append(item)
         return events
+
+    def _close_reasoning(self) -> list[str]:
+        if not self._reasoning:
+            return []
+        item, index = reasoning_item(f"rs_{self._message_id.removeprefix('msg_')}", "".join(self._reasoning)), len(self._output)
+        self._reasoning = []
+        self._output.append(item)
+        return [self._event("response.output_item.added", output_index=index, item={**item, "status": "in_progress"}),
+                self._event("response.output_item.done", output_index=index, item=item)]
 
     def _close_message(self) -> list[str]:
         if self._text is None:

@@ -36,7 +36,7 @@ WEATHER_CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
 def served(tmp_path_factory):
     pipeline = launch(tmp_path_factory, "openai-api", device_args=["--max-num-seqs", str(MAX_NUM_SEQS)],
                       prepare_args=["--http-port", "0", "--max-waiting", str(MAX_WAITING),
-                                    "--served-model-name", SERVED_NAME, EMBEDDED_NAME])
+                                    "--served-model-name", SERVED_NAME, EMBEDDED_NAME, "--reasoning-parser", "qwen3"])
     try:
         yield pipeline
     finally:
@@ -369,6 +369,27 @@ def test_responses_api_is_stateless(client, model):
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model=model, input="Hi", previous_response_id="resp_1")
     assert refused.value.body["param"] == "previous_response_id" and "whole conversation in input" in refused.value.body["message"]
+
+
+THINKING = r"<think>[a-z ]{4,40}</think>[A-Z][a-z ]{2,30}\."  # forces the embedded model to write as Qwen3 does
+
+
+def test_reasoning_comes_apart_from_the_answer(client, model):
+    kwargs = dict(model=model, messages=CHAT, temperature=0, max_tokens=48, extra_body={"structured_outputs": {"regex": THINKING}})
+    message = client.chat.completions.create(**kwargs).choices[0].message
+    reasoning, answer = message.model_extra["reasoning_content"], message.content
+    assert reasoning and answer and "<think>" not in reasoning + answer and "</think>" not in reasoning + answer
+    assert answer[0].isupper() and answer.endswith(".")
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == answer
+    plain = client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=8).choices[0].message
+    assert plain.content and plain.model_extra["reasoning_content"] is None  # no <think>: all answer
+    response = client.responses.create(model=model, input=CHAT[0]["content"], temperature=0, max_output_tokens=48,
+                                       extra_body={"structured_outputs": {"regex": THINKING}})
+    assert [item.type for item in response.output] == ["reasoning", "message"] and response.output_text == answer
+    assert response.output[0].content[0].text == reasoning
 
 
 def kv_used(generation) -> int:

@@ -1,0 +1,88 @@
+"""Reasoning output in the OpenAI-compatible API: a choice's ``<think>...</think>`` text apart from
+its answer, as vLLM's ``--reasoning-parser`` gives it (``reasoning_content`` in chat completions).
+
+Two parsers (``--reasoning-parser``), as vLLM names them:
+
+- ``qwen3``: the model writes both tags (``<think>reasoning</think>answer``); text that does not
+  start with ``<think>`` is the answer (a model told not to think, e.g. Qwen3 with
+  ``chat_template_kwargs: {"enable_thinking": false}``, writes none); a ``<think>`` never closed
+  is reasoning cut off.
+- ``deepseek_r1``: the template opens ``<think>`` in the generation prompt, so the model writes only
+  ``reasoning</think>answer``; a leading ``<think>`` is dropped too. Text with no ``</think>`` is
+  all reasoning (cut off while thinking).
+
+Streaming holds back only a tail that could still become a tag, so reasoning and answer deltas
+never hold a piece of one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def _partial_tail(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper beginning of ``tag``."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:size]):
+            return size
+    return 0
+
+
+@dataclass
+class ReasoningReader:
+    """Splits one choice's text into reasoning and answer.
+
+    :meth:`feed` takes each text delta and returns ``(reasoning, answer)`` to stream now;
+    :meth:`finish` flushes what was held back. ``opened``: the prompt already opened ``<think>``
+    (``deepseek_r1``); else reasoning starts only at a ``<think>`` the model writes (``qwen3``).
+    """
+
+    opened: bool = False
+    pending: str = ""
+    state: str = "start"  # start (no text seen that decides), thinking, closed (just after </think>), answering
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self.pending += text
+        reasoning, answer = [], []
+        while self.pending:
+            if self.state == "answering":
+                answer.append(self.pending)
+                self.pending = ""
+            elif self.state == "closed":  # templates put newlines after </think>: not part of the answer
+                self.pending = self.pending.lstrip("\n")
+                self.state = "answering" if self.pending else "closed"
+            elif self.state == "start":
+                stripped = self.pending.lstrip()
+                if stripped.startswith(THINK_OPEN):
+                    self.pending, self.state = stripped[len(THINK_OPEN):], "thinking"
+                elif THINK_OPEN.startswith(stripped):
+                    break  # could still become <think>
+                else:
+                    self.state = "thinking" if self.opened else "answering"
+            else:  # thinking
+                end = self.pending.find(THINK_CLOSE)
+                if end >= 0:
+                    reasoning.append(self.pending[:end])
+                    self.pending, self.state = self.pending[end + len(THINK_CLOSE):], "closed"
+                    continue
+                keep = _partial_tail(self.pending, THINK_CLOSE)
+                reasoning.append(self.pending[:len(self.pending) - keep])
+                self.pending = self.pending[len(self.pending) - keep:]
+                break
+        return "".join(reasoning), "".join(answer)
+
+    def finish(self) -> tuple[str, str]:
+        rest, self.pending = self.pending, ""
+        thinking = self.state == "thinking" or (self.state == "start" and self.opened)
+        return (rest, "") if thinking else ("", rest)
+
+
+REASONING_PARSERS = {"deepseek_r1": True, "qwen3": False}
+"""``--reasoning-parser`` choices: whether the template has already opened ``<think>``."""
+
+
+def reasoning_reader(parser: str | None) -> ReasoningReader | None:
+    """A new reader for one choice under ``parser`` (``None``: no reasoning parser, plain text)."""
+    return None if parser is None else ReasoningReader(opened=REASONING_PARSERS[parser])
