@@ -1,13 +1,16 @@
-"""The OpenAI-compatible HTTP API end to end, with the official ``openai`` SDK, through three real
-service processes on loopback (prepare with ``--http-port 0``)."""
+"""The OpenAI-compatible HTTP API end to end, with the official ``openai`` SDK and third-party
+clients from PyPI (LangChain's ``ChatOpenAI``, the OpenAI Agents SDK), through three real service
+processes on loopback (prepare with ``--http-port 0``), started once for the module."""
 
 from __future__ import annotations
 
 import json
 
+import agents
 import grpc
 import httpx
 import jsonschema
+import langchain_openai
 import openai
 import pytest
 
@@ -390,6 +393,54 @@ def test_reasoning_comes_apart_from_the_answer(client, model):
                                        extra_body={"structured_outputs": {"regex": THINKING}})
     assert [item.type for item in response.output] == ["reasoning", "message"] and response.output_text == answer
     assert response.output[0].content[0].text == reasoning
+
+
+WEATHER_REPORT = "sunny, 21 C"
+
+
+def test_langchain_chat_openai_with_bound_tools(served, model):
+    """LangChain's ChatOpenAI (PyPI ``langchain-openai``), unmodified: bind_tools, streamed tool calls, plain chat."""
+    base_url = f"http://127.0.0.1:{served.prepare.http_port}/v1"
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "The current weather of a city",
+                                                "parameters": WEATHER_SCHEMA}}  # an OpenAI tool dict, as bind_tools takes one
+    llm = langchain_openai.ChatOpenAI(model=model, base_url=base_url, api_key="unused", temperature=0, max_tokens=48, max_retries=0)
+    message = llm.bind_tools([weather], tool_choice="get_weather").invoke(WEATHER_CHAT[0]["content"])
+    assert [call["name"] for call in message.tool_calls] == ["get_weather"]
+    jsonschema.validate(message.tool_calls[0]["args"], WEATHER_SCHEMA)
+    streamed = list(llm.bind_tools([weather], tool_choice="required").stream(WEATHER_CHAT[0]["content"]))
+    whole = streamed[0]
+    for chunk in streamed[1:]:
+        whole += chunk
+    assert [call["name"] for call in whole.tool_calls] == ["get_weather"] and not whole.invalid_tool_calls
+    answer = llm.invoke([("user", CHAT[0]["content"])])
+    assert "Paris" in answer.content
+
+
+@pytest.mark.parametrize("api", ["chat_completions", "responses"])
+def test_openai_agents_sdk_runs_a_tool(served, model, api):
+    """The OpenAI Agents SDK (PyPI ``openai-agents``), unmodified, with a chat-completions or a Responses model."""
+    base_url = f"http://127.0.0.1:{served.prepare.http_port}/v1"
+    agents.set_tracing_disabled(True)  # no traces exported to OpenAI
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The current weather of a city.
+
+        Args:
+            city: the city's name.
+        """
+        return WEATHER_REPORT
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    model_class = agents.OpenAIChatCompletionsModel if api == "chat_completions" else agents.OpenAIResponsesModel
+    agent = agents.Agent(name="weather", instructions="Use the tools to answer.", tools=[get_weather],
+                         model=model_class(model=model, openai_client=client),
+                         model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=48),
+                         tool_use_behavior="stop_on_first_tool")
+    result = agents.Runner.run_sync(agent, WEATHER_CHAT[0]["content"])
+    assert result.final_output == WEATHER_REPORT
+    calls = [item.raw_item for item in result.new_items if item.type == "tool_call_item"]
+    assert len(calls) == 1 and isinstance(json.loads(calls[0].arguments)["city"], str)
 
 
 def kv_used(generation) -> int:
