@@ -47,11 +47,18 @@ class StreamOptions(TolerantModel):
 
 
 class TextPart(TolerantModel):
-    where: ClassVar[str] = "messages.content"
+    """A text content part, of chat messages and of Responses input items alike."""
+
+    where: ClassVar[str] = "content"
     # "refusal" (an assistant message's refusal text, sent back in the history) reads as text
     type: Literal["text", "input_text", "output_text", "refusal"]
     text: str = ""
     refusal: str = ""
+
+
+def content_text(content: Union[str, list[TextPart]]) -> str:
+    """A message's content as one string (text parts joined)."""
+    return content if isinstance(content, str) else "".join(part.text or part.refusal for part in content)
 
 
 class FunctionCall(TolerantModel):
@@ -75,14 +82,10 @@ class ChatMessage(TolerantModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
     tool_call_id: str = ""
 
-    def text(self) -> str:
-        """The content as one string (text parts joined)."""
-        return self.content if isinstance(self.content, str) else "".join(part.text or part.refusal for part in self.content)
-
     def grpc(self) -> prepare_pb2.ChatMessage:
         """This message as the gRPC API's ``ChatMessage`` (``developer`` as ``system``)."""
         return prepare_pb2.ChatMessage(
-            role="system" if self.role == "developer" else self.role, content=self.text(), name=self.name,
+            role="system" if self.role == "developer" else self.role, content=content_text(self.content), name=self.name,
             tool_call_id=self.tool_call_id,
             tool_calls=[prepare_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments) for c in self.tool_calls])
 

@@ -19,15 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stageserve.prepare.text_tags import partial_tag_length
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
-
-def _partial_tail(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is a proper beginning of ``tag``."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:size]):
-            return size
-    return 0
 
 
 @dataclass
@@ -67,7 +61,7 @@ class ReasoningReader:
                     reasoning.append(self.pending[:end])
                     self.pending, self.state = self.pending[end + len(THINK_CLOSE):], "closed"
                     continue
-                keep = _partial_tail(self.pending, THINK_CLOSE)
+                keep = partial_tag_length(self.pending, THINK_CLOSE)
                 reasoning.append(self.pending[:len(self.pending) - keep])
                 self.pending = self.pending[len(self.pending) - keep:]
                 break

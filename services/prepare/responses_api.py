@@ -28,14 +28,8 @@ from typing import Any, ClassVar, Literal, Union
 from pydantic import Field
 
 from stageserve.prepare.errors import RequestError
+from stageserve.prepare.openai_protocol import TextPart, content_text
 from stageserve.prepare.openai_tolerance import TolerantModel
-
-
-class InputPart(TolerantModel):
-    where: ClassVar[str] = "input.content"
-    type: Literal["input_text", "output_text", "text", "refusal"]
-    text: str = ""
-    refusal: str = ""
 
 
 class InputItem(TolerantModel):
@@ -44,14 +38,11 @@ class InputItem(TolerantModel):
     where: ClassVar[str] = "input"
     type: Literal["message", "function_call", "function_call_output"] = "message"
     role: Literal["system", "developer", "user", "assistant"] = "user"
-    content: Union[str, list[InputPart]] = ""
+    content: Union[str, list[TextPart]] = ""
     call_id: str = ""
     name: str = ""
     arguments: str = "{}"
     output: str = ""
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text or part.refusal for part in self.content)
 
 
 class FunctionTool(TolerantModel):
@@ -106,7 +97,7 @@ def chat_body(body: ResponsesRequest) -> dict:
     items = [InputItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     for item in items:
         if item.type == "message":
-            messages.append({"role": item.role, "content": item.text()})
+            messages.append({"role": item.role, "content": content_text(item.content)})
         elif item.type == "function_call":
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:

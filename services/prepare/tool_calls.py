@@ -25,6 +25,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from stageserve.prepare.text_tags import partial_tag_length
+
 from stageserve.v1 import prepare_pb2
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -142,7 +144,7 @@ class HermesReader(ToolCallReader):
                 continue
             start = self.pending.find(HERMES_OPEN)
             if start < 0:
-                keep = _partial_suffix(self.pending, HERMES_OPEN)
+                keep = partial_tag_length(self.pending, HERMES_OPEN)
                 content.append(self._content(self.pending[:len(self.pending) - keep]))
                 self.pending = self.pending[len(self.pending) - keep:]
                 break
@@ -172,14 +174,6 @@ class HermesReader(ToolCallReader):
 
     def _content(self, text: str) -> str:
         return "" if self.calls and not text.strip() else text
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is a proper beginning of ``tag``."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:size]):
-            return size
-    return 0
 
 
 TOOL_CALL_PARSERS = {"hermes": HermesReader}
