@@ -20,6 +20,7 @@ import logging
 from pathlib import Path
 
 from stageserve.device_endpoints import add_device_arguments
+from stageserve.prepare.openai_flags import add_openai_arguments
 from stageserve.security.config import add_key_arguments
 from stageserve.server import add_service_arguments
 
@@ -58,18 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=_port_or_off, default=None, metavar="PORT",
                         help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models) "
                              "on this port; 0 = ephemeral, written to <port-file>.http-port (default: off)")
-    parser.add_argument("--tool-call-parser", choices=["hermes"], default="hermes",
-                        help="how the OpenAI API reads the model's own tool calls (tool_choice auto): hermes = "
-                             "<tool_call>{json}</tool_call>, as Qwen and Hermes templates teach (default: %(default)s)")
-    parser.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
-                        help="split chat answers into reasoning_content (the <think> text) and content: qwen3 = the model "
-                             "writes <think>...</think>; deepseek_r1 = the template opened <think> (default: not split)")
-    parser.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
-                        help="the names clients use for the model (the first is shown by GetModelInfo and /v1/models; "
-                             "requests may use any; default: the model file's name)")
-    parser.add_argument("--chat-template", default="", metavar="FILE",
-                        help="a Jinja chat template to use instead of the model's own (default: the model's)")
-
+    add_openai_arguments(parser)
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT/SIGHUP; return the exit code (0 after a clean drain)."""

@@ -67,7 +67,9 @@ class FunctionCall(TolerantModel):
     arguments: str = "{}"
 
 
-class ToolCall(TolerantModel):
+class AssistantToolCall(TolerantModel):
+    """One of an assistant message's ``tool_calls`` in the history."""
+
     where: ClassVar[str] = "messages.tool_calls"
     id: str = ""
     type: Literal["function"] = "function"
@@ -79,7 +81,7 @@ class ChatMessage(TolerantModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart]] = ""
     name: str = ""
-    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_calls: list[AssistantToolCall] = Field(default_factory=list)
     tool_call_id: str = ""
 
     def grpc(self) -> prepare_pb2.ChatMessage:

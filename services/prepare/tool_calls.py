@@ -26,7 +26,6 @@ import uuid
 from dataclasses import dataclass, field
 
 from stageserve.prepare.text_tags import partial_tag_length
-
 from stageserve.v1 import prepare_pb2
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
