@@ -142,9 +142,11 @@ def _start_http(args: argparse.Namespace, frontend, loop, security):
     if args.http_port is None:
         return None
     from stageserve.prepare.openai_api import HttpServer, create_app
+    from stageserve.prepare.tool_calls import pick_tool_call_parser
 
     tls = security.tls if security.tls is not None and security.tls.serves_tls else None
-    http = HttpServer(create_app(frontend, security.policy, args.tool_call_parser, args.reasoning_parser), args.host, args.http_port, loop, args.port_file, tls=tls)
+    http = HttpServer(create_app(frontend, security.policy, pick_tool_call_parser(args.tool_call_parser, frontend.tokenizer.chat_template),
+                                 args.reasoning_parser), args.host, args.http_port, loop, args.port_file, tls=tls)
     log.info("OpenAI-compatible API on %s://%s:%d/v1 (%s)", "https" if tls else "http", args.host, http.port, security.describe())
     return http
 

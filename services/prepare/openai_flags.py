@@ -12,9 +12,10 @@ from stageserve.prepare.tool_calls import TOOL_CALL_PARSERS
 
 def add_openai_arguments(parser: argparse.ArgumentParser) -> None:
     """``--tool-call-parser``, ``--reasoning-parser``, ``--served-model-name``, ``--chat-template``."""
-    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default="hermes",
+    parser.add_argument("--tool-call-parser", choices=["auto", *sorted(TOOL_CALL_PARSERS)], default="auto",
                         help="how the OpenAI API reads the model's own tool calls (tool_choice auto): hermes = "
-                             "<tool_call>{json}</tool_call>, as Qwen and Hermes templates teach (default: %(default)s)")
+                             "<tool_call>{json}</tool_call> (Qwen, Hermes), llama3_json, mistral = [TOOL_CALLS]; "
+                             "auto = the one the chat template names, else hermes (default: %(default)s)")
     parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                         help="split chat answers into reasoning_content (the <think> text) and content: qwen3 = the model "
                              "writes <think>...</think>; deepseek_r1 = the template opened <think> (default: not split)")

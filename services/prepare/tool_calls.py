@@ -4,9 +4,11 @@ that turn a choice's generated text into OpenAI ``tool_calls`` (whole, and as st
 ``tool_choice`` (OpenAI's chat completions reference) decides how a choice's text is read:
 
 - ``none`` (or no tools): plain text, no reader.
-- ``auto``: the model may call tools in its own format; :class:`HermesReader` reads the
-  Hermes / Qwen form ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (what the
-  templates of Qwen2.5/3, Hermes and SmolLM3 teach), text outside the tags being the content.
+- ``auto``: the model may call tools in its own format, read by the ``--tool-call-parser``
+  (``auto``: the one the chat template names, :func:`pick_tool_call_parser`): :class:`HermesReader`
+  for the Hermes / Qwen form ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (what the
+  templates of Qwen2.5/3, Hermes and SmolLM3 teach), text outside the tags being the content;
+  :class:`LeadingJsonReader` for Llama 3's JSON and Mistral's ``[TOOL_CALLS]``.
 - ``required`` or a named function: the call is forced by a JSON-schema constraint on the
   structured-output path (xgrammar), so the arguments always parse and match the schema on any
   model, whatever its template: a named function generates its arguments object itself
@@ -175,8 +177,77 @@ class HermesReader(ToolCallReader):
         return "" if self.calls and not text.strip() else text
 
 
-TOOL_CALL_PARSERS = {"hermes": HermesReader}
+@dataclass
+class LeadingJsonReader(ToolCallReader):
+    """``tool_choice: auto`` for models whose calls are the whole answer, after a marker: Llama 3.x
+    (``<|python_tag|>`` or none, then ``{"name", "parameters"}`` objects joined by ``;``) and
+    Mistral (``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}``).
+
+    Text that does not start with a marker (or, for Llama, ``{``) is content, streamed as it comes;
+    text that does is held to the end and read as calls, or given back as content if it does not parse.
+    """
+
+    marker: str = ""
+    bare_json: bool = False  # a leading "{" starts calls too (Llama 3 writes the marker only for built-in tools)
+    pending: str = ""
+    calling: bool | None = None  # None: not decided yet
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        self.pending += text
+        if self.calling is None:
+            start = self.pending.lstrip()
+            if start.startswith(self.marker) or (self.bare_json and start.startswith("{")):
+                self.calling = True
+            elif start and not self.marker.startswith(start):
+                self.calling = False
+        if self.calling is False:
+            content, self.pending = self.pending, ""
+            return content, []
+        return "", []
+
+    def finish(self) -> tuple[str, list[dict]]:
+        text, self.pending = self.pending, ""
+        if not self.calling:
+            return text, []
+        try:
+            calls = [(str(item["name"]), item.get("arguments", item.get("parameters", {})))
+                     for item in _json_values(text.lstrip().removeprefix(self.marker))]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return text, []
+        return "", [self._add_call(name, arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+                    for name, arguments in calls]
+
+
+def _json_values(text: str) -> list:
+    """The JSON values ``text`` holds one after the other (a JSON array: its items), apart by white
+    space or ``;``. Raises ValueError: something else is in between, or there are none."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while at < len(text):
+        if text[at] in " \t\r\n;":
+            at += 1
+            continue
+        value, at = decoder.raw_decode(text, at)
+        values += value if isinstance(value, list) else [value]
+    if not values:
+        raise ValueError("no JSON value")
+    return values
+
+
+TOOL_CALL_PARSERS = {
+    "hermes": HermesReader,
+    "llama3_json": lambda: LeadingJsonReader(marker="<|python_tag|>", bare_json=True),
+    "mistral": lambda: LeadingJsonReader(marker="[TOOL_CALLS]"),
+}
 """``--tool-call-parser`` choices: how ``tool_choice: auto`` reads the model's own call format."""
+_TEMPLATE_MARKS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"), ("ipython", "llama3_json"))
+
+
+def pick_tool_call_parser(flag: str, template: str | None) -> str:
+    """The parser of ``--tool-call-parser`` ``flag``; ``auto``: the one the chat template teaches its
+    model (by the call format it names), ``hermes`` when it names none."""
+    if flag != "auto":
+        return flag
+    return next((name for mark, name in _TEMPLATE_MARKS if template and mark in template), "hermes")
 
 
 def tool_call_reader(tools: list[prepare_pb2.Tool], choice: str | None, parser: str = "hermes") -> ToolCallReader | None:

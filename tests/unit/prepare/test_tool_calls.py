@@ -7,7 +7,8 @@ import json
 import jsonschema
 import pytest
 
-from stageserve.prepare.tool_calls import ArrayReader, HermesReader, NamedReader, forced_call_schema, tool_call_reader
+from stageserve.prepare.tool_calls import (TOOL_CALL_PARSERS, ArrayReader, HermesReader, NamedReader, forced_call_schema,
+                                          pick_tool_call_parser, tool_call_reader)
 from stageserve.v1 import prepare_pb2
 
 WEATHER = prepare_pb2.Tool(name="get_weather", parameters=json.dumps(
@@ -73,3 +74,30 @@ def test_reader_by_tool_choice():
     assert isinstance(tool_call_reader([WEATHER], "auto"), HermesReader)
     assert isinstance(tool_call_reader([WEATHER], "required"), ArrayReader)
     assert tool_call_reader([WEATHER], "get_weather").name == "get_weather"
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}};{"name": "get_time", "parameters": {}}'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]'),
+])
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_llama3_and_mistral_calls(parser, text, piece):
+    content, deltas = streamed(TOOL_CALL_PARSERS[parser](), text, piece)
+    assert content == "" and [(d["function"]["name"], json.loads(d["function"]["arguments"])) for d in deltas] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {})]
+
+
+@pytest.mark.parametrize("parser", ["llama3_json", "mistral"])
+def test_leading_json_readers_stream_plain_answers_and_give_back_broken_calls(parser):
+    reader = TOOL_CALL_PARSERS[parser]()
+    assert reader.feed("The weather")[0] == "The weather" and reader.feed(" is fine.") == (" is fine.", [])
+    broken = "[TOOL_CALLS][{" if parser == "mistral" else '{"name": "get_we'
+    assert streamed(TOOL_CALL_PARSERS[parser](), broken, 3) == (broken, [])
+
+
+def test_the_parser_is_picked_by_the_template():
+    assert pick_tool_call_parser("auto", "{% if tools %}<tool_call>{% endif %}") == "hermes"
+    assert pick_tool_call_parser("auto", "[AVAILABLE_TOOLS] ... [TOOL_CALLS]") == "mistral"
+    assert pick_tool_call_parser("auto", "<|start_header_id|>ipython<|end_header_id|>") == "llama3_json"
+    assert pick_tool_call_parser("auto", None) == "hermes" and pick_tool_call_parser("mistral", "<tool_call>") == "mistral"
