@@ -73,6 +73,9 @@ REFUSED_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
 }
 """Fields refused with 400 unless their value is neutral: ``name -> (is the value neutral, what to change)``."""
 
+MAX_LOGGED_NAMES = 1024
+"""Field names remembered as logged, at most: clients choose the names, so the set is bounded (names
+past it are not logged)."""
 _logged: set[str] = set()
 _logged_lock = threading.Lock()
 
@@ -80,7 +83,7 @@ _logged_lock = threading.Lock()
 def log_ignored(name: str) -> None:
     """Log once per process that field ``name`` (a dotted path) was ignored, with the reason."""
     with _logged_lock:
-        if name in _logged:
+        if name in _logged or len(_logged) >= MAX_LOGGED_NAMES:
             return
         _logged.add(name)
     leaf = name.rsplit(".", 1)[-1]
