@@ -1,14 +1,17 @@
 """The OpenAI-compatible HTTP API of prepare: ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``GET /v1/models``, ``POST /v1/responses`` (stateless, ``responses_api.py``), and as vLLM serves them ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``
-(prepare's Prometheus metrics, as open as ``GET /health``), on FastAPI served by uvicorn on prepare's ``grpc.aio``
-event loop (``--http-port``).
+``POST /v1/responses`` (stateless, ``responses_api.py``), ``GET /v1/models``, and as vLLM serves
+them ``POST /tokenize``, ``POST /detokenize`` and ``GET /metrics`` (prepare's Prometheus metrics, as
+open as ``GET /health``), on FastAPI served by uvicorn on prepare's ``grpc.aio`` event loop
+(``--http-port``).
 
 Each request body is mapped onto the gRPC API's ``GenerateRequest`` (``openai_protocol.py``) and
 goes through the same :class:`~stageserve.prepare.frontend.GenerationFrontend` as a gRPC call:
 one validation, one scheduler, the same readiness and draining. Streaming (``stream: true``) is
 server-sent events, ending with ``data: [DONE]``; ``stream_options.include_usage`` adds the usage
-chunk (and ``continuous_usage_stats``, vLLM's, usage in every chunk). Request fields follow the
-tolerance policy (``openai_tolerance.py``); tool calls are read by ``tool_calls.py``. A client that disconnects (streaming or not) aborts its request, which frees its KV blocks.
+chunk (and vLLM's ``continuous_usage_stats`` usage in every chunk). Request fields follow the
+tolerance policy (``openai_tolerance.py``); tool calls are read by ``tool_calls.py``, reasoning by
+``reasoning.py``. A client that disconnects (streaming or not) aborts its request, which frees its
+KV blocks.
 
 Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``; the status follows
 the gRPC one: 400 ``INVALID_ARGUMENT`` (``param`` names the field), 404 an unknown model, 409
@@ -108,6 +111,12 @@ def create_app(frontend: GenerationFrontend, policy: AccessPolicy | None = None,
     app = FastAPI(title="stageserve OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     policy = policy or AccessPolicy()
 
+    def readers(body: ChatCompletionRequest, grpc_request: prepare_pb2.GenerateRequest) -> dict:
+        """The ``_generate`` arguments that make a chat choice's tool-call and reasoning readers."""
+        tools, mode = list(grpc_request.tools), body.tool_mode
+        return {"new_reader": lambda: tool_call_reader(tools, mode, tool_call_parser),
+                "new_thinker": lambda: reasoning_reader(reasoning_parser)}
+
     @app.exception_handler(RequestError)
     async def refused(_request: Request, error: RequestError) -> JSONResponse:
         return error_response(error)
@@ -129,11 +138,8 @@ def create_app(frontend: GenerationFrontend, policy: AccessPolicy | None = None,
         owner = _owner(policy, request)
         body = _parse(ChatCompletionRequest, await _json(request))
         grpc_request = chat_request(body)
-        tools, mode = list(grpc_request.tools), body.tool_mode
         return await _generate(frontend, request, body, grpc_request, owner, chat=True,
-                               top_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                               new_reader=lambda: tool_call_reader(tools, mode, tool_call_parser),
-                               new_thinker=lambda: reasoning_reader(reasoning_parser))
+                               top_logprobs=(body.top_logprobs or 0) if body.logprobs else None, **readers(body, grpc_request))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -147,13 +153,10 @@ def create_app(frontend: GenerationFrontend, policy: AccessPolicy | None = None,
         body = _parse(ResponsesRequest, await _json(request))
         chat = _parse(ChatCompletionRequest, chat_body(body))
         grpc_request = chat_request(chat)
-        tools, mode = list(grpc_request.tools), chat.tool_mode
         request_id = _request_id(request)
         shell = response_shell(body, request_id, model_name(frontend))
-        return await _generate(frontend, request, chat, grpc_request, owner, chat=True, top_logprobs=None,
-                               new_reader=lambda: tool_call_reader(tools, mode, tool_call_parser), request_id=request_id,
-                               new_thinker=lambda: reasoning_reader(reasoning_parser),
-                               whole=lambda completion: response_object(completion, shell),
+        return await _generate(frontend, request, chat, grpc_request, owner, chat=True, top_logprobs=None, request_id=request_id,
+                               **readers(chat, grpc_request), whole=lambda completion: response_object(completion, shell),
                                streamed=ResponseEvents(shell, stream_error_body).events)
 
     @app.post("/tokenize")
@@ -211,7 +214,7 @@ def _check_model(frontend: GenerationFrontend, requested: str, optional: bool = 
     return served
 
 
-def _tokenize(tokenizer, body: "TokenizeBody") -> list[int]:
+def _tokenize(tokenizer, body: TokenizeBody) -> list[int]:
     """``body``'s token ids, as ``Generate`` would see them (in the executor)."""
     request = prepare_pb2.TokenizeRequest(prompt=body.prompt, messages=[m.grpc() for m in body.messages])
     check_tokenize_bounds(request)
