@@ -30,6 +30,7 @@ from pydantic import Field
 from stageserve.prepare.errors import invalid_argument
 from stageserve.prepare.openai_tolerance import TolerantModel
 from stageserve.prepare.tool_calls import forced_call_schema
+from stageserve.structured_output import ConstraintError, constraint_grammar
 from stageserve.v1 import common_pb2, prepare_pb2
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -301,6 +302,11 @@ def _add_tools(body: ChatCompletionRequest, request: prepare_pb2.GenerateRequest
         raise invalid_argument("tool_choice: a forced call cannot be combined with response_format or structured_outputs; set one")
     request.constraint.json_schema = forced_call_schema(list(request.tools), None if mode == "required" else mode,
                                                         body.parallel_tool_calls)
+    try:  # here, to name the field the client sent (validation parses it again, from xgrammar's cache)
+        constraint_grammar(request.constraint)
+    except ConstraintError as exc:
+        raise invalid_argument(f"tools: the parameters cannot constrain a forced call ({str(exc).split(': ', 1)[-1]}); "
+                               "give a JSON schema of an object") from None
 
 
 def _grpc_tool(tool: ToolDefinition) -> prepare_pb2.Tool:

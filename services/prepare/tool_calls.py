@@ -114,10 +114,10 @@ class ArrayReader(NamedReader):
     def finish(self) -> tuple[str, list[dict]]:
         whole = "".join(self.text)
         try:
-            items = json.loads(whole)
-        except ValueError:
+            calls = [(str(item["name"]), json.dumps(item["parameters"], ensure_ascii=False)) for item in json.loads(whole)]
+        except (ValueError, KeyError, TypeError):  # cut off by max_tokens (the constraint admits nothing else)
             return whole, []
-        return "", [self._add_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items]
+        return "", [self._add_call(name, arguments) for name, arguments in calls]
 
 
 @dataclass

@@ -59,6 +59,8 @@ def test_text_response_format_is_no_constraint():
     ({**CHAT, "tool_choice": "required"}, "tool_choice: 'required' needs tools"),
     ({**CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name: 'g' is not"),
     ({**CHAT, "tools": [TOOL, TOOL]}, "tools: two functions share a name"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "required"},
+     "tools: the parameters cannot constrain a forced call"),
     ({**CHAT, "modalities": ["text", "audio"]}, "modalities: only text output"),
     ({**CHAT, "audio": {"voice": "alloy"}}, "audio: audio output is not served"),
     ({**CHAT, "functions": [{"name": "f"}]}, "functions: the legacy functions field"),
