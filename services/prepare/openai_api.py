@@ -50,7 +50,7 @@ from stageserve.prepare.limits import MAX_PROMPT_TOKEN_IDS, MAX_REQUEST_BYTES, a
 from stageserve.prepare.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody, chat_request,
                                                 completion_request)
 from stageserve.prepare.openai_responses import ResponseBuilder, sse
-from stageserve.prepare.reasoning import reasoning_reader
+from stageserve.prepare.reasoning import constrain_after_reasoning, reasoning_reader
 from stageserve.prepare.responses_api import ResponseEvents, ResponsesRequest, chat_body, response_object, response_shell
 from stageserve.prepare.tool_calls import tool_call_reader
 from stageserve.prepare.validation import tokenize_prompt, validate_request_id
@@ -111,6 +111,14 @@ def create_app(frontend: GenerationFrontend, policy: AccessPolicy | None = None,
     app = FastAPI(title="stageserve OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     policy = policy or AccessPolicy()
 
+    def after_reasoning(body: ChatCompletionRequest, grpc_request: prepare_pb2.GenerateRequest) -> prepare_pb2.GenerateRequest:
+        """A chat request whose constraint, with a reasoning parser, applies after the reasoning only:
+        ``response_format``'s and a forced tool call's; vLLM's ``structured_outputs`` is the client's
+        own grammar over the whole text (reasoning included) and is left as it is."""
+        if reasoning_parser is not None and grpc_request.HasField("constraint") and body.structured_outputs is None:
+            grpc_request.constraint.CopyFrom(constrain_after_reasoning(grpc_request.constraint, reasoning_parser))
+        return grpc_request
+
     def readers(body: ChatCompletionRequest, grpc_request: prepare_pb2.GenerateRequest) -> dict:
         """The ``_generate`` arguments that make a chat choice's tool-call and reasoning readers."""
         tools, mode = list(grpc_request.tools), body.tool_mode
@@ -137,7 +145,7 @@ def create_app(frontend: GenerationFrontend, policy: AccessPolicy | None = None,
     async def chat_completions(request: Request):
         owner = _owner(policy, request)
         body = _parse(ChatCompletionRequest, await _json(request))
-        grpc_request = chat_request(body)
+        grpc_request = after_reasoning(body, chat_request(body))
         return await _generate(frontend, request, body, grpc_request, owner, chat=True,
                                top_logprobs=(body.top_logprobs or 0) if body.logprobs else None, **readers(body, grpc_request))
 
@@ -152,7 +160,7 @@ def create_app(frontend: GenerationFrontend, policy: AccessPolicy | None = None,
         owner = _owner(policy, request)
         body = _parse(ResponsesRequest, await _json(request))
         chat = _parse(ChatCompletionRequest, chat_body(body))
-        grpc_request = chat_request(chat)
+        grpc_request = after_reasoning(chat, chat_request(chat))
         request_id = _request_id(request)
         shell = response_shell(body, request_id, model_name(frontend))
         return await _generate(frontend, request, chat, grpc_request, owner, chat=True, top_logprobs=None, request_id=request_id,

@@ -12,14 +12,22 @@ Two parsers (``--reasoning-parser``), as vLLM names them:
   all reasoning (cut off while thinking).
 
 Streaming holds back only a tail that could still become a tag, so reasoning and answer deltas
-never hold a piece of one.
+never hold a piece of one. A structured-output constraint (``response_format``, a forced tool
+call; not vLLM's ``structured_outputs``, the client's own grammar of the whole text) applies to
+the answer only: :func:`constrain_after_reasoning` puts the reasoning before it
+in the grammar (free text up to ``</think>``; it cannot hold ``<`` right before ``</think>``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import xgrammar
+
+from stageserve.prepare.errors import invalid_argument
 from stageserve.prepare.text_tags import partial_tag_length
+from stageserve.structured_output import MAX_CONSTRAINT_CHARS, ConstraintError, constraint_grammar
+from stageserve.v1 import common_pb2
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -75,6 +83,30 @@ class ReasoningReader:
 
 REASONING_PARSERS = {"deepseek_r1": True, "qwen3": False}
 """``--reasoning-parser`` choices: whether the template has already opened ``<think>``."""
+
+# Any text without "</think>", then "</think>" and the newlines templates put after it.
+_REASONING = r"([^<]|<[^/]|</[^t]|</t[^h]|</th[^i]|</thi[^n]|</thin[^k]|</think[^>])*</think>\n*"
+
+
+def constrain_after_reasoning(constraint: common_pb2.Constraint, parser: str) -> common_pb2.Constraint:
+    """``constraint`` with the reasoning before it, as an xgrammar EBNF ``grammar`` constraint: free
+    reasoning up to ``</think>`` (``qwen3``: all of it optional, opened by ``<think>``), then the
+    constrained answer.
+
+    Raises:
+        RequestError: ``INVALID_ARGUMENT``: the constraint does not parse, or the combined grammar
+            is longer than ``MAX_CONSTRAINT_CHARS``.
+    """
+    try:
+        answer = constraint_grammar(constraint)
+    except ConstraintError as exc:
+        raise invalid_argument(str(exc)) from None
+    reasoning = _REASONING if REASONING_PARSERS[parser] else f"(<think>{_REASONING})?"
+    text = str(xgrammar.Grammar.concat(xgrammar.Grammar.from_regex(reasoning), answer))
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise invalid_argument(f"response_format: its grammar after the reasoning is {len(text)} characters, more than the maximum"
+                               f" of {MAX_CONSTRAINT_CHARS}; send a smaller schema")
+    return common_pb2.Constraint(grammar=text)
 
 
 def reasoning_reader(parser: str | None) -> ReasoningReader | None:

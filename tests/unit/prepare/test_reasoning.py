@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from stageserve.prepare.reasoning import ReasoningReader, reasoning_reader
+from stageserve.prepare.reasoning import ReasoningReader, constrain_after_reasoning, reasoning_reader
+from stageserve.v1 import common_pb2
 
 
 def split(reader: ReasoningReader, text: str, piece: int) -> tuple[str, str]:
@@ -32,3 +33,19 @@ def test_reasoning_and_answer_come_apart(parser, text, expected, piece):
 
 def test_no_parser_no_reader():
     assert reasoning_reader(None) is None
+
+
+@pytest.mark.parametrize("parser, text, allowed", [
+    ("deepseek_r1", 'a < b, so yes</think>\n\n{"ok": true}', True),
+    ("deepseek_r1", '{"ok": true}', False),  # the template opened <think>: the reasoning must close
+    ("qwen3", '<think>hmm</think>{"ok": true}', True),
+    ("qwen3", '{"ok": true}', True),  # not thinking at all
+    ("qwen3", '<think>hmm</think>not json', False),
+])
+def test_a_constraint_applies_after_the_reasoning(parser, text, allowed):
+    import xgrammar
+
+    constraint = constrain_after_reasoning(common_pb2.Constraint(json_schema='{"type": "object", "properties": {"ok": {"type": "boolean"}}}'),
+                                           parser)
+    grammar = xgrammar.Grammar.from_ebnf(constraint.grammar)
+    assert xgrammar.testing._is_grammar_accept_string(grammar, text) == allowed
