@@ -42,6 +42,7 @@ import pydantic
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from stageserve.prepare.errors import RequestError, invalid_argument
@@ -128,6 +129,17 @@ def create_app(frontend: GenerationFrontend, policy: AccessPolicy | None = None,
     @app.exception_handler(RequestError)
     async def refused(_request: Request, error: RequestError) -> JSONResponse:
         return error_response(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def unrouted(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        """OpenAI's error body for a route or method not served (FastAPI's own is ``{"detail"}``)."""
+        if error.status_code not in (404, 405):
+            return JSONResponse({"error": {"message": str(error.detail), "type": "invalid_request_error", "param": None,
+                                           "code": None}}, status_code=error.status_code)
+        served = ", ".join(sorted(f"{method} {route.path}" for route in app.routes for method in getattr(route, "methods", ())))
+        message = f"{request.method} {request.url.path}: not served here (served: {served})"
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "not_found"}},
+                            status_code=error.status_code)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

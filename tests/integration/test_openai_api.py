@@ -237,9 +237,12 @@ def test_grpc_n_returns_every_choice(generation):
         assert "".join(c.text for c in chunks if c.index == choice.index) == choice.text
 
 
-def test_health_and_bad_json(served):
+def test_health_and_bad_json(served, client, model):
     base = f"http://127.0.0.1:{served.prepare.http_port}"
     assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+    with pytest.raises(openai.NotFoundError) as unserved:  # not served yet: a 404 in OpenAI's shape, naming what is served
+        client.embeddings.create(model=model, input="hi")
+    assert "POST /v1/embeddings: not served here" in unserved.value.body["message"] and "POST /v1/responses" in unserved.value.body["message"]
     refused = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "body"
 
