@@ -41,9 +41,6 @@ IGNORED_FIELDS: dict[str, str] = {
     "truncation": "Responses: the whole input must fit the context, as with 'disabled'",
     "reasoning": "Responses: OpenAI's reasoning options; a model here reasons as its chat template says",
     "include": "Responses: extra output data to return (encrypted reasoning, ...); none is kept here",
-    "skip_special_tokens": "vLLM's; special tokens are always skipped",
-    "spaces_between_special_tokens": "vLLM's; special tokens are always skipped",
-    "add_generation_prompt": "vLLM's; chat requests always end with the assistant's generation prompt",
 }
 """Fields ignored because they cannot change the result, with why (the docs table is made from these)."""
 
@@ -69,6 +66,11 @@ REFUSED_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
     "guided_grammar": (lambda _: False, "vLLM's old guided_* fields are not served; send structured_outputs"),
     "previous_response_id": (lambda _: False, "this server is stateless and keeps no responses; send the whole conversation in input"),
     "conversation": (lambda _: False, "this server is stateless and keeps no conversations; send the whole conversation in input"),
+    "skip_special_tokens": (_neutral(True), "vLLM's: special tokens are always skipped here; send true or leave it unset"),
+    "spaces_between_special_tokens": (_neutral(True), "vLLM's: special tokens are always skipped here; send true or leave it unset"),
+    "add_generation_prompt": (_neutral(True), "vLLM's: a chat always ends with the assistant's generation prompt here; send true"
+                                              " or leave it unset"),
+    "continue_final_message": (_neutral(False), "vLLM's: continuing the last message is not served; leave it unset"),
     "background": (_neutral(False), "background responses are not served (nothing is stored); leave it unset"),
 }
 """Fields refused with 400 unless their value is neutral: ``name -> (is the value neutral, what to change)``."""

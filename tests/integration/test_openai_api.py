@@ -173,6 +173,7 @@ def test_penalties_and_logit_bias_change_the_tokens(client, model, generation):
     ({"n": 0}, "n"),
     ({"max_tokens": 100000}, "max_tokens"),
     ({"extra_body": {"best_of": 2}}, "best_of"),
+    ({"extra_body": {"skip_special_tokens": False}}, "skip_special_tokens"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"extra_body": {"response_format": {"type": "json_schema"}}}, "response_format"),  # json_schema missing
@@ -253,7 +254,9 @@ def test_fields_that_cannot_change_the_result_are_served(client, model):
     tolerated = client.chat.completions.create(
         model=model, messages=[{"role": "developer", "content": "Answer briefly."}, *CHAT], temperature=0, max_tokens=16,
         user="u-1", metadata={"run": "7"}, store=False, service_tier="auto", modalities=["text"], reasoning_effort="low",
-        prediction={"type": "content", "content": "Paris"}, parallel_tool_calls=True, extra_body={"an_unknown_field": 1})
+        prediction={"type": "content", "content": "Paris"}, parallel_tool_calls=True,
+        extra_body={"an_unknown_field": 1, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+                    "add_generation_prompt": True, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0})
     assert tolerated.choices[0].message.content == plain.choices[0].message.content  # developer = system, the rest ignored
 
 
