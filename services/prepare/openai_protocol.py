@@ -41,6 +41,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
 class StreamOptions(TolerantModel):
+    """``stream_options``: the usage chunk at the end, and (vLLM) usage in every chunk."""
+
     where: ClassVar[str] = "stream_options"
     include_usage: bool = False
     # vLLM's: usage (so far) in every chunk, not only in the last one
@@ -63,6 +65,8 @@ def content_text(content: Union[str, list[TextPart]]) -> str:
 
 
 class FunctionCall(TolerantModel):
+    """The function an assistant's tool call called: its name and arguments (JSON text)."""
+
     where: ClassVar[str] = "messages.tool_calls.function"
     name: str
     arguments: str = "{}"
@@ -78,6 +82,8 @@ class AssistantToolCall(TolerantModel):
 
 
 class ChatMessage(TolerantModel):
+    """One message of ``messages`` (OpenAI's roles; ``developer`` is taken as ``system``)."""
+
     where: ClassVar[str] = "messages"
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart]] = ""
@@ -94,6 +100,8 @@ class ChatMessage(TolerantModel):
 
 
 class FunctionDefinition(TolerantModel):
+    """A tool's function: name, description, JSON schema of its arguments."""
+
     where: ClassVar[str] = "tools.function"
     name: str = Field(min_length=1, max_length=64)
     description: str = ""
@@ -102,23 +110,31 @@ class FunctionDefinition(TolerantModel):
 
 
 class ToolDefinition(TolerantModel):
+    """One of ``tools`` (functions only)."""
+
     where: ClassVar[str] = "tools"
     type: Literal["function"]
     function: FunctionDefinition
 
 
 class NamedFunction(TolerantModel):
+    """The function a named ``tool_choice`` forces."""
+
     where: ClassVar[str] = "tool_choice.function"
     name: str
 
 
 class NamedToolChoice(TolerantModel):
+    """``tool_choice`` naming a function: ``{"type": "function", "function": {"name"}}``."""
+
     where: ClassVar[str] = "tool_choice"
     type: Literal["function"]
     function: NamedFunction
 
 
 class JsonSchemaFormat(TolerantModel):
+    """``response_format.json_schema``."""
+
     where: ClassVar[str] = "response_format.json_schema"
     name: str
     description: str = ""

@@ -46,6 +46,7 @@ class ReasoningReader:
     state: str = "start"  # start (no text seen that decides), thinking, closed (just after </think>), answering
 
     def feed(self, text: str) -> tuple[str, str]:
+        """One text delta in; ``(reasoning, answer)`` to stream now out."""
         self.pending += text
         reasoning, answer = [], []
         while self.pending:
@@ -76,6 +77,7 @@ class ReasoningReader:
         return "".join(reasoning), "".join(answer)
 
     def finish(self) -> tuple[str, str]:
+        """The choice ended: ``(reasoning, answer)`` of what was held back."""
         rest, self.pending = self.pending, ""
         thinking = self.state == "thinking" or (self.state == "start" and self.opened)
         return (rest, "") if thinking else ("", rest)

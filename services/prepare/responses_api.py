@@ -46,6 +46,8 @@ class InputItem(TolerantModel):
 
 
 class FunctionTool(TolerantModel):
+    """A Responses function tool (flat: ``name``, ``parameters`` beside ``type``)."""
+
     where: ClassVar[str] = "tools"
     type: Literal["function"]
     name: str
@@ -55,12 +57,16 @@ class FunctionTool(TolerantModel):
 
 
 class NamedFunctionChoice(TolerantModel):
+    """A Responses ``tool_choice`` naming a function: ``{"type": "function", "name"}``."""
+
     where: ClassVar[str] = "tool_choice"
     type: Literal["function"]
     name: str
 
 
 class TextFormat(TolerantModel):
+    """``text.format``: plain text, any JSON object, or a JSON schema."""
+
     where: ClassVar[str] = "text.format"
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str = "output"
@@ -69,6 +75,8 @@ class TextFormat(TolerantModel):
 
 
 class TextOptions(TolerantModel):
+    """``text``: the output's format."""
+
     where: ClassVar[str] = "text"
     format: TextFormat = Field(default_factory=TextFormat)
 

@@ -73,9 +73,11 @@ class ToolCallReader:
     calls: list[dict] = field(default_factory=list)
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
+        """One text delta in; ``(content, call deltas)`` to stream now out."""
         raise NotImplementedError
 
     def finish(self) -> tuple[str, list[dict]]:
+        """The choice ended: ``(content, call deltas)`` of what was held back."""
         raise NotImplementedError
 
     def _add_call(self, name: str, arguments: str) -> dict:
