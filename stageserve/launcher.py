@@ -28,6 +28,7 @@ from pathlib import Path
 
 from stageserve.device.main import SPECULATIVE_POLICIES
 from stageserve.metrics_http import metrics_port_file
+from stageserve.prepare.openai_flags import add_openai_arguments, openai_argv
 from stageserve.security.tls import TlsFiles, dial
 from stageserve.stop_signals import STOP_SIGNALS, StopRequest
 
@@ -284,6 +285,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-keys-file", type=Path, default=None, metavar="PATH",
                         help="prepare's API keys (see stageserve prepare --help); default: none, the API is open")
     parser.add_argument("--api-key", default="", help="with --chat and --api-keys-file: the key to send")
+    add_openai_arguments(parser)
     parser.add_argument("--chat", default="", help="once ready, stream the answer to this chat message")
     parser.add_argument("--once", action="store_true", help="with --chat: stop the services after the answer")
 
@@ -308,7 +310,7 @@ def _service_args(args: argparse.Namespace) -> tuple[list[str], list[str], list[
               *(["--draft-model", args.draft_model] if args.draft_model else [])]
     keys = ["--api-keys-file", str(args.api_keys_file)] if args.api_keys_file else []
     return (device, [*common, "--metrics-port", reclaim_metrics],
-            [*common, "--metrics-port", prepare_metrics, "--http-port", args.http_port, *keys])
+            [*common, "--metrics-port", prepare_metrics, "--http-port", args.http_port, *keys, *openai_argv(args)])
 
 
 def _tls(args: argparse.Namespace) -> TlsFiles | None:

@@ -148,7 +148,7 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
             return prepare_pb2.ModelInfo(devices=[device_status(device) for device in self._router.devices()])
         attach = load.attach
         return prepare_pb2.ModelInfo(
-            model_name=attach.model_name,
+            model_name=self._frontend.model_name(attach),
             vocab_size=attach.vocab_size,
             max_model_len=attach.max_model_len,
             eos_token_ids=attach.eos_token_ids,

@@ -27,6 +27,7 @@ from stageserve.prepare.errors import RequestError
 from stageserve.prepare.request_handle import LoopWaker, RequestHandle
 from stageserve.prepare.router import DeviceRouter
 from stageserve.prepare.limits import MAX_CHOICES
+from stageserve.prepare.sampling_defaults import with_defaults
 from stageserve.prepare.validation import GenerationRequest, scoped_request_id, validate_choices, validate_generate_request
 from stageserve.v1 import common_pb2, prepare_pb2, reclaim_pb2
 
@@ -135,13 +136,22 @@ class GenerationFrontend:
     """Validates and submits requests for the public APIs, on ``waker``'s event loop.
 
     ``tokenizer`` is the served model's; tokenization runs in the loop's default executor, so that a
-    long prompt does not hold up every other stream's chunks.
+    long prompt does not hold up every other stream's chunks. ``sampling_defaults`` (the model's,
+    ``sampling_defaults.py``) fill what a request leaves unset. ``served_names`` (``--served-model-name``)
+    are the names clients know the model by, the first one shown; none: the device's model name.
     """
 
-    def __init__(self, router: DeviceRouter, tokenizer, waker: LoopWaker) -> None:
+    def __init__(self, router: DeviceRouter, tokenizer, waker: LoopWaker, served_names: tuple[str, ...] = (),
+                 sampling_defaults: prepare_pb2.GenerateRequest | None = None) -> None:
         self.router = router
         self.tokenizer = tokenizer
         self.waker = waker
+        self.served_names = served_names
+        self.sampling_defaults = sampling_defaults or prepare_pb2.GenerateRequest()
+
+    def model_name(self, attach) -> str:
+        """The name both APIs show for the model a device attached with (``attach``: its ``AttachReply``)."""
+        return self.served_names[0] if self.served_names else attach.model_name
 
     async def submit(self, request: prepare_pb2.GenerateRequest, request_id: str, caller: str = "", owner: str = "") -> Submission:
         """Validate ``request`` and place its choices; the caller must call the submission's
@@ -184,4 +194,5 @@ class GenerationFrontend:
     def _validate(self, request: prepare_pb2.GenerateRequest, request_id: str) -> tuple[GenerationRequest, int]:
         """The validated, tokenized request and its ``n`` (in the executor). Raises RequestError when refused."""
         n = validate_choices(request)
+        request = with_defaults(request, self.sampling_defaults)
         return validate_generate_request(request, request_id, self.tokenizer, self.router.model_limits()), n

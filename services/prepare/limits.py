@@ -12,8 +12,10 @@ before decoding: gRPC's ``max_receive_message_length`` and the HTTP body limit a
 bound                      applies to                                  limit
 =========================  ==========================================  ==========================
 request size               the encoded message / HTTP body             `MAX_REQUEST_BYTES`
-prompt characters          ``prompt`` plus every message's ``content``  `MAX_PROMPT_CHARS`
+prompt characters          ``prompt``, messages' texts, tools' texts   `MAX_PROMPT_CHARS`
 chat messages              ``messages``                                `MAX_MESSAGES`
+tools                      ``tools``                                   `MAX_TOOLS`
+template variables         ``chat_template_kwargs`` (characters)       `MAX_TEMPLATE_KWARGS_CHARS`
 prompt token ids           ``prompt_token_ids``                        `MAX_PROMPT_TOKEN_IDS`
 stop strings               ``stop`` (count, characters of each)        `MAX_STOP_STRINGS`, `MAX_STOP_STRING_CHARS`
 stop token ids             ``stop_token_ids``                          `MAX_STOP_TOKEN_IDS`
@@ -40,6 +42,10 @@ MAX_PROMPT_CHARS = 1_048_576
 """Characters of a prompt: ``prompt`` plus the ``content`` of every chat message."""
 MAX_MESSAGES = 1024
 """Chat messages of one request."""
+MAX_TOOLS = 128
+"""Tools of one request."""
+MAX_TEMPLATE_KWARGS_CHARS = 65536
+"""Characters of ``chat_template_kwargs`` (a JSON object)."""
 MAX_PROMPT_TOKEN_IDS = 1_048_576
 """Entries of ``prompt_token_ids`` (the model's context bounds them further)."""
 MAX_STOP_STRINGS = 16
@@ -57,7 +63,9 @@ def check_generate_bounds(request: prepare_pb2.GenerateRequest) -> None:
     Raises:
         RequestError: ``INVALID_ARGUMENT`` naming the first field over its bound and the bound.
     """
-    _check_prompt_text(request.prompt, request.messages)
+    _check_prompt_text(request.prompt, request.messages, request.tools)
+    at_most("tools", len(request.tools), MAX_TOOLS, "tools")
+    at_most("chat_template_kwargs", len(request.chat_template_kwargs), MAX_TEMPLATE_KWARGS_CHARS, "characters")
     at_most("prompt_token_ids", len(request.prompt_token_ids), MAX_PROMPT_TOKEN_IDS, "entries")
     at_most("stop", len(request.stop), MAX_STOP_STRINGS, "strings")
     for i, text in enumerate(request.stop):
@@ -91,7 +99,14 @@ def at_most(field: str, value: int, limit: int, unit: str = "") -> int:
     return value
 
 
-def _check_prompt_text(prompt: str, messages) -> None:
+def _check_prompt_text(prompt: str, messages, tools=()) -> None:
     at_most("messages", len(messages), MAX_MESSAGES, "messages")
-    chars = len(prompt) + sum(len(m.content) + len(m.role) for m in messages)
+    chars = len(prompt) + sum(_message_chars(m) for m in messages) + sum(
+        len(t.name) + len(t.description) + len(t.parameters) for t in tools)
     at_most("prompt" if prompt else "messages", chars, MAX_PROMPT_CHARS, "characters")
+
+
+def _message_chars(message: prepare_pb2.ChatMessage) -> int:
+    """Characters of one chat message's texts (its tool calls' included)."""
+    return (len(message.content) + len(message.role) + len(message.name) + len(message.tool_call_id)
+            + sum(len(c.id) + len(c.name) + len(c.arguments) for c in message.tool_calls))

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 from stageserve.device_endpoints import add_device_arguments
+from stageserve.prepare.openai_flags import add_openai_arguments
 from stageserve.security.config import add_key_arguments
 from stageserve.server import add_service_arguments
 
@@ -57,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=_port_or_off, default=None, metavar="PORT",
                         help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models) "
                              "on this port; 0 = ephemeral, written to <port-file>.http-port (default: off)")
-
+    add_openai_arguments(parser)
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT/SIGHUP; return the exit code (0 after a clean drain)."""
@@ -73,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from stageserve.prepare.metrics import PrepareMetrics
     from stageserve.prepare.request_handle import LoopWaker
     from stageserve.prepare.router import DeviceRouter
+    from stageserve.prepare.sampling_defaults import load_sampling_defaults
     from stageserve.security.config import ServiceSecurity
     from stageserve.server import AioServiceServer, configure_logging, profile_dir
     from stageserve.tokenizer import load_tokenizer
@@ -87,7 +90,11 @@ def run(args: argparse.Namespace) -> int:
                      "reclaim": args.reclaim}
     try:
         security = ServiceSecurity.from_args(args, serves_internal=False)
-        tokenizer = load_tokenizer(resolve_model_path(args.model))
+        model_path = resolve_model_path(args.model)
+        tokenizer = load_tokenizer(model_path)
+        sampling_defaults = load_sampling_defaults(model_path)
+        if args.chat_template:
+            tokenizer.chat_template = Path(args.chat_template).read_text()
         server = AioServiceServer(SERVICE_NAME, args.host, args.port, max_workers=args.max_workers, port_file=args.port_file,
                                   tracer=tracer, profile_peers=profile_peers, thread_name="prepare-grpc", security=security,
                                   max_receive_bytes=MAX_REQUEST_BYTES, profile_dir=profile_dir(args))
@@ -109,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     )
     router = DeviceRouter(connector.sessions, metrics)
     metrics.watch_engine(router.current_load)
-    frontend = GenerationFrontend(router, tokenizer, LoopWaker(server.loop))
+    frontend = GenerationFrontend(router, tokenizer, LoopWaker(server.loop), tuple(args.served_model_name), sampling_defaults)
     server.add_servicer(prepare_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(frontend))
     server.start([SERVICE_NAME])
     try:
@@ -135,9 +142,11 @@ def _start_http(args: argparse.Namespace, frontend, loop, security):
     if args.http_port is None:
         return None
     from stageserve.prepare.openai_api import HttpServer, create_app
+    from stageserve.prepare.tool_calls import pick_tool_call_parser
 
     tls = security.tls if security.tls is not None and security.tls.serves_tls else None
-    http = HttpServer(create_app(frontend, security.policy), args.host, args.http_port, loop, args.port_file, tls=tls)
+    http = HttpServer(create_app(frontend, security.policy, pick_tool_call_parser(args.tool_call_parser, frontend.tokenizer.chat_template),
+                                 args.reasoning_parser), args.host, args.http_port, loop, args.port_file, tls=tls)
     log.info("OpenAI-compatible API on %s://%s:%d/v1 (%s)", "https" if tls else "http", args.host, http.port, security.describe())
     return http
 

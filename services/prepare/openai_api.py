@@ -1,12 +1,17 @@
 """The OpenAI-compatible HTTP API of prepare: ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``GET /v1/models`` (and ``GET /health``), on FastAPI served by uvicorn on prepare's ``grpc.aio``
-event loop (``--http-port``).
+``POST /v1/responses`` (stateless, ``responses_api.py``), ``GET /v1/models``, and as vLLM serves
+them ``POST /tokenize``, ``POST /detokenize`` and ``GET /metrics`` (prepare's Prometheus metrics, as
+open as ``GET /health``), on FastAPI served by uvicorn on prepare's ``grpc.aio`` event loop
+(``--http-port``).
 
 Each request body is mapped onto the gRPC API's ``GenerateRequest`` (``openai_protocol.py``) and
 goes through the same :class:`~stageserve.prepare.frontend.GenerationFrontend` as a gRPC call:
 one validation, one scheduler, the same readiness and draining. Streaming (``stream: true``) is
 server-sent events, ending with ``data: [DONE]``; ``stream_options.include_usage`` adds the usage
-chunk. A client that disconnects (streaming or not) aborts its request, which frees its KV blocks.
+chunk (and vLLM's ``continuous_usage_stats`` usage in every chunk). Request fields follow the
+tolerance policy (``openai_tolerance.py``); tool calls are read by ``tool_calls.py``, reasoning by
+``reasoning.py``. A client that disconnects (streaming or not) aborts its request, which frees its
+KV blocks.
 
 Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``; the status follows
 the gRPC one: 400 ``INVALID_ARGUMENT`` (``param`` names the field), 404 an unknown model, 409
@@ -36,16 +41,23 @@ import grpc
 import pydantic
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from stageserve.prepare.errors import RequestError, invalid_argument
 from stageserve.prepare.frontend import GenerationFrontend, Submission
-from stageserve.prepare.limits import MAX_REQUEST_BYTES
-from stageserve.prepare.openai_protocol import ChatCompletionRequest, CompletionRequest, chat_request, completion_request
+from stageserve.prepare.limits import MAX_PROMPT_TOKEN_IDS, MAX_REQUEST_BYTES, at_most, check_tokenize_bounds
+from stageserve.prepare.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody, chat_request,
+                                                completion_request)
 from stageserve.prepare.openai_responses import ResponseBuilder, sse
-from stageserve.prepare.validation import validate_request_id
+from stageserve.prepare.reasoning import constrain_after_reasoning, reasoning_reader
+from stageserve.prepare.responses_api import ResponseEvents, ResponsesRequest, chat_body, response_object, response_shell
+from stageserve.prepare.tool_calls import tool_call_reader
+from stageserve.prepare.validation import tokenize_prompt, validate_request_id
 from stageserve.security.guard import HEALTH_SERVICE, OPEN, PUBLIC, AccessPolicy
 from stageserve.security.tls import TlsFiles
+from stageserve.v1 import prepare_pb2
 
 HTTP_PORT_SUFFIX = ".http-port"
 RETRY_AFTER_S = 1
@@ -88,20 +100,46 @@ def _parse(model: type[pydantic.BaseModel], body: object) -> pydantic.BaseModel:
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "body"
-        if first["type"] == "extra_forbidden":
-            raise invalid_argument(f"{where}: is not supported by this server; remove it") from exc
         raise invalid_argument(f"{where}: {first['msg']}") from exc
 
 
-def create_app(frontend: GenerationFrontend, policy: AccessPolicy | None = None) -> FastAPI:
+def create_app(frontend: GenerationFrontend, policy: AccessPolicy | None = None, tool_call_parser: str = "hermes",
+               reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI application over ``frontend`` (which must run on the same event loop); callers
-    are checked against ``policy`` (default: open)."""
+    are checked against ``policy`` (default: open); ``tool_choice: auto`` reads calls with
+    ``tool_call_parser`` (one of ``tool_calls.TOOL_CALL_PARSERS``); chat answers are split into
+    reasoning and content by ``reasoning_parser`` (one of ``reasoning.REASONING_PARSERS``; ``None``: not split)."""
     app = FastAPI(title="stageserve OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     policy = policy or AccessPolicy()
+
+    def after_reasoning(body: ChatCompletionRequest, grpc_request: prepare_pb2.GenerateRequest) -> prepare_pb2.GenerateRequest:
+        """A chat request whose constraint, with a reasoning parser, applies after the reasoning only:
+        ``response_format``'s and a forced tool call's; vLLM's ``structured_outputs`` is the client's
+        own grammar over the whole text (reasoning included) and is left as it is."""
+        if reasoning_parser is not None and grpc_request.HasField("constraint") and body.structured_outputs is None:
+            grpc_request.constraint.CopyFrom(constrain_after_reasoning(grpc_request.constraint, reasoning_parser))
+        return grpc_request
+
+    def readers(body: ChatCompletionRequest, grpc_request: prepare_pb2.GenerateRequest) -> dict:
+        """The ``_generate`` arguments that make a chat choice's tool-call and reasoning readers."""
+        tools, mode = list(grpc_request.tools), body.tool_mode
+        return {"new_reader": lambda: tool_call_reader(tools, mode, tool_call_parser),
+                "new_thinker": lambda: reasoning_reader(reasoning_parser)}
 
     @app.exception_handler(RequestError)
     async def refused(_request: Request, error: RequestError) -> JSONResponse:
         return error_response(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def unrouted(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        """OpenAI's error body for a route or method not served (FastAPI's own is ``{"detail"}``)."""
+        if error.status_code not in (404, 405):
+            return JSONResponse({"error": {"message": str(error.detail), "type": "invalid_request_error", "param": None,
+                                           "code": None}}, status_code=error.status_code)
+        served = ", ".join(sorted(f"{method} {route.path}" for route in app.routes for method in getattr(route, "methods", ())))
+        message = f"{request.method} {request.url.path}: not served here (served: {served})"
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "not_found"}},
+                            status_code=error.status_code)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
@@ -119,14 +157,54 @@ def create_app(frontend: GenerationFrontend, policy: AccessPolicy | None = None)
     async def chat_completions(request: Request):
         owner = _owner(policy, request)
         body = _parse(ChatCompletionRequest, await _json(request))
-        return await _generate(frontend, request, body, chat_request, owner, chat=True,
-                               top_logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+        grpc_request = after_reasoning(body, chat_request(body))
+        return await _generate(frontend, request, body, grpc_request, owner, chat=True,
+                               top_logprobs=(body.top_logprobs or 0) if body.logprobs else None, **readers(body, grpc_request))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         owner = _owner(policy, request)
         body = _parse(CompletionRequest, await _json(request))
-        return await _generate(frontend, request, body, completion_request, owner, chat=False, top_logprobs=body.logprobs)
+        return await _generate(frontend, request, body, completion_request(body), owner, chat=False, top_logprobs=body.logprobs)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        owner = _owner(policy, request)
+        body = _parse(ResponsesRequest, await _json(request))
+        chat = _parse(ChatCompletionRequest, chat_body(body))
+        grpc_request = after_reasoning(chat, chat_request(chat))
+        request_id = _request_id(request)
+        shell = response_shell(body, request_id, model_name(frontend))
+        return await _generate(frontend, request, chat, grpc_request, owner, chat=True, top_logprobs=None, request_id=request_id,
+                               **readers(chat, grpc_request), whole=lambda completion: response_object(completion, shell),
+                               streamed=ResponseEvents(shell, stream_error_body).events)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        _owner(policy, request)
+        body = _parse(TokenizeBody, await _json(request))
+        _check_model(frontend, body.model, optional=True)
+        ids = await asyncio.get_running_loop().run_in_executor(None, _tokenize, frontend.tokenizer, body)
+        return JSONResponse({"count": len(ids), "max_model_len": frontend.router.model_limits().max_model_len, "tokens": ids,
+                             "token_strs": frontend.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        _owner(policy, request)
+        body = _parse(DetokenizeBody, await _json(request))
+        _check_model(frontend, body.model, optional=True)
+        at_most("tokens", len(body.tokens), MAX_PROMPT_TOKEN_IDS, "entries")
+        vocab_size = frontend.router.model_limits().vocab_size
+        for i, token_id in enumerate(body.tokens):
+            if not 0 <= token_id < vocab_size:
+                raise invalid_argument(f"tokens[{i}]: token id {token_id} is outside the vocabulary [0, {vocab_size})")
+        text = await asyncio.get_running_loop().run_in_executor(None, frontend.tokenizer.decode, body.tokens)
+        return JSONResponse({"prompt": text})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        _owner(policy, request, policy.access(HEALTH_SERVICE))  # as open as /health: scrapers send no key
+        return Response(generate_latest(frontend.router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
@@ -144,7 +222,25 @@ def _owner(policy: AccessPolicy, request: Request, access: str = PUBLIC) -> str:
 def model_name(frontend: GenerationFrontend) -> str:
     """The served model's name. Raises RequestError (``UNAVAILABLE``) while draining or not connected."""
     frontend.router.model_limits()  # the readiness check both APIs share
-    return frontend.router.load()[0].attach.model_name
+    return frontend.model_name(frontend.router.load()[0].attach)
+
+
+def _check_model(frontend: GenerationFrontend, requested: str, optional: bool = False) -> str:
+    """The served name if ``requested`` is one of its names (``optional``: or empty, as the utility
+    routes allow). Raises RequestError: 404 naming the served one."""
+    served = model_name(frontend)
+    if not (optional and not requested) and requested not in (served, *frontend.served_names):
+        raise RequestError(grpc.StatusCode.NOT_FOUND, f"model: {requested!r} is not served here; use {served!r} (see /v1/models)")
+    return served
+
+
+def _tokenize(tokenizer, body: TokenizeBody) -> list[int]:
+    """``body``'s token ids, as ``Generate`` would see them (in the executor)."""
+    request = prepare_pb2.TokenizeRequest(prompt=body.prompt, messages=[m.grpc() for m in body.messages])
+    check_tokenize_bounds(request)
+    if request.prompt and not body.add_special_tokens:
+        return list(tokenizer.encode(request.prompt, add_special_tokens=False))
+    return tokenize_prompt(tokenizer, prompt=request.prompt, messages=request.messages)
 
 
 async def _json(request: Request) -> object:
@@ -164,47 +260,69 @@ async def _json(request: Request) -> object:
         raise invalid_argument(f"body: not valid JSON ({exc})") from exc
 
 
-async def _generate(frontend: GenerationFrontend, request: Request, body, to_grpc: Callable, owner: str, chat: bool,
-                    top_logprobs: int | None):
-    """Serve one completion request, streamed or whole; a disconnect aborts it."""
-    served = model_name(frontend)
-    if body.model != served:
-        raise RequestError(grpc.StatusCode.NOT_FOUND, f"model: {body.model!r} is not served here; use {served!r} (see /v1/models)")
-    request_id = validate_request_id(request.headers.get("x-request-id") or uuid.uuid4().hex)
-    submission = await frontend.submit(to_grpc(body), request_id, owner=owner)
+async def _generate(frontend: GenerationFrontend, request: Request, body, grpc_request: prepare_pb2.GenerateRequest, owner: str,
+                    chat: bool, top_logprobs: int | None, new_reader: Callable = lambda: None, new_thinker: Callable = lambda: None,
+                    request_id: str = "",
+                    whole: Callable[[dict], dict] = lambda response: response,
+                    streamed: Callable[[AsyncIterator[dict]], AsyncIterator[str]] | None = None):
+    """Serve one completion request (``body``, mapped onto ``grpc_request``), streamed or whole; a
+    disconnect aborts it. ``request_id``: the one to serve it under (default: :func:`_request_id`). ``whole`` reshapes the whole response, ``streamed`` turns the chunks into
+    the SSE body (default: one event per chunk, then ``[DONE]``)."""
+    served = _check_model(frontend, body.model)
+    request_id = request_id or _request_id(request)
+    submission = await frontend.submit(grpc_request, request_id, owner=owner)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, submission))
     builder = ResponseBuilder(chat, request_id, served, len(submission.handles), top_logprobs, submission.num_prompt_tokens,
-                              frontend.tokenizer)
+                              frontend.tokenizer, new_reader, continuous_usage=body.include_usage and body.continuous_usage,
+                              new_thinker=new_thinker)
     headers = {"x-request-id": request_id}
     if body.stream:
-        return StreamingResponse(_stream(frontend, submission, builder, body.include_usage, watcher),
-                                 media_type="text/event-stream", headers=headers)
+        chunks = _chunks(frontend, submission, builder, body.include_usage, watcher)
+        return StreamingResponse((streamed or _sse)(chunks), media_type="text/event-stream", headers=headers)
     try:
         async with aclosing(submission.events(frontend.waker)) as events:
             async for index, event in events:
                 builder.add(index, event)
     finally:
         _end(submission, watcher)
-    return JSONResponse(builder.response(), headers=headers)
+    return JSONResponse(whole(builder.response()), headers=headers)
 
 
-async def _stream(frontend: GenerationFrontend, submission: Submission, builder: ResponseBuilder, include_usage: bool,
-                  watcher: asyncio.Task) -> AsyncIterator[str]:
-    """The SSE body: the opening chunks, one chunk per event, the usage chunk if asked, ``[DONE]``."""
+def _request_id(request: Request) -> str:
+    """The request's ``x-request-id`` (checked), else a new one. Raises RequestError (400) for a bad one."""
+    return validate_request_id(request.headers.get("x-request-id") or uuid.uuid4().hex)
+
+
+async def _chunks(frontend: GenerationFrontend, submission: Submission, builder: ResponseBuilder, include_usage: bool,
+                  watcher: asyncio.Task) -> AsyncIterator[dict]:
+    """The chunks: the opening ones, one per event, the usage chunk if asked. Raises RequestError: the request failed."""
     try:
         for chunk in builder.first_chunks():
-            yield sse(chunk)
+            yield chunk
         async with aclosing(submission.events(frontend.waker)) as events:
             async for index, event in events:
                 if (chunk := builder.chunk(index, event, include_usage)) is not None:
-                    yield sse(chunk)
+                    yield chunk
         if include_usage:
-            yield sse(builder.usage_chunk())
-    except RequestError as error:
-        _, kind = _HTTP_STATUS.get(error.code, (500, "internal_error"))
-        yield sse(_error_body(error, kind, None))
+            yield builder.usage_chunk()
     finally:
         _end(submission, watcher)
+
+
+def stream_error_body(error: RequestError) -> dict:
+    """OpenAI's error body of a request that failed after its stream started."""
+    _, kind = _HTTP_STATUS.get(error.code, (500, "internal_error"))
+    return _error_body(error, kind, None)
+
+
+async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """The SSE body of chat and text completions: one event per chunk, an error event if it fails, ``[DONE]``."""
+    try:
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                yield sse(chunk)
+    except RequestError as error:
+        yield sse(stream_error_body(error))
     yield sse("[DONE]")
 
 

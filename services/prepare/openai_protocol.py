@@ -1,8 +1,14 @@
 """The OpenAI API's request bodies (pydantic models) and their mapping onto ``GenerateRequest``.
 
-Only what stageserve serves is declared; any other field (``tools``, ``audio``, ...) is refused
-with a 400 naming it, never ignored, and so is a declared field with a value stageserve does not
-serve (``echo: true``, ``best_of > 1``, several prompts). A field sent as ``null`` counts as not sent, as in OpenAI's API. Field meanings follow OpenAI's API reference
+What stageserve serves is declared here; any other field follows the tolerance policy
+(``openai_tolerance.py``, ``docs/openai-api.md``): ignored when it cannot change the result,
+refused with a 400 naming it when it would (``best_of > 1``, ``audio``, ...), and so is a
+declared field with a value stageserve does not serve (an image content part, several prompts).
+A field sent as ``null`` counts as not sent, as in OpenAI's API. The ``developer`` role is taken
+as ``system`` (as vLLM does). Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``, the
+``tool`` role, assistant ``tool_calls``) go to the chat template; ``tool_choice`` required or a
+named function adds the constraint that forces the call (``tool_calls.py``); vLLM's
+``chat_template_kwargs`` become template variables. Field meanings follow OpenAI's API reference
 (``/v1/chat/completions``, ``/v1/completions``); besides them, vLLM's sampling extensions
 ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``
 and ``include_stop_str_in_output`` are accepted, with the gRPC API's meanings. Range checks are
@@ -17,11 +23,14 @@ onto ``GenerateRequest.constraint``; a ``json_schema`` without ``schema`` is any
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 
 from stageserve.prepare.errors import invalid_argument
+from stageserve.prepare.openai_tolerance import TolerantModel
+from stageserve.prepare.tool_calls import forced_call_schema
+from stageserve.structured_output import ConstraintError, constraint_grammar
 from stageserve.v1 import common_pb2, prepare_pb2
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -31,53 +40,120 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 # allows 20 for both (sampling_rules.MAX_LOGPROBS) and refuses more there.
 
 
-class StrictModel(BaseModel):
-    """Refuses undeclared fields; a ``null`` field is dropped first (null = not sent)."""
+class StreamOptions(TolerantModel):
+    """``stream_options``: the usage chunk at the end, and (vLLM) usage in every chunk."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_nulls(cls, data: Any) -> Any:
-        return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
-
-
-class StreamOptions(StrictModel):
+    where: ClassVar[str] = "stream_options"
     include_usage: bool = False
+    # vLLM's: usage (so far) in every chunk, not only in the last one
+    continuous_usage_stats: bool = False
 
 
-class TextPart(StrictModel):
-    type: Literal["text"]
-    text: str
+class TextPart(TolerantModel):
+    """A text content part, of chat messages and of Responses input items alike."""
+
+    where: ClassVar[str] = "content"
+    # "refusal" (an assistant message's refusal text, sent back in the history) reads as text
+    type: Literal["text", "input_text", "output_text", "refusal"]
+    text: str = ""
+    refusal: str = ""
 
 
-class ChatMessage(StrictModel):
-    role: str
+def content_text(content: Union[str, list[TextPart]]) -> str:
+    """A message's content as one string (text parts joined)."""
+    return content if isinstance(content, str) else "".join(part.text or part.refusal for part in content)
+
+
+class FunctionCall(TolerantModel):
+    """The function an assistant's tool call called: its name and arguments (JSON text)."""
+
+    where: ClassVar[str] = "messages.tool_calls.function"
+    name: str
+    arguments: str = "{}"
+
+
+class AssistantToolCall(TolerantModel):
+    """One of an assistant message's ``tool_calls`` in the history."""
+
+    where: ClassVar[str] = "messages.tool_calls"
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(TolerantModel):
+    """One message of ``messages`` (OpenAI's roles; ``developer`` is taken as ``system``)."""
+
+    where: ClassVar[str] = "messages"
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart]] = ""
-    name: str | None = None
+    name: str = ""
+    tool_calls: list[AssistantToolCall] = Field(default_factory=list)
+    tool_call_id: str = ""
 
-    def text(self) -> str:
-        """The content as one string (text parts joined)."""
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+    def grpc(self) -> prepare_pb2.ChatMessage:
+        """This message as the gRPC API's ``ChatMessage`` (``developer`` as ``system``)."""
+        return prepare_pb2.ChatMessage(
+            role="system" if self.role == "developer" else self.role, content=content_text(self.content), name=self.name,
+            tool_call_id=self.tool_call_id,
+            tool_calls=[prepare_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments) for c in self.tool_calls])
 
 
-class JsonSchemaFormat(StrictModel):
+class FunctionDefinition(TolerantModel):
+    """A tool's function: name, description, JSON schema of its arguments."""
+
+    where: ClassVar[str] = "tools.function"
+    name: str = Field(min_length=1, max_length=64)
+    description: str = ""
+    parameters: dict = Field(default_factory=lambda: {"type": "object"})
+    strict: bool = False  # the arguments always match the schema where a call is forced; auto calls as the model makes them
+
+
+class ToolDefinition(TolerantModel):
+    """One of ``tools`` (functions only)."""
+
+    where: ClassVar[str] = "tools"
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(TolerantModel):
+    """The function a named ``tool_choice`` forces."""
+
+    where: ClassVar[str] = "tool_choice.function"
+    name: str
+
+
+class NamedToolChoice(TolerantModel):
+    """``tool_choice`` naming a function: ``{"type": "function", "function": {"name"}}``."""
+
+    where: ClassVar[str] = "tool_choice"
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(TolerantModel):
+    """``response_format.json_schema``."""
+
+    where: ClassVar[str] = "response_format.json_schema"
     name: str
     description: str = ""
     schema_: Union[dict, bool, None] = Field(default=None, alias="schema")
     strict: bool = False
 
 
-class ResponseFormat(StrictModel):
+class ResponseFormat(TolerantModel):
     """OpenAI's ``response_format``."""
 
+    where: ClassVar[str] = "response_format"
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(StrictModel):
+class StructuredOutputs(TolerantModel):
     """vLLM's ``structured_outputs``: set one field."""
 
+    where: ClassVar[str] = "structured_outputs"
     json_: Union[str, dict, bool, None] = Field(default=None, alias="json")
     json_object: bool | None = None
     regex: str | None = None
@@ -85,7 +161,7 @@ class StructuredOutputs(StrictModel):
     grammar: str | None = None
 
 
-class SamplingFields(StrictModel):
+class SamplingFields(TolerantModel):
     """Fields both endpoints share."""
 
     model: str
@@ -100,7 +176,7 @@ class SamplingFields(StrictModel):
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
-    user: str = ""
+    user: str = ""  # for the logs (prepare's GenerateRequest.user)
     # vLLM's extensions
     top_k: int = 0
     min_p: float = 0.0
@@ -116,20 +192,32 @@ class SamplingFields(StrictModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
+    tools: list[ToolDefinition] = Field(default_factory=list)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)  # vLLM's
+
+    @property
+    def tool_mode(self) -> str:
+        """``none``, ``auto``, ``required`` or the named function (OpenAI's default: auto with tools, none without)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or ("auto" if self.tools else "none")
 
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
 
 
 def _common_fields(body: SamplingFields, max_tokens: int | None) -> prepare_pb2.GenerateRequest:
@@ -197,7 +285,10 @@ def chat_request(body: ChatCompletionRequest) -> prepare_pb2.GenerateRequest:
     if body.max_tokens is not None and body.max_completion_tokens is not None and body.max_tokens != body.max_completion_tokens:
         raise invalid_argument("max_completion_tokens: differs from max_tokens; set one of them")
     request = _common_fields(body, body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens)
-    request.messages.extend(prepare_pb2.ChatMessage(role=m.role, content=m.text()) for m in body.messages)
+    request.messages.extend(m.grpc() for m in body.messages)
+    if body.chat_template_kwargs:
+        request.chat_template_kwargs = json.dumps(body.chat_template_kwargs)
+    _add_tools(body, request)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid_argument("top_logprobs: needs logprobs: true")
     # OpenAI returns the sampled token's logprob with logprobs alone; prepare returns top-n with
@@ -207,18 +298,44 @@ def chat_request(body: ChatCompletionRequest) -> prepare_pb2.GenerateRequest:
     return request
 
 
+def _add_tools(body: ChatCompletionRequest, request: prepare_pb2.GenerateRequest) -> None:
+    """The request's tools, for the chat template, and the constraint of a forced call."""
+    mode = body.tool_mode
+    if mode != "none" and not body.tools:
+        raise invalid_argument(f"tool_choice: {mode!r} needs tools; send tools or leave tool_choice unset")
+    if mode == "none":  # OpenAI still shows the tools to the model; it is asked not to call them
+        request.tools.extend(_grpc_tool(t) for t in body.tools)
+        return
+    names = [tool.function.name for tool in body.tools]
+    if mode not in ("auto", "required") and mode not in names:
+        raise invalid_argument(f"tool_choice.function.name: {mode!r} is not among tools ({', '.join(names)}); name one of them")
+    if len(set(names)) != len(names):
+        raise invalid_argument("tools: two functions share a name; give each its own")
+    request.tools.extend(_grpc_tool(t) for t in body.tools)
+    if mode == "auto":
+        return
+    if body.response_format is not None and body.response_format.type != "text" or body.structured_outputs is not None:
+        raise invalid_argument("tool_choice: a forced call cannot be combined with response_format or structured_outputs; set one")
+    request.constraint.json_schema = forced_call_schema(list(request.tools), None if mode == "required" else mode,
+                                                        body.parallel_tool_calls)
+    try:  # here, to name the field the client sent (validation parses it again, from xgrammar's cache)
+        constraint_grammar(request.constraint)
+    except ConstraintError as exc:
+        raise invalid_argument(f"tools: the parameters cannot constrain a forced call ({str(exc).split(': ', 1)[-1]}); "
+                               "give a JSON schema of an object") from None
+
+
+def _grpc_tool(tool: ToolDefinition) -> prepare_pb2.Tool:
+    function = tool.function
+    return prepare_pb2.Tool(name=function.name, description=function.description, parameters=json.dumps(function.parameters))
+
+
 def completion_request(body: CompletionRequest) -> prepare_pb2.GenerateRequest:
     """``body`` as the gRPC API's ``GenerateRequest`` (the prompt tokenized as is).
 
     Raises:
         RequestError: ``INVALID_ARGUMENT`` for a value stageserve does not serve.
     """
-    if body.echo:
-        raise invalid_argument("echo: true is not supported; leave it unset")
-    if body.suffix:
-        raise invalid_argument("suffix: is not supported (no fill-in-the-middle); leave it unset")
-    if body.best_of not in (None, 1):
-        raise invalid_argument("best_of: only 1 is supported; use n for several completions")
     request = _common_fields(body, DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -239,3 +356,20 @@ def _unsigned(field: str, value: int) -> int:
     if value < 0:
         raise invalid_argument(f"{field}: {value} is negative; use a value >= 0")
     return value
+
+
+class TokenizeBody(TolerantModel):
+    """vLLM's ``POST /tokenize``: one of ``prompt`` and ``messages`` (rendered as a chat request would be)."""
+
+    model: str = ""
+    prompt: str = ""
+    messages: list[ChatMessage] = Field(default_factory=list)
+    add_special_tokens: bool = True  # prompt only: the tokenizer's own special tokens (a BOS), as Generate adds them
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(TolerantModel):
+    """vLLM's ``POST /detokenize``: token ids to text."""
+
+    model: str = ""
+    tokens: list[int]

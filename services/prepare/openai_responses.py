@@ -4,15 +4,24 @@
 OpenAI's API reference: ``chat.completion`` / ``chat.completion.chunk`` for ``/v1/chat/completions``,
 ``text_completion`` for ``/v1/completions`` (streamed chunks have the same shape there). Logprobs
 are the pipeline's (``common.proto``'s ``TokenLogprob``: natural log, after penalties, before
-temperature); a token's text is its own decoding, and ``bytes`` its UTF-8 bytes.
+temperature); a token's text is its own decoding, and ``bytes`` its UTF-8 bytes. With tools, a
+chat choice's text goes through its :class:`~stageserve.prepare.tool_calls.ToolCallReader`, which
+says what is content and what are ``tool_calls`` (finish_reason ``tool_calls`` when it made some);
+with a reasoning parser, its :class:`~stageserve.prepare.reasoning.ReasoningReader` first takes the
+``<think>`` text out as ``reasoning_content`` (vLLM's field).
+With ``stream_options.continuous_usage_stats`` (vLLM's extension, with ``include_usage``) every
+chunk carries the usage so far, not only the last.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from stageserve.prepare.reasoning import ReasoningReader
+from stageserve.prepare.tool_calls import ToolCallReader
 from stageserve.v1 import common_pb2, reclaim_pb2
 
 FINISH_REASONS = {
@@ -36,6 +45,30 @@ class _ChoiceState:
     text_offset: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    reader: ToolCallReader | None = None
+    thinker: ReasoningReader | None = None
+
+    def read(self, text: str, finished: bool) -> tuple[str, str, list[dict]]:
+        """A text delta read into ``(reasoning, content, tool call deltas)``; ``finished``: the last, flush what was held."""
+        reasoning, calls = "", []
+        if self.thinker is not None:
+            reasoning, text = self.thinker.feed(text) if text else ("", "")
+            if finished:
+                more, rest = self.thinker.finish()
+                reasoning, text = reasoning + more, text + rest
+        if self.reader is not None:
+            text, calls = self.reader.feed(text) if text else ("", [])
+            if finished:
+                rest, more = self.reader.finish()
+                text, calls = text + rest, calls + more
+        return reasoning, text, calls
+
+    @property
+    def shown_finish_reason(self) -> str | None:
+        """The finish reason a client is shown: ``tool_calls`` when the choice stopped after making some."""
+        if self.finish_reason == "stop" and self.reader is not None and self.reader.calls:
+            return "tool_calls"
+        return self.finish_reason
 
 
 class ResponseBuilder:
@@ -49,10 +82,14 @@ class ResponseBuilder:
         top_logprobs: alternatives to show per token; ``None`` = no logprobs.
         prompt_tokens: for usage.
         tokenizer: decodes single tokens for logprobs.
+        new_reader: makes each chat choice's tool-call reader (``None``: plain text).
+        continuous_usage: every streamed chunk carries the usage so far.
+        new_thinker: makes each chat choice's reasoning reader (``None``: no reasoning parser).
     """
 
     def __init__(self, chat: bool, request_id: str, model: str, n: int, top_logprobs: int | None, prompt_tokens: int,
-                 tokenizer) -> None:
+                 tokenizer, new_reader: Callable[[], ToolCallReader | None] = lambda: None, continuous_usage: bool = False,
+                 new_thinker: Callable[[], ReasoningReader | None] = lambda: None) -> None:
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.model = model
@@ -60,30 +97,38 @@ class ResponseBuilder:
         self.top_logprobs = top_logprobs
         self.prompt_tokens = prompt_tokens
         self._tokenizer = tokenizer
-        self._choices = [_ChoiceState() for _ in range(n)]
+        self.continuous_usage = continuous_usage
+        self._choices = [_ChoiceState(reader=new_reader(), thinker=new_thinker()) for _ in range(n)]
 
     # ---- streaming ----------------------------------------------------------------------------
     def first_chunks(self) -> list[dict]:
         """Chat only: each choice's opening chunk with the assistant role (as OpenAI streams it)."""
         if not self.chat:
             return []
-        return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+        return [self._with_usage(self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                              "finish_reason": None}))
                 for i in range(len(self._choices))]
 
     def chunk(self, index: int, event: reclaim_pb2.SequenceEvent, include_usage: bool) -> dict | None:
         """The chunk of one event (``None`` when it carries no text and no finish); records it too."""
         logprobs = self._record(index, event)
-        if not (event.text or event.finish_reason or logprobs):
+        state = self._choices[index]
+        reasoning, text, calls = state.read(event.text, bool(event.finish_reason))
+        if not (reasoning or text or calls or event.finish_reason or logprobs):
             return None
-        choice: dict = {"index": index, "logprobs": logprobs, "finish_reason": self._choices[index].finish_reason}
+        choice: dict = {"index": index, "logprobs": logprobs, "finish_reason": state.shown_finish_reason}
         if self.chat:
-            choice["delta"] = {"content": event.text} if event.text else {}
+            choice["delta"] = {"content": text} if text else {}
+            if reasoning:
+                choice["delta"]["reasoning_content"] = reasoning
+            if calls:
+                choice["delta"]["tool_calls"] = calls
         else:
-            choice["text"] = event.text
+            choice["text"] = text
         chunk = self._chunk(choice)
         if include_usage:
             chunk["usage"] = None
-        return chunk
+        return self._with_usage(chunk)
 
     def usage_chunk(self) -> dict:
         """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
@@ -100,12 +145,8 @@ class ResponseBuilder:
         for index, state in enumerate(self._choices):
             text = "".join(state.text)
             logprobs = None if self.top_logprobs is None else self._logprobs_object(state.logprobs)
-            choice = {"index": index, "logprobs": logprobs, "finish_reason": state.finish_reason}
-            if self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            choices.append(choice)
+            content = {"message": self._message(state, text)} if self.chat else {"text": text}  # reads the tool calls first
+            choices.append({"index": index, "logprobs": logprobs, "finish_reason": state.shown_finish_reason, **content})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
                 "model": self.model, "choices": choices, "usage": self.usage()}
 
@@ -118,6 +159,24 @@ class ResponseBuilder:
         return usage
 
     # ---- helpers ------------------------------------------------------------------------------
+    @staticmethod
+    def _message(state: _ChoiceState, text: str) -> dict:
+        """A whole chat choice's message: its text as content, or read into reasoning, content and tool calls."""
+        if state.reader is None and state.thinker is None:
+            return {"role": "assistant", "content": text}
+        reasoning, content, _ = state.read(text, finished=True)
+        message = {"role": "assistant", "content": content or None}
+        if state.thinker is not None:
+            message["reasoning_content"] = reasoning or None
+        if state.reader is not None and state.reader.calls:
+            message["tool_calls"] = state.reader.calls
+        return message
+
+    def _with_usage(self, chunk: dict) -> dict:
+        if self.continuous_usage:
+            chunk["usage"] = self.usage()
+        return chunk
+
     def _chunk(self, choice: dict | None) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion", "created": self.created,
                 "model": self.model, "choices": [] if choice is None else [choice]}
@@ -126,6 +185,7 @@ class ResponseBuilder:
         """Add ``event`` to choice ``index``; return its logprobs object (``None`` without logprobs)."""
         state = self._choices[index]
         state.text.append(event.text)
+        state.completion_tokens = max(state.completion_tokens, event.completion_tokens)  # a total so far on every event
         if event.finish_reason:
             state.finish_reason = FINISH_REASONS.get(event.finish_reason, "stop")
             state.completion_tokens = event.completion_tokens

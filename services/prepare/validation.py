@@ -17,13 +17,15 @@ before admission; the device compiles it (``stageserve.device.grammar``).
 
 Prompt forms: ``prompt`` is tokenized as is (with the tokenizer's own special tokens, e.g. a
 BOS for llama-family tokenizers); ``messages`` are rendered with the model's chat template
-(``apply_chat_template(..., add_generation_prompt=True)``), then tokenized without adding special
+(``apply_chat_template(..., add_generation_prompt=True)``, with the request's ``tools`` and
+``chat_template_kwargs``), then tokenized without adding special
 tokens again; ``prompt_token_ids`` are taken as given after a range check.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import secrets
 from dataclasses import dataclass
 from typing import Sequence
@@ -35,7 +37,7 @@ from stageserve.structured_output import ConstraintError, constraint_grammar
 from stageserve.v1 import common_pb2, prepare_pb2
 
 DEFAULT_MAX_TOKENS = 256
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -107,23 +109,61 @@ def client_request_id(scoped_id: str) -> str:
     return scoped_id.rpartition(OWNER_SEPARATOR)[2]
 
 
-def render_chat(messages: Sequence[prepare_pb2.ChatMessage], tokenizer) -> list[int]:
+def render_chat(messages: Sequence[prepare_pb2.ChatMessage], tokenizer, tools: Sequence[prepare_pb2.Tool] = (),
+                template_kwargs: str = "") -> list[int]:
     """Token ids of ``messages`` rendered with the tokenizer's chat template, ending with the
-    assistant's generation prompt.
+    assistant's generation prompt; ``tools`` go to the template as transformers' ``tools=``,
+    assistant tool calls as ``tool_calls`` (arguments parsed), and ``template_kwargs`` (a JSON
+    object) as extra template variables.
 
     Raises:
-        RequestError: ``INVALID_ARGUMENT`` for an unknown role, or when the template rejects the
-            messages (e.g. a template that requires alternating roles).
+        RequestError: ``INVALID_ARGUMENT`` for an unknown role, tool arguments or a schema that
+            are not JSON, or when the template rejects the messages (e.g. a template that requires
+            alternating roles).
     """
-    for i, message in enumerate(messages):
-        if message.role not in CHAT_ROLES:
-            raise invalid_argument(f"messages[{i}].role: {message.role!r} is not one of {', '.join(CHAT_ROLES)}")
-    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    conversation = [_template_message(i, m) for i, m in enumerate(messages)]
+    extra = _json_field("chat_template_kwargs", template_kwargs, dict) if template_kwargs else {}
+    for reserved in ("conversation", "messages", "tools", "tokenize", "add_generation_prompt"):
+        if reserved in extra:
+            raise invalid_argument(f"chat_template_kwargs.{reserved}: set by the server; remove it")
+    template_tools = [{"type": "function", "function": {
+        "name": tool.name, "description": tool.description,
+        "parameters": _json_field(f"tools[{i}].parameters", tool.parameters, dict) if tool.parameters else {"type": "object"}}}
+        for i, tool in enumerate(tools)]
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(conversation, tools=template_tools or None, add_generation_prompt=True, tokenize=False,
+                                             **extra)
     except Exception as exc:  # jinja2 errors, or "no chat template" from transformers
         raise invalid_argument(f"messages: the model's chat template cannot render them ({exc}); send a raw prompt instead") from exc
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _template_message(index: int, message: prepare_pb2.ChatMessage) -> dict:
+    """``message`` as a chat template reads it (transformers' convention: tool arguments as a dict)."""
+    if message.role not in CHAT_ROLES:
+        raise invalid_argument(f"messages[{index}].role: {message.role!r} is not one of {', '.join(CHAT_ROLES)}")
+    rendered: dict = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        rendered["tool_calls"] = [
+            {"id": call.id, "type": "function", "function": {
+                "name": call.name, "arguments": _json_field(f"messages[{index}].tool_calls[{j}].arguments", call.arguments or "{}", dict)}}
+            for j, call in enumerate(message.tool_calls)]
+    if message.tool_call_id:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.name:
+        rendered["name"] = message.name
+    return rendered
+
+
+def _json_field(field: str, text: str, kind: type) -> object:
+    """``text`` parsed as JSON of type ``kind``. Raises RequestError (``INVALID_ARGUMENT``) naming ``field``."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise invalid_argument(f"{field}: not valid JSON ({exc})") from None
+    if not isinstance(value, kind):
+        raise invalid_argument(f"{field}: must be a JSON {'object' if kind is dict else kind.__name__}, got {type(value).__name__}")
+    return value
 
 
 def tokenize_prompt(
@@ -131,8 +171,11 @@ def tokenize_prompt(
     prompt: str = "",
     messages: Sequence[prepare_pb2.ChatMessage] = (),
     prompt_token_ids: Sequence[int] = (),
+    tools: Sequence[prepare_pb2.Tool] = (),
+    template_kwargs: str = "",
 ) -> list[int]:
-    """The prompt's token ids from exactly one of its three forms (ids are returned unchecked).
+    """The prompt's token ids from exactly one of its three forms (ids are returned unchecked);
+    ``tools`` and ``template_kwargs`` go to the chat template (see :func:`render_chat`).
 
     Raises:
         RequestError: ``INVALID_ARGUMENT`` when none or several forms are set, a chat message is
@@ -144,7 +187,9 @@ def tokenize_prompt(
         raise invalid_argument(f"prompt: set exactly one of prompt (non-empty text), messages, prompt_token_ids; got {what}")
     if prompt_token_ids:
         return list(prompt_token_ids)
-    ids = render_chat(messages, tokenizer) if messages else list(tokenizer.encode(prompt, add_special_tokens=True))
+    if (tools or template_kwargs) and not messages:
+        raise invalid_argument(f"{'tools' if tools else 'chat_template_kwargs'}: only with messages (they go to the chat template)")
+    ids = render_chat(messages, tokenizer, tools, template_kwargs) if messages else list(tokenizer.encode(prompt, add_special_tokens=True))
     if not ids:
         raise invalid_argument(f"{given[0]}: tokenizes to 0 tokens; give some text")
     return ids
@@ -166,7 +211,8 @@ def validate_generate_request(
     """
     check_generate_bounds(request)
     _check_text_can_fit(request, tokenizer, limits.max_model_len)
-    ids = tokenize_prompt(tokenizer, request.prompt, request.messages, request.prompt_token_ids)
+    ids = tokenize_prompt(tokenizer, request.prompt, request.messages, request.prompt_token_ids, request.tools,
+                          request.chat_template_kwargs)
     max_tokens = _max_tokens(request, len(ids), limits.max_model_len)
     _check_token_ids("prompt_token_ids", ids, limits.vocab_size)
     sampling = _sampling(request, limits.vocab_size)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from stageserve.v1 import common_pb2 as stageserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bstageserve/v1/prepare.proto\x12\rstageserve.v1\x1a\x1astageserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x88\x06\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.stageserve.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x08 \x01(\r\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12\x10\n\x08logprobs\x18\x11 \x01(\r\x12\x0e\n\x01n\x18\x12 \x01(\rH\x05\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x13 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x14 \x01(\x02\x12\x41\n\nlogit_bias\x18\x15 \x03(\x0b\x32-.stageserve.v1.GenerateRequest.LogitBiasEntry\x12\x0c\n\x04user\x18\x16 \x01(\t\x12\x17\n\ncache_salt\x18( \x01(\tH\x06\x88\x01\x01\x12-\n\nconstraint\x18) \x01(\x0b\x32\x19.stageserve.v1.Constraint\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x04\n\x02_nB\r\n\x0b_cache_salt\"\x7f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18( \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18) \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18* \x01(\r\"\xa7\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.stageserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.stageserve.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x06 \x01(\t\x12\x1a\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x88\x01\x01\x12#\n\x05usage\x18\x08 \x01(\x0b\x32\x14.stageserve.v1.Usage\x12\r\n\x05index\x18\t \x01(\rB\x10\n\x0e_stop_token_id\"\xca\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.stageserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.stageserve.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x06 \x01(\t\x12\x1a\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x88\x01\x01\x12#\n\x05usage\x18\x08 \x01(\x0b\x32\x14.stageserve.v1.Usage\x12\x36\n\x07\x63hoices\x18\t \x03(\x0b\x32%.stageserve.v1.GenerateStreamResponseB\x10\n\x0e_stop_token_id\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"O\n\x0fTokenizeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.stageserve.v1.ChatMessage\"D\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xeb\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x10\n\x08\x64ispatch\x18\x07 \x01(\t\x12\x16\n\x0epipeline_depth\x18\x08 \x01(\r\x12\x15\n\rkv_block_size\x18\t \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\n \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x0b \x01(\r\x12\x18\n\x10running_requests\x18\x0c \x01(\r\x12\x18\n\x10waiting_requests\x18\r \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x0e \x01(\r\x12,\n\x07\x64\x65vices\x18\x0f \x03(\x0b\x32\x1b.stageserve.v1.DeviceStatus\"\xe9\x01\n\x0c\x44\x65viceStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x10\n\x08\x61ttached\x18\x03 \x01(\x08\x12\x11\n\taccepting\x18\x04 \x01(\x08\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x18\n\x10running_requests\x18\x07 \x01(\r\x12\x18\n\x10waiting_requests\x18\x08 \x01(\r\x12\x0f\n\x07stalled\x18\t \x01(\x08\x12\x18\n\x10kv_blocks_cached\x18( \x01(\r2\x93\x03\n\nGeneration\x12K\n\x08Generate\x12\x1e.stageserve.v1.GenerateRequest\x1a\x1f.stageserve.v1.GenerateResponse\x12Y\n\x0eGenerateStream\x12\x1e.stageserve.v1.GenerateRequest\x1a%.stageserve.v1.GenerateStreamResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.stageserve.v1.AbortRequest\x1a\x1c.stageserve.v1.AbortResponse\x12K\n\x08Tokenize\x12\x1e.stageserve.v1.TokenizeRequest\x1a\x1f.stageserve.v1.TokenizeResponse\x12L\n\x0cGetModelInfo\x12\".stageserve.v1.GetModelInfoRequest\x1a\x18.stageserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bstageserve/v1/prepare.proto\x12\rstageserve.v1\x1a\x1astageserve/v1/common.proto\"}\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.stageserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\xca\x06\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.stageserve.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x08 \x01(\r\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12\x10\n\x08logprobs\x18\x11 \x01(\r\x12\x0e\n\x01n\x18\x12 \x01(\rH\x05\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x13 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x14 \x01(\x02\x12\x41\n\nlogit_bias\x18\x15 \x03(\x0b\x32-.stageserve.v1.GenerateRequest.LogitBiasEntry\x12\x0c\n\x04user\x18\x16 \x01(\t\x12\x17\n\ncache_salt\x18( \x01(\tH\x06\x88\x01\x01\x12-\n\nconstraint\x18) \x01(\x0b\x32\x19.stageserve.v1.Constraint\x12\"\n\x05tools\x18* \x03(\x0b\x32\x13.stageserve.v1.Tool\x12\x1c\n\x14\x63hat_template_kwargs\x18+ \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x04\n\x02_nB\r\n\x0b_cache_salt\"\x7f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18( \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18) \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18* \x01(\r\"\xa7\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.stageserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.stageserve.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x06 \x01(\t\x12\x1a\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x88\x01\x01\x12#\n\x05usage\x18\x08 \x01(\x0b\x32\x14.stageserve.v1.Usage\x12\r\n\x05index\x18\t \x01(\rB\x10\n\x0e_stop_token_id\"\xca\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.stageserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.stageserve.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x06 \x01(\t\x12\x1a\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x88\x01\x01\x12#\n\x05usage\x18\x08 \x01(\x0b\x32\x14.stageserve.v1.Usage\x12\x36\n\x07\x63hoices\x18\t \x03(\x0b\x32%.stageserve.v1.GenerateStreamResponseB\x10\n\x0e_stop_token_id\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"O\n\x0fTokenizeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.stageserve.v1.ChatMessage\"D\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xeb\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x10\n\x08\x64ispatch\x18\x07 \x01(\t\x12\x16\n\x0epipeline_depth\x18\x08 \x01(\r\x12\x15\n\rkv_block_size\x18\t \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\n \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x0b \x01(\r\x12\x18\n\x10running_requests\x18\x0c \x01(\r\x12\x18\n\x10waiting_requests\x18\r \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x0e \x01(\r\x12,\n\x07\x64\x65vices\x18\x0f \x03(\x0b\x32\x1b.stageserve.v1.DeviceStatus\"\xe9\x01\n\x0c\x44\x65viceStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x10\n\x08\x61ttached\x18\x03 \x01(\x08\x12\x11\n\taccepting\x18\x04 \x01(\x08\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x18\n\x10running_requests\x18\x07 \x01(\r\x12\x18\n\x10waiting_requests\x18\x08 \x01(\r\x12\x0f\n\x07stalled\x18\t \x01(\x08\x12\x18\n\x10kv_blocks_cached\x18( \x01(\r2\x93\x03\n\nGeneration\x12K\n\x08Generate\x12\x1e.stageserve.v1.GenerateRequest\x1a\x1f.stageserve.v1.GenerateResponse\x12Y\n\x0eGenerateStream\x12\x1e.stageserve.v1.GenerateRequest\x1a%.stageserve.v1.GenerateStreamResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.stageserve.v1.AbortRequest\x1a\x1c.stageserve.v1.AbortResponse\x12K\n\x08Tokenize\x12\x1e.stageserve.v1.TokenizeRequest\x1a\x1f.stageserve.v1.TokenizeResponse\x12L\n\x0cGetModelInfo\x12\".stageserve.v1.GetModelInfoRequest\x1a\x18.stageserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,31 +35,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=74
-  _globals['_CHATMESSAGE']._serialized_end=118
-  _globals['_GENERATEREQUEST']._serialized_start=121
-  _globals['_GENERATEREQUEST']._serialized_end=897
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=755
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=803
-  _globals['_USAGE']._serialized_start=899
-  _globals['_USAGE']._serialized_end=1026
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1029
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1324
-  _globals['_GENERATERESPONSE']._serialized_start=1327
-  _globals['_GENERATERESPONSE']._serialized_end=1657
-  _globals['_ABORTREQUEST']._serialized_start=1659
-  _globals['_ABORTREQUEST']._serialized_end=1693
-  _globals['_ABORTRESPONSE']._serialized_start=1695
-  _globals['_ABORTRESPONSE']._serialized_end=1727
-  _globals['_TOKENIZEREQUEST']._serialized_start=1729
-  _globals['_TOKENIZEREQUEST']._serialized_end=1808
-  _globals['_TOKENIZERESPONSE']._serialized_start=1810
-  _globals['_TOKENIZERESPONSE']._serialized_end=1878
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1880
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1901
-  _globals['_MODELINFO']._serialized_start=1904
-  _globals['_MODELINFO']._serialized_end=2267
-  _globals['_DEVICESTATUS']._serialized_start=2270
-  _globals['_DEVICESTATUS']._serialized_end=2503
-  _globals['_GENERATION']._serialized_start=2506
-  _globals['_GENERATION']._serialized_end=2909
+  _globals['_CHATMESSAGE']._serialized_end=199
+  _globals['_TOOLCALL']._serialized_start=201
+  _globals['_TOOLCALL']._serialized_end=256
+  _globals['_TOOL']._serialized_start=258
+  _globals['_TOOL']._serialized_end=319
+  _globals['_GENERATEREQUEST']._serialized_start=322
+  _globals['_GENERATEREQUEST']._serialized_end=1164
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1022
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1070
+  _globals['_USAGE']._serialized_start=1166
+  _globals['_USAGE']._serialized_end=1293
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1296
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1591
+  _globals['_GENERATERESPONSE']._serialized_start=1594
+  _globals['_GENERATERESPONSE']._serialized_end=1924
+  _globals['_ABORTREQUEST']._serialized_start=1926
+  _globals['_ABORTREQUEST']._serialized_end=1960
+  _globals['_ABORTRESPONSE']._serialized_start=1962
+  _globals['_ABORTRESPONSE']._serialized_end=1994
+  _globals['_TOKENIZEREQUEST']._serialized_start=1996
+  _globals['_TOKENIZEREQUEST']._serialized_end=2075
+  _globals['_TOKENIZERESPONSE']._serialized_start=2077
+  _globals['_TOKENIZERESPONSE']._serialized_end=2145
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2147
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2168
+  _globals['_MODELINFO']._serialized_start=2171
+  _globals['_MODELINFO']._serialized_end=2534
+  _globals['_DEVICESTATUS']._serialized_start=2537
+  _globals['_DEVICESTATUS']._serialized_end=2770
+  _globals['_GENERATION']._serialized_start=2773
+  _globals['_GENERATION']._serialized_end=3176
 # @@protoc_insertion_point(module_scope)

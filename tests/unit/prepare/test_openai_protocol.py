@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from stageserve.prepare.errors import RequestError
 from stageserve.prepare.openai_api import _parse
 from stageserve.prepare.openai_protocol import ChatCompletionRequest, CompletionRequest, chat_request, completion_request
+from stageserve.prepare.openai_tolerance import IGNORED_FIELDS
 from stageserve.v1 import common_pb2
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]}
 
 
@@ -50,7 +55,16 @@ def test_text_response_format_is_no_constraint():
 
 
 @pytest.mark.parametrize("body, message", [
-    ({**CHAT, "tools": [{"type": "function"}]}, "tools: is not supported"),
+    ({**CHAT, "tools": [{"type": "function"}]}, "tools.0.function: Field required"),
+    ({**CHAT, "tool_choice": "required"}, "tool_choice: 'required' needs tools"),
+    ({**CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name: 'g' is not"),
+    ({**CHAT, "tools": [TOOL, TOOL]}, "tools: two functions share a name"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "required"},
+     "tools: the parameters cannot constrain a forced call"),
+    ({**CHAT, "modalities": ["text", "audio"]}, "modalities: only text output"),
+    ({**CHAT, "audio": {"voice": "alloy"}}, "audio: audio output is not served"),
+    ({**CHAT, "functions": [{"name": "f"}]}, "functions: the legacy functions field"),
+    ({**CHAT, "messages": [{"role": "critic", "content": "x"}]}, "messages.0.role"),
     ({**CHAT, "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "response_format: cannot be combined"),
     ({**CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema: required"),
     ({**CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
@@ -69,3 +83,47 @@ def test_unsupported_values_are_refused_naming_the_field(body, message):
     with pytest.raises(RequestError, match="^" + message.replace("(", r"\(")) as refused:
         convert(_parse(model, body))
     assert refused.value.code.name == "INVALID_ARGUMENT"
+
+
+def test_fields_that_cannot_change_the_result_are_ignored(caplog):
+    harmless = {"metadata": {"k": "v"}, "store": True, "service_tier": "auto", "modalities": ["text"], "reasoning_effort": "low",
+                "prediction": {"type": "content", "content": "x"}, "parallel_tool_calls": False, "best_of": 1,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True, "include_obfuscation": False},
+                "a_field_nobody_knows": 1}
+    assert set(harmless) - {"modalities", "best_of", "stream_options", "a_field_nobody_knows", "parallel_tool_calls"} <= set(IGNORED_FIELDS)
+    with caplog.at_level("DEBUG", logger="stageserve.prepare.openai_tolerance"):
+        body = _parse(ChatCompletionRequest, {**CHAT, **harmless})
+        _parse(ChatCompletionRequest, {**CHAT, **harmless})  # logged once per field name
+    assert chat_request(body) == chat_request(_parse(ChatCompletionRequest, CHAT))
+    assert body.include_usage and body.continuous_usage
+    logged = [r.getMessage() for r in caplog.records]
+    assert sum("'metadata' ignored" in line for line in logged) == 1
+    assert any("'a_field_nobody_knows' is not known" in line for line in logged)
+
+
+def test_developer_role_is_system_and_tool_history_reaches_the_template_fields():
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    request = chat_request(_parse(ChatCompletionRequest, {"model": "m", "messages": messages, "tools": [TOOL],
+                                                          "chat_template_kwargs": {"enable_thinking": False}}))
+    assert [m.role for m in request.messages] == ["system", "user", "assistant", "tool"]
+    call = request.messages[2].tool_calls[0]
+    assert (call.id, call.name, call.arguments) == ("call_1", "get_weather", '{"city": "Paris"}')
+    assert request.messages[3].tool_call_id == "call_1" and request.messages[2].content == ""
+    assert [t.name for t in request.tools] == ["get_weather"] and request.chat_template_kwargs == '{"enable_thinking": false}'
+    assert not request.HasField("constraint")  # auto: the model decides
+
+
+def test_forced_tool_calls_are_constrained():
+    named = chat_request(_parse(ChatCompletionRequest, {**CHAT, "tools": [TOOL],
+                                                        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}))
+    assert json.loads(named.constraint.json_schema) == TOOL["function"]["parameters"]
+    required = chat_request(_parse(ChatCompletionRequest, {**CHAT, "tools": [TOOL], "tool_choice": "required",
+                                                           "parallel_tool_calls": False}))
+    schema = json.loads(required.constraint.json_schema)
+    assert (schema["type"], schema["minItems"], schema["maxItems"]) == ("array", 1, 1)
+    assert schema["items"]["anyOf"][0]["properties"]["name"] == {"const": "get_weather"}
+    none = chat_request(_parse(ChatCompletionRequest, {**CHAT, "tools": [TOOL], "tool_choice": "none"}))
+    assert not none.HasField("constraint") and len(none.tools) == 1

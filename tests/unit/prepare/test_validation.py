@@ -97,7 +97,7 @@ def test_tokenize_prompt_matches_validation(tokenizer):
         (dict(prompt=""), "prompt"),
         (dict(prompt="hi", prompt_token_ids=[1]), "prompt and prompt_token_ids"),
         (dict(prompt="hi", messages=[user("hi")]), "prompt and messages"),
-        (dict(messages=[prepare_pb2.ChatMessage(role="wizard", content="hi")]), "messages[0].role: 'wizard' is not one of system, user, assistant"),
+        (dict(messages=[prepare_pb2.ChatMessage(role="wizard", content="hi")]), "messages[0].role: 'wizard' is not one of system, user, assistant, tool"),
         (dict(prompt_token_ids=[1, 49152]), "prompt_token_ids[1]: token id 49152 is outside the vocabulary [0, 49152)"),
         (dict(prompt_token_ids=[-3]), "prompt_token_ids[0]"),
         (dict(prompt="hi", max_tokens=0), "max_tokens: must be at least 1"),
@@ -168,3 +168,36 @@ def test_a_constraint_is_kept_and_none_is_none(tokenizer):
     request = validate_generate_request(prepare_pb2.GenerateRequest(prompt="Hi", constraint=constraint), "r", tokenizer, LIMITS)
     assert request.constraint == constraint
     assert validate_generate_request(prepare_pb2.GenerateRequest(prompt="Hi"), "r", tokenizer, LIMITS).constraint is None
+
+
+TOOL_TEMPLATE = (  # a template that shows tools, tool calls, tool results and a template variable, as Qwen's do
+    "{% for t in tools or [] %}[tool {{ t.function.name }} {{ t.function.parameters | tojson }}]{% endfor %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}[call {{ c.id }} {{ c.function.name }} {{ c.function.arguments.city }}]{% endfor %}"
+    "{% if m.tool_call_id %}[for {{ m.tool_call_id }}]{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% if enable_thinking is false %}(no thinking){% endif %}{% endif %}")
+
+
+def test_tools_tool_history_and_template_kwargs_reach_the_chat_template(tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenizer, "chat_template", TOOL_TEMPLATE)
+    messages = [user("Weather?"),
+                prepare_pb2.ChatMessage(role="assistant", tool_calls=[prepare_pb2.ToolCall(id="c1", name="get_weather", arguments='{"city": "Oslo"}')]),
+                prepare_pb2.ChatMessage(role="tool", content="sunny", tool_call_id="c1")]
+    tools = [prepare_pb2.Tool(name="get_weather", parameters='{"type": "object"}')]
+    request = validate(tokenizer, messages=messages, tools=tools, chat_template_kwargs='{"enable_thinking": false}')
+    assert tokenizer.decode(request.prompt_token_ids) == (
+        '[tool get_weather {"type": "object"}]<user>Weather?<assistant>[call c1 get_weather Oslo]<tool>sunny[for c1]'
+        '<assistant>(no thinking)')
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(prompt="hi", tools=[prepare_pb2.Tool(name="f")]), "tools: only with messages"),
+    (dict(messages=[user("hi")], chat_template_kwargs="[1]"), "chat_template_kwargs: must be a JSON object"),
+    (dict(messages=[user("hi")], chat_template_kwargs='{"tools": 1}'), "chat_template_kwargs.tools: set by the server"),
+    (dict(messages=[user("hi")], tools=[prepare_pb2.Tool(name="f", parameters="{")]), "tools[0].parameters: not valid JSON"),
+    (dict(messages=[prepare_pb2.ChatMessage(role="assistant", tool_calls=[prepare_pb2.ToolCall(name="f", arguments="1")])]),
+     "messages[0].tool_calls[0].arguments: must be a JSON object"),
+    (dict(messages=[user("hi")], tools=[prepare_pb2.Tool(name="f")] * 129), "tools: 129 tools is more than the maximum of 128"),
+])
+def test_bad_tools_or_template_kwargs_are_refused(tokenizer, fields, message):
+    assert message in refused(tokenizer, **fields)
