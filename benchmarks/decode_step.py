@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.forward_batch import build_forward_batch
-from stageserve.device.model import LlamaModel
-from stageserve.device.quant import WEIGHT_FORMATS
+from stageserve.device.model.kv_cache import PagedKVCache
+from stageserve.device.model.forward_batch import build_forward_batch
+from stageserve.device.model.decoder import LlamaModel
+from stageserve.device.kernels.quant import WEIGHT_FORMATS
 from stageserve.device.sampler import argmax_rows
-from stageserve.device.weights import load_weights
+from stageserve.device.model.weights import load_weights
 from stageserve.model_files import embedded_model_path, transformers_source
 
 BLOCK_SIZE = 16

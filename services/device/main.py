@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = 50052
 DEFAULT_METRICS_PORT = 9102
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-WEIGHT_FORMATS = ("auto", "dequantize", "int8", "int4")  # the same as stageserve.device.quant.WEIGHT_FORMATS, which imports torch
-# ngram: stageserve.device.proposer.PROPOSERS; draft: stageserve.device.draft_model (both import torch)
+WEIGHT_FORMATS = ("auto", "dequantize", "int8", "int4")  # the same as stageserve.device.kernels.quant.WEIGHT_FORMATS, which imports torch
+# ngram: stageserve.device.speculation.proposer.PROPOSERS; draft: stageserve.device.speculation.draft_model (both import torch)
 PROPOSER_NAMES = ("ngram", "draft")
 SPECULATIVE_POLICIES = ("goodput", "always")  # --speculative-policy (docs/speculative.md#which-rows-draft)
 CPU_DEFAULT_KV_BYTES = 512 * 1024**2
@@ -105,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
 
-    if args.backend == "cpu" and args.threads is None:  # the CPUs it may use, not the host's (cpu_budget.py)
-        from stageserve.device.cpu_budget import default_compute_threads
+    if args.backend == "cpu" and args.threads is None:  # the CPUs it may use, not the host's (kernels/cpu_budget.py)
+        from stageserve.device.kernels.cpu_budget import default_compute_threads
 
         args.threads = default_compute_threads()
     import torch  # noqa: F401 - heavy imports only past --help
@@ -157,7 +157,7 @@ def _load(args: argparse.Namespace, model_path: Path, server, tracer, metrics, b
 
     Returns the `DeviceCore`, or the exit code 2 after logging why it could not be built.
     """
-    from stageserve.device.model_config import ModelLoadError
+    from stageserve.device.model.config import ModelLoadError
 
     try:
         return build_core(args, model_path, tracer, metrics, backend)
@@ -264,7 +264,7 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
     import torch
 
     from stageserve.device.executor import StepExecutor
-    from stageserve.device.kv_cache import PagedKVCache
+    from stageserve.device.model.kv_cache import PagedKVCache
     from stageserve.device.sampler import validate_sampling_params
     from stageserve.device.sequence_table import SequenceTable
     from stageserve.device.service import CompletionOutbox, DeviceCore
@@ -325,7 +325,7 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
         grammar.grammars.wait_ready()
     step_costs = []
     if num_drafts and args.speculative_policy == "goodput" and model is not None:
-        from stageserve.device.step_costs import measure_step_costs
+        from stageserve.device.speculation.step_costs import measure_step_costs
 
         # After the grammar worker's start-up work: it would take a core from the measured steps.
         step_costs = measure_step_costs(executor, table, limits, check_sampling, speculation)
@@ -360,7 +360,7 @@ def _num_blocks(args: argparse.Namespace, config, draft_config, dtype, kv_bytes:
     Raises:
         RuntimeError: not even one block fits.
     """
-    from stageserve.device.kv_cache import bytes_per_block, num_blocks_for_memory
+    from stageserve.device.model.kv_cache import bytes_per_block, num_blocks_for_memory
 
     num_blocks = num_blocks_for_memory(config, args.block_size, dtype, kv_bytes, draft_config)
     if num_blocks < 1:
@@ -375,9 +375,9 @@ def _num_blocks(args: argparse.Namespace, config, draft_config, dtype, kv_bytes:
 
 def _speculation(args: argparse.Namespace, limits, draft, dtype, device):
     """The device's `Speculation` for ``--speculative-method`` (``draft``: over the loaded ``draft`` model)."""
-    from stageserve.device.draft_model import DraftModelProposer
-    from stageserve.device.proposer import PROPOSERS
-    from stageserve.device.speculative import Speculation
+    from stageserve.device.speculation.draft_model import DraftModelProposer
+    from stageserve.device.speculation.proposer import PROPOSERS
+    from stageserve.device.speculation.verification import Speculation
 
     if args.speculative_method == "draft":
         proposer = DraftModelProposer(draft, limits.vocab_size, limits.num_blocks, limits.block_size, dtype)
@@ -394,7 +394,7 @@ def _load_draft(args: argparse.Namespace, model_path: Path, dtype, device):
         FileNotFoundError: no such path.
         ModelLoadError: not loadable, or its tokenizer differs from the target's (the message says what to change).
     """
-    from stageserve.device.model_config import ModelLoadError
+    from stageserve.device.model.config import ModelLoadError
 
     draft_path = resolve_model_path(args.draft_model, "--draft-model")
     if draft_path.resolve() != model_path.resolve():
@@ -409,7 +409,7 @@ def _load_draft(args: argparse.Namespace, model_path: Path, dtype, device):
 
 def _vocabulary(path: Path) -> dict[str, int]:
     """Token -> id of the tokenizer of the model at ``path``. Raises ``ModelLoadError`` where there is none."""
-    from stageserve.device.model_config import ModelLoadError
+    from stageserve.device.model.config import ModelLoadError
     from stageserve.tokenizer import load_tokenizer
 
     try:
@@ -422,7 +422,7 @@ def _load_model(args: argparse.Namespace, model_path: Path, dtype, backend):
     """(backend, model, model config) for ``--backend``: the sim has no model, only the config."""
     from stageserve.device.backends import create_backend
     from stageserve.device.sim import SimBackend
-    from stageserve.device.weights import load_config
+    from stageserve.device.model.weights import load_config
 
     if args.backend == "sim":
         log.info("simulated device: %s's config, no weights; %g ms per step + %g us per token", model_path.name, args.sim_step_ms, args.sim_token_us)
@@ -436,11 +436,11 @@ def _load_llama(args: argparse.Namespace, path: Path, dtype, device):
     """The `LlamaModel` at ``path`` on ``device``, with the flags' weight format and kernels (``--model`` and ``--draft-model`` alike)."""
     import torch
 
-    from stageserve.device.model import LlamaModel
+    from stageserve.device.model.decoder import LlamaModel
 
     log.info("loading %s as %s on %s", path, str(dtype).removeprefix("torch."), device)
     weight_format = args.weights
-    from stageserve.device import cpu_kernels
+    from stageserve.device.kernels import cpu_kernels
 
     # The VNNI kernel takes bfloat16 and float32; torch's int4/int8 CPU kernels are fast with bfloat16
     # input only (float32: ~9 ms per 576x576 int4 row, measured).
@@ -460,7 +460,7 @@ def _kv_bytes(args: argparse.Namespace, device, saved_bytes: int = 0) -> int:
     """Bytes for the KV pool: ``--kv-cache-memory``, else ``--kv-cache-fraction`` of the free
     accelerator memory (a default fraction on cuda/npu), else a fixed default on the cpu and the sim
     plus ``saved_bytes``, what quantized weights save against one dense copy."""
-    from stageserve.device.kv_cache import kv_memory_budget
+    from stageserve.device.model.kv_cache import kv_memory_budget
 
     if args.kv_cache_memory is not None:
         return args.kv_cache_memory
@@ -531,7 +531,7 @@ def _warm_up(executor, table, limits, check_sampling) -> None:
     Raises:
         RuntimeError: the warm-up step failed (the message carries the step's error).
     """
-    from stageserve.device.step_costs import GREEDY, run_alone
+    from stageserve.device.speculation.step_costs import GREEDY, run_alone
     from stageserve.v1 import common_pb2, device_pb2
 
     tokens = list(range(min(8, limits.block_size * limits.num_blocks, limits.max_model_len)))

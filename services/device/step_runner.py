@@ -31,13 +31,13 @@ import torch
 
 from stageserve.device.backends import to_device
 from stageserve.device.executor import SlotBuffers, StepResult
-from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.forward_batch import ForwardBatch, build_forward_batch
+from stageserve.device.model.kv_cache import PagedKVCache
+from stageserve.device.model.forward_batch import ForwardBatch, build_forward_batch
 from stageserve.device.grammar import GrammarRows, GrammarTable
-from stageserve.device.model import LlamaModel
+from stageserve.device.model.decoder import LlamaModel
 from stageserve.device.sampler import SampleResult, sample
 from stageserve.device.sequence_table import SequenceTable, StagedStarts
-from stageserve.device.speculative import Speculation, StagedSpeculation
+from stageserve.device.speculation.verification import Speculation, StagedSpeculation
 from stageserve.device.step_plan import AdmittedStep
 
 

@@ -146,9 +146,9 @@ def reclaim(stub):
 @pytest.fixture(scope="module")
 def reference_tokens():
     """The first three greedy tokens after PROMPT from the same model in this process, with the device's default ``--weights auto``."""
-    from stageserve.device.kv_cache import PagedKVCache
-    from stageserve.device.forward_batch import build_forward_batch
-    from stageserve.device.model import LlamaModel
+    from stageserve.device.model.kv_cache import PagedKVCache
+    from stageserve.device.model.forward_batch import build_forward_batch
+    from stageserve.device.model.decoder import LlamaModel
     from stageserve.model_files import embedded_model_path
 
     model = LlamaModel.from_path(embedded_model_path(), torch.float32, "cpu", weight_format="auto")

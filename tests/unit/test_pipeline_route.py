@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-HOP = re.compile(r"`((?:prepare|device|reclaim)/\w+\.py):([\w.]+)`")
+HOP = re.compile(r"`((?:prepare|device|reclaim)/[\w/]+\.py):([\w.]+)`")
 
 
 def _route() -> str:

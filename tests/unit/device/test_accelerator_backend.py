@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from stageserve.device.backends import StreamBackend
-from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.forward_batch import build_forward_batch
-from stageserve.device.model import LlamaModel
+from stageserve.device.model.kv_cache import PagedKVCache
+from stageserve.device.model.forward_batch import build_forward_batch
+from stageserve.device.model.decoder import LlamaModel
 from tests.tiny_checkpoint import write_tiny_checkpoint
 from tests.unit.device.test_executor import run_plans
 

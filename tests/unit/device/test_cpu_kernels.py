@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from stageserve.device import cpu_kernels
-from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.forward_batch import ForwardBatch, build_forward_batch
-from stageserve.device.model import LlamaModel
-from stageserve.device.rope import apply_rope, rope_tables
-from stageserve.device.weights import load_weights
+from stageserve.device.kernels import cpu_kernels
+from stageserve.device.model.kv_cache import PagedKVCache
+from stageserve.device.model.forward_batch import ForwardBatch, build_forward_batch
+from stageserve.device.model.decoder import LlamaModel
+from stageserve.device.model.rope import apply_rope, rope_tables
+from stageserve.device.model.weights import load_weights
 from stageserve.model_files import embedded_model_path
 
 
@@ -307,7 +307,7 @@ def test_norms_and_swiglu_match_torch(dtype, rows):
 def test_rope_and_cache_matches_rope_then_store(dtype, heads, kv_heads, head_dim):
     """Rotated q/k heads equal ``apply_rope``'s; keys and values land in the named slots of the pool
     and every other slot is untouched."""
-    from stageserve.device.model_config import ModelConfig
+    from stageserve.device.model.config import ModelConfig
 
     g = torch.Generator().manual_seed(head_dim)
     config = ModelConfig(

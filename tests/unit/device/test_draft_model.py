@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stageserve.device.draft_model import DraftModelProposer
-from stageserve.device.forward_batch import build_forward_batch
-from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.model import LlamaModel
-from stageserve.device.proposer import ProposalStep, StepLayout, TokenHistory
-from stageserve.device.speculative import PLACEHOLDER
+from stageserve.device.speculation.draft_model import DraftModelProposer
+from stageserve.device.model.forward_batch import build_forward_batch
+from stageserve.device.model.kv_cache import PagedKVCache
+from stageserve.device.model.decoder import LlamaModel
+from stageserve.device.speculation.proposer import ProposalStep, StepLayout, TokenHistory
+from stageserve.device.speculation.verification import PLACEHOLDER
 from tests.tiny_checkpoint import write_tiny_checkpoint
 
 CPU = torch.device("cpu")

@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.forward_batch import build_forward_batch
-from stageserve.device.model import LlamaModel
+from stageserve.device.model.kv_cache import PagedKVCache
+from stageserve.device.model.forward_batch import build_forward_batch
+from stageserve.device.model.decoder import LlamaModel
 from stageserve.model_files import embedded_model_path
 
 BLOCK_SIZE = 16

@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from stageserve.device.kv_cache import PagedKVCache, bytes_per_block, kv_memory_budget, num_blocks_for_memory
-from stageserve.device.forward_batch import build_forward_batch
-from stageserve.device.model import LlamaModel
+from stageserve.device.model.kv_cache import PagedKVCache, bytes_per_block, kv_memory_budget, num_blocks_for_memory
+from stageserve.device.model.forward_batch import build_forward_batch
+from stageserve.device.model.decoder import LlamaModel
 from stageserve.model_files import embedded_model_path
 
 BLOCK_SIZE = 4

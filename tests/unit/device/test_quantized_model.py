@@ -18,9 +18,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.forward_batch import build_forward_batch
-from stageserve.device.model import LlamaModel
+from stageserve.device.model.kv_cache import PagedKVCache
+from stageserve.device.model.forward_batch import build_forward_batch
+from stageserve.device.model.decoder import LlamaModel
 from stageserve.model_files import embedded_model_path
 from stageserve.tokenizer import load_tokenizer
 from tests.unit.device.test_model_reference import PROMPT, greedy

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from stageserve.device import main as device_main
-from stageserve.device.step_costs import LONG_CONTEXT, ROW_POINTS, SHORT_CONTEXT
+from stageserve.device.speculation.step_costs import LONG_CONTEXT, ROW_POINTS, SHORT_CONTEXT
 
 from tests.tiny_checkpoint import write_tiny_checkpoint
 

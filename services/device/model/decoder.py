@@ -20,14 +20,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from stageserve.device import cpu_kernels, quant
-from stageserve.device.forward_batch import ForwardBatch
-from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.model_config import ModelConfig
-from stageserve.device.quant import QuantizedWeight
-from stageserve.device.quant_linear import QuantizedLinear, fits
-from stageserve.device.rope import apply_rope, rope_tables
-from stageserve.device.weights import expected_shapes, load_weights
+from stageserve.device.kernels import cpu_kernels, quant
+from stageserve.device.model.forward_batch import ForwardBatch
+from stageserve.device.model.kv_cache import PagedKVCache
+from stageserve.device.model.config import ModelConfig
+from stageserve.device.kernels.quant import QuantizedWeight
+from stageserve.device.kernels.quant_linear import QuantizedLinear, fits
+from stageserve.device.model.rope import apply_rope, rope_tables
+from stageserve.device.model.weights import expected_shapes, load_weights
 
 # ---- model ------------------------------------------------------------------------------------
 

@@ -44,8 +44,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stageserve.device import cpu_kernels
-from stageserve.device.quant import GROUP, Int4Weight, Int8Weight, round_symmetric_int8
+from stageserve.device.kernels import cpu_kernels
+from stageserve.device.kernels.quant import GROUP, Int4Weight, Int8Weight, round_symmetric_int8
 
 LANES = 16  # output rows per panel of the VNNI layout (one per int32 lane)
 VNNI_MAX_ROWS = {8: 8, 16: 8}  # by input bits, measured (docs/benchmarks.md): about where the AMX copy starts to win

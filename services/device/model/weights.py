@@ -21,8 +21,8 @@ import torch
 from gguf.quants import dequantize
 from safetensors import safe_open
 
-from stageserve.device.model_config import ModelConfig, ModelLoadError, config_from_gguf, config_from_hf
-from stageserve.device.quant import KEPT_TYPES, QuantizedWeight, from_gguf_bytes
+from stageserve.device.model.config import ModelConfig, ModelLoadError, config_from_gguf, config_from_hf
+from stageserve.device.kernels.quant import KEPT_TYPES, QuantizedWeight, from_gguf_bytes
 
 log = logging.getLogger(__name__)
 

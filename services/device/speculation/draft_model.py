@@ -36,10 +36,10 @@ from dataclasses import dataclass
 import torch
 
 from stageserve.device.backends import to_device
-from stageserve.device.forward_batch import ForwardBatch, PrefillSegment, decode_batch, decode_slots_and_masks
-from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.model import LlamaModel
-from stageserve.device.proposer import ProposalStep, StepLayout, TokenHistory, no_drafts
+from stageserve.device.model.forward_batch import ForwardBatch, PrefillSegment, decode_batch, decode_slots_and_masks
+from stageserve.device.model.kv_cache import PagedKVCache
+from stageserve.device.model.decoder import LlamaModel
+from stageserve.device.speculation.proposer import ProposalStep, StepLayout, TokenHistory, no_drafts
 from stageserve.device.sampler import argmax_rows
 
 
