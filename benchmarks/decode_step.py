@@ -29,7 +29,7 @@ import torch
 from stageserve.device.model.kv_cache import PagedKVCache
 from stageserve.device.model.forward_batch import build_forward_batch
 from stageserve.device.model.decoder import LlamaModel
-from stageserve.device.kernels.quant import WEIGHT_FORMATS
+from stageserve.device.flags import WEIGHT_FORMATS
 from stageserve.device.sampler import argmax_rows
 from stageserve.device.model.weights import load_weights
 from stageserve.model_files import embedded_model_path, transformers_source

@@ -121,7 +121,7 @@ class LlamaModel:
         dtype and head shape (``self.cpu_kernels`` says whether they do), and with them the bfloat16
         linears of decode-sized inputs on AMX where the CPU has it (``self.amx_linears``;
         ``amx_allowed=False`` keeps them on oneDNN, without the AMX copy of the weights); ``False``
-        keeps the pure-torch path (for comparison). ``weight_format`` (``quant.WEIGHT_FORMATS``):
+        keeps the pure-torch path (for comparison). ``weight_format`` (``flags.WEIGHT_FORMATS``):
         which linears run on weight-only int4/int8 kernels (CPU only; see `quant.kernel_weight`;
         the VNNI one only with ``cpu_kernels_allowed``, else torch's, `quant_linear.kernel_for`);
         ``self.linear_formats`` counts the linears by the format they run in. ``dense_copy``: a
