@@ -210,7 +210,7 @@ class QuantizedLinear:
     def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype,
                  dense_copy: Callable[[torch.Tensor], Any] | None = None, input_bits: int = 16, own_kernels: bool = True) -> None:
         """``weight`` in a format `fits` takes, ``bias`` [N] of ``dtype`` or ``None``; ``dtype`` is the
-        activations'. ``dense_copy``: builds the dense linear (e.g. ``model.Linear``) from the
+        activations'. ``dense_copy``: builds the dense linear (e.g. ``model.linear.Linear``) from the
         dequantized weight [N, K]. ``input_bits``: see `VnniKernel`; ``own_kernels=False``: torch's
         kernels even where the VNNI one runs (``--no-cpu-kernels``).
 

@@ -174,7 +174,7 @@ def test_the_dense_companion_runs_any_row_count_on_its_one_amx_copy(gated):
     """``Linear(one_copy=True)`` (a quantized linear's dense copy) holds only the AMX copy and runs
     inputs of more than 64 rows on it 64 at a time, as oneDNN would compute them."""
     from stageserve.device.kernels import cpu_kernels
-    from stageserve.device.model.decoder import Linear
+    from stageserve.device.model.linear import Linear
 
     weight = (torch.randn(2 * 256 if gated else 256, 128) * 0.05).bfloat16()
     if not cpu_kernels.amx_ready(weight, gated):
