@@ -189,7 +189,7 @@ def _load_draft(args: argparse.Namespace, model_path: Path, dtype, device):
                 "its tokenizer gives some tokens other ids than --model's"
             raise ModelLoadError(f"--draft-model {draft_path}: {differs}; choose a draft model that shares the target's tokenizer "
                                  "(a smaller model of the same family)")
-    return _load_llama(args, draft_path, dtype, device)
+    return _load_decoder(args, draft_path, dtype, device)
 
 
 def _vocabulary(path: Path) -> dict[str, int]:
@@ -213,15 +213,15 @@ def _load_model(args: argparse.Namespace, model_path: Path, dtype, backend):
         log.info("simulated device: %s's config, no weights; %g ms per step + %g us per token", model_path.name, args.sim_step_ms, args.sim_token_us)
         return SimBackend(), None, load_config(model_path)
     backend = backend or create_backend(args.backend, args.threads)
-    model = _load_llama(args, model_path, dtype, backend.device)
+    model = _load_decoder(args, model_path, dtype, backend.device)
     return backend, model, model.config
 
 
-def _load_llama(args: argparse.Namespace, path: Path, dtype, device):
-    """The `LlamaModel` at ``path`` on ``device``, with the flags' weight format and kernels (``--model`` and ``--draft-model`` alike)."""
+def _load_decoder(args: argparse.Namespace, path: Path, dtype, device):
+    """The `DecoderModel` at ``path`` on ``device``, with the flags' weight format and kernels (``--model`` and ``--draft-model`` alike)."""
     import torch
 
-    from stageserve.device.model.decoder import LlamaModel
+    from stageserve.device.model.decoder import DecoderModel
 
     log.info("loading %s as %s on %s", path, str(dtype).removeprefix("torch."), device)
     weight_format = args.weights
@@ -234,7 +234,7 @@ def _load_llama(args: argparse.Namespace, path: Path, dtype, device):
         log.info("--weights auto: %s activations keep every weight dense (the quantized kernels here need %s)",
                  str(dtype).removeprefix("torch."), "bfloat16 or float32" if vnni else "bfloat16")
         weight_format = "dequantize"
-    model = LlamaModel.from_path(path, dtype, device, cpu_kernels_allowed=not args.no_cpu_kernels, amx_allowed=not args.no_amx_linears,
+    model = DecoderModel.from_path(path, dtype, device, cpu_kernels_allowed=not args.no_cpu_kernels, amx_allowed=not args.no_amx_linears,
                                  weight_format=weight_format, dense_copy=not args.no_dense_copy)
     log.info("layers run %s%s", "with the fused CPU kernels" if model.cpu_kernels else "in plain torch ops",
              ", decode-sized linears on AMX" if model.amx_linears else "")

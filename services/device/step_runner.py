@@ -34,7 +34,7 @@ from stageserve.device.executor import SlotBuffers, StepResult
 from stageserve.device.model.kv_cache import PagedKVCache
 from stageserve.device.model.forward_batch import ForwardBatch, build_forward_batch
 from stageserve.device.grammar import GrammarRows, GrammarTable
-from stageserve.device.model.decoder import LlamaModel
+from stageserve.device.model.decoder import DecoderModel
 from stageserve.device.sampler import SampleResult, sample
 from stageserve.device.sequence_table import SequenceTable, StagedStarts
 from stageserve.device.speculation.verification import Speculation, StagedSpeculation
@@ -72,7 +72,7 @@ class ModelStepRunner:
     constrained sequences' grammar state in ``grammar`` (``None``: constraints are not served); with
     ``speculation``, decode rows verify drafts (see the module docstring)."""
 
-    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, table: SequenceTable, grammar: GrammarTable | None = None,
+    def __init__(self, model: DecoderModel, kv_cache: PagedKVCache, table: SequenceTable, grammar: GrammarTable | None = None,
                  speculation: Speculation | None = None) -> None:
         self.model, self.kv_cache, self.table, self.grammar, self.speculation = model, kv_cache, table, grammar, speculation
         self.device = model.device

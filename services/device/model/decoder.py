@@ -59,7 +59,7 @@ class LayerWeights:
         return qkv
 
 
-class LlamaModel:
+class DecoderModel:
     """The decoder's weights on one device and its forward pass (no autograd, no nn.Module hooks)."""
 
     def __init__(
@@ -169,7 +169,7 @@ class LlamaModel:
     def from_path(
         cls, path: Path, dtype: torch.dtype, device: torch.device | str, cpu_kernels_allowed: bool = True, amx_allowed: bool = True,
         weight_format: str = "dequantize", dense_copy: bool = True,
-    ) -> LlamaModel:
+    ) -> DecoderModel:
         """Load a GGUF file or HF directory (see ``load_weights``; raises ``ModelLoadError``); the options as in ``__init__``."""
         config, weights = load_weights(path, dtype, keep_quantized=weight_format != "dequantize")
         return cls(config, weights, device, cpu_kernels_allowed, amx_allowed, weight_format, dense_copy)

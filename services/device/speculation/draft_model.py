@@ -38,7 +38,7 @@ import torch
 from stageserve.device.backends import to_device
 from stageserve.device.model.forward_batch import ForwardBatch, PrefillSegment, decode_batch, decode_slots_and_masks
 from stageserve.device.model.kv_cache import PagedKVCache
-from stageserve.device.model.decoder import LlamaModel
+from stageserve.device.model.decoder import DecoderModel
 from stageserve.device.speculation.proposer import ProposalStep, StepLayout, TokenHistory, no_drafts
 from stageserve.device.sampler import argmax_rows
 
@@ -75,7 +75,7 @@ class DraftModelProposer:
     the ids both have.
     """
 
-    def __init__(self, model: LlamaModel, vocab_size: int, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, model: DecoderModel, vocab_size: int, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
         self.model, self.block_size = model, block_size
         self.vocab_size = min(vocab_size, model.config.vocab_size)
         self.kv_cache = PagedKVCache(model.config, num_blocks + 1, block_size, dtype, model.device)

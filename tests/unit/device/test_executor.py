@@ -202,10 +202,10 @@ def test_a_release_before_delivery_frees_the_slot_only_after_the_step_completes(
 @pytest.fixture(scope="module")
 def real_model():
     """The embedded model in float32 on the CPU (loaded once for this module)."""
-    from stageserve.device.model.decoder import LlamaModel
+    from stageserve.device.model.decoder import DecoderModel
     from stageserve.model_files import embedded_model_path
 
-    return LlamaModel.from_path(embedded_model_path(), torch.float32, "cpu")
+    return DecoderModel.from_path(embedded_model_path(), torch.float32, "cpu")
 
 
 EMBEDDED_PROMPTS = ([1, 9690, 198, 2683, 359, 253, 5356], [1, 4093, 1050, 28, 6128, 314])

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from stageserve.device.kernels import cpu_kernels as cpu_kernel_ops
 from stageserve.device.model import family
-from stageserve.device.model.decoder import LlamaModel
+from stageserve.device.model.decoder import DecoderModel
 from stageserve.device.model.weights import load_config
 from tests.tiny_checkpoint import write_tiny_checkpoint
 from tests.unit.device.test_model_reference import greedy, hf_greedy
@@ -62,7 +62,7 @@ def test_qwen3_config_reads_head_dim_and_qk_norm(qwen3_dir):
 def test_qwen3_hf_checkpoint_matches_transformers(qwen3_dir, reference, cpu_kernels):
     """float32 logits of the prefill and 16 decode steps within 1e-4 of transformers', and the same greedy tokens."""
     prompt, ref_tokens, ref_logits = reference
-    model = LlamaModel.from_path(qwen3_dir, torch.float32, "cpu", cpu_kernels_allowed=cpu_kernels)
+    model = DecoderModel.from_path(qwen3_dir, torch.float32, "cpu", cpu_kernels_allowed=cpu_kernels)
     assert model.cpu_kernels == (cpu_kernels and cpu_kernel_ops.available(torch.float32, 64, 2))
     tokens, logits = greedy(model, prompt, NEW_TOKENS)
     assert (logits[:17] - ref_logits[:17]).abs().max() < 1e-4
@@ -108,7 +108,7 @@ def test_qwen3_gguf_gives_transformers_tokens(qwen3_dir, reference, tmp_path):
     to the same config and give transformers' greedy tokens, logits within 1e-4."""
     prompt, ref_tokens, ref_logits = reference
     path = write_qwen3_gguf(qwen3_dir, tmp_path / "qwen3.gguf")
-    model = LlamaModel.from_path(path, torch.float32, "cpu")
+    model = DecoderModel.from_path(path, torch.float32, "cpu")
     assert (model.config.architecture, model.config.head_dim, model.config.qk_norm) == ("qwen3", 64, True)
     tokens, logits = greedy(model, prompt, NEW_TOKENS)
     assert (logits[:17] - ref_logits[:17]).abs().max() < 1e-4

@@ -152,10 +152,10 @@ def test_a_batch_without_some_decode_entries_computes_the_same_logits_for_the_re
     the entries and rows it keeps get the logits the whole batch gives them, in order."""
     from stageserve.device.model.forward_batch import build_forward_batch
     from stageserve.device.model.kv_cache import PagedKVCache
-    from stageserve.device.model.decoder import LlamaModel
+    from stageserve.device.model.decoder import DecoderModel
     from tests.tiny_checkpoint import write_tiny_checkpoint
 
-    model = LlamaModel.from_path(write_tiny_checkpoint(tmp_path / "tiny"), torch.float32, CPU)
+    model = DecoderModel.from_path(write_tiny_checkpoint(tmp_path / "tiny"), torch.float32, CPU)
     block_size, tables = 4, ([0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11])
     prompts = ([5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16])
 
