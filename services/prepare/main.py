@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     from stageserve.metrics_http import start_metrics_server
     from stageserve.model_files import resolve_model_path
-    from stageserve.prepare.api import GenerationServicer
+    from stageserve.prepare.service import GenerationServicer
     from stageserve.prepare.frontend import GenerationFrontend
     from stageserve.prepare.connector import PipelineConnector
     from stageserve.prepare.engine import Engine

@@ -42,7 +42,7 @@ from stageserve.device import assembly as device_assembly, flags as device_flags
 from stageserve.device.backends import create_backend
 from stageserve.device.plan_submitter import PlanSubmitter
 from stageserve.device.service import DeviceCore
-from stageserve.prepare.api import stream_chunk
+from stageserve.prepare.service import stream_chunk
 from stageserve.prepare.engine import Engine
 from stageserve.prepare.errors import RequestError
 from stageserve.prepare.validation import validate_generate_request
