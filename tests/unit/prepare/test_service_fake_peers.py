@@ -17,7 +17,7 @@ from stageserve.prepare.service import GenerationServicer
 from stageserve.prepare.connector import PipelineConnector
 from stageserve.prepare.frontend import GenerationFrontend
 from stageserve.prepare.engine import Engine
-from stageserve.prepare.main import SERVICE_NAME
+from stageserve.prepare.service import SERVICE_NAME
 from stageserve.prepare.metrics import PrepareMetrics
 from stageserve.prepare.request_handle import LoopWaker
 from stageserve.prepare.router import DeviceRouter
