@@ -1,4 +1,4 @@
-"""The reclaim service: the devices' completion streams in, ``Reclaim.Subscribe`` streams out.
+"""reclaim's links to the devices: their completion streams in, each step's events into the publisher.
 
 :class:`CompletionLink` owns the connection to one device: ``Device.Attach`` (EOS ids, sequence
 table, instance id), then the ``Device.Complete`` bidi stream, whose events it feeds (through
@@ -27,30 +27,24 @@ import queue
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import Callable
 
 import grpc
-from prometheus_client import CollectorRegistry
 
 from stageserve.backoff import Backoff
 from stageserve.device_endpoints import DeviceEndpoints, EndpointFollower, Resolver
-from stageserve.metrics_http import start_metrics_server
 from stageserve.reclaim.completion import CompletionHandler
-from stageserve.reclaim.detokenizer import IncrementalDetokenizer, decoder_for
+from stageserve.reclaim.detokenizer import IncrementalDetokenizer
 from stageserve.reclaim.device_stream import StreamEnd, consume_stream, receive
 from stageserve.reclaim.metrics import ReclaimMetrics, StepObserver
-from stageserve.reclaim.publisher import Publisher, Subscription, TooManySubscribers
-from stageserve.security.config import ServiceSecurity
+from stageserve.reclaim.publisher import Publisher
 from stageserve.security.tls import TlsFiles, dial
-from stageserve.server import GRPC_OPTIONS, ServiceServer
-from stageserve.tokenizer import load_tokenizer
+from stageserve.server import GRPC_OPTIONS
 from stageserve.tracing import Tracer
-from stageserve.v1 import device_pb2, device_pb2_grpc, reclaim_pb2, reclaim_pb2_grpc
+from stageserve.v1 import device_pb2, device_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "stageserve.v1.Reclaim"
 ATTACH_TIMEOUT_S = 5.0
 
 
@@ -255,91 +249,3 @@ class CompletionLinks:
                 self._attached.discard(address)
             if bool(self._attached) != was_ready:
                 self._on_ready(bool(self._attached))
-
-
-class ReclaimServicer(reclaim_pb2_grpc.ReclaimServicer):
-    """``Reclaim.Subscribe``: stream every published ``StepEvents`` from now on."""
-
-    def __init__(self, publisher: Publisher) -> None:
-        self._publisher = publisher
-
-    def Subscribe(self, request: reclaim_pb2.SubscribeRequest, context: grpc.ServicerContext):
-        try:
-            subscription: Subscription = self._publisher.subscribe(request.peer or context.peer())
-        except TooManySubscribers as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        context.add_callback(lambda: self._publisher.unsubscribe(subscription))
-        # Headers now, so the subscriber knows it is subscribed before it sends any plan.
-        context.send_initial_metadata(())
-        yield from subscription
-        if subscription.drop_reason:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, subscription.drop_reason)
-
-
-def serve(
-    *,
-    device: DeviceEndpoints,
-    device_refresh_s: float,
-    model_path: Path,
-    completion_timeout_s: float,
-    host: str,
-    port: int,
-    port_file: Path | None,
-    drain_timeout_s: float,
-    subscriber_queue_steps: int,
-    metrics_port: int | None = None,
-    trace_dir: Path | None = None,
-    security: ServiceSecurity | None = None,
-    profile_dir: Path | None = None,
-    max_subscribers: int = 16,
-) -> int:
-    """Run the reclaim service until SIGTERM/SIGINT/SIGHUP; return the exit code (0 after a drain, 2
-    when the metrics port or the trace folder cannot be used).
-
-    ``device``: the devices to follow (``--device``), re-resolved every ``device_refresh_s`` seconds.
-    Readiness (``stageserve.v1.Reclaim``) is SERVING only while the tokenizer is loaded and at least
-    one device is attached. On SIGTERM: NOT_SERVING, wait up to ``drain_timeout_s`` for live requests
-    to finish, fail the rest with ``UNAVAILABLE``, end the subscriber streams, write the trace
-    window (``trace_dir``), stop. ``metrics_port``: Prometheus endpoint (0 = ephemeral, None = none).
-    ``security``: TLS (mutual: callers need a client certificate) and the devices dialled with it;
-    ``profile_dir``: where StartProfile windows go; ``max_subscribers``: Subscribe streams at once.
-    """
-    tracer = Tracer("reclaim")
-    metrics = ReclaimMetrics(CollectorRegistry())
-    security = security or ServiceSecurity()
-    try:
-        server = ServiceServer(SERVICE_NAME, host, port, port_file=port_file, tracer=tracer, security=security, profile_dir=profile_dir)
-    except (ValueError, RuntimeError) as exc:
-        log.error("%s", exc)
-        return 2
-    try:
-        start_metrics_server(metrics.registry, host, metrics_port, port_file)
-        if trace_dir is not None:
-            tracer.start(trace_dir)
-    except (OSError, RuntimeError) as exc:
-        log.error("%s", exc)
-        return 2
-    publisher = Publisher(subscriber_queue_steps, max_subscribers)
-    server.add_servicer(reclaim_pb2_grpc.add_ReclaimServicer_to_server, ReclaimServicer(publisher))
-    server.start([SERVICE_NAME])
-    draining = threading.Event()
-    detokenizer = IncrementalDetokenizer(decoder_for(load_tokenizer(model_path)))
-    log.info("tokenizer loaded from %s", model_path.name)
-    links = CompletionLinks(
-        device, device_refresh_s,
-        new_link=lambda address, set_attached: CompletionLink(address, detokenizer, publisher, completion_timeout_s, set_attached,
-                                                              tracer=tracer, metrics=metrics, tls=security.tls),
-        on_ready=lambda up: server.set_ready(up and not draining.is_set()),
-    )
-    metrics.watch_live(lambda: links.live)
-    links.start()
-
-    def drain() -> None:
-        draining.set()
-        if not links.wait_idle(drain_timeout_s):
-            log.warning("drain timeout (%g s) passed with requests live; failing them", drain_timeout_s)
-        links.stop()
-        publisher.close()
-
-    server.run_until_stopped(drain)
-    return 0
