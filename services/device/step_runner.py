@@ -30,7 +30,7 @@ from itertools import accumulate
 import torch
 
 from stageserve.device.backends import to_device
-from stageserve.device.executor import SlotBuffers, StepResult
+from stageserve.device.step_ticket import SlotBuffers, StepResult
 from stageserve.device.model.kv_cache import PagedKVCache
 from stageserve.device.model.forward_batch import ForwardBatch, build_forward_batch
 from stageserve.device.grammar import GrammarRows, GrammarTable

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from stageserve.device.backends import CpuBackend
-from stageserve.device.executor import SlotBuffers, SlotTimeout, StepExecutor, TicketTimeout
+from stageserve.device.executor import SlotTimeout, StepExecutor
+from stageserve.device.step_ticket import SlotBuffers, TicketTimeout
 from stageserve.device.step_plan import AdmittedStep, Step
 from stageserve.v1 import device_pb2
 
