@@ -12,7 +12,7 @@ rows, the new sequences' parameters. ``run`` (backend compute context, in submis
 5. scatter the sampled ids into ``last_token`` (and the presence mask), on the device;
 6. copy the sampled ids (+ logprobs) into the step's slot-local host buffers (non-blocking).
 
-With speculative decoding (``speculation``), steps 2, 4 and 5 are those of `speculative`: each
+With speculative decoding (``speculation``), steps 2, 4 and 5 are those of `speculation.verification`: each
 decode row verifies the proposer's drafts in the same forward pass (on a CPU device, only the
 entries of drafts the proposer made run) and emits 1 + accepted tokens
 (a constrained row asks for no drafts: prepare plans it with none, so its one entry is masked as
@@ -150,7 +150,7 @@ class ModelStepRunner:
         return self.grammar.observe(staged.grammar, None if result is None else result.first_tokens())
 
     def _run_speculative(self, staged: StagedStep, out: SlotBuffers) -> None:
-        """Draft, verify in one forward pass, sample every entry, accept, copy out (`speculative`)."""
+        """Draft, verify in one forward pass, sample every entry, accept, copy out (`speculation.verification`)."""
         table, speculation, spec, batch = self.table, self.speculation, staged.speculation, staged.batch
         drafts, valid = speculation.fill_inputs(spec, batch, table.last_token)
         forward, kept = speculation.without_unproposed(spec, batch, valid)

@@ -106,24 +106,27 @@ class DecoderModel:
         else:  # a tied head is packed separately from the embedding table on CPU (one more vocab x hidden copy)
             self.embed = (embed.dequantize() if isinstance(embed, QuantizedWeight) else embed).to(self.device, self.dtype)  # [vocab, hidden]
         self.norm = w("model.norm.weight")
-        self.layers = []
-        for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-            attn, mlp = p + "self_attn.", p + "mlp."
-            qkv = tuple(attn + f"{x}_proj." for x in "qkv")
-            self.layers.append(LayerWeights(
-                input_norm=w(p + "input_layernorm.weight"),
-                qkv=linear(tuple(n + "weight" for n in qkv), tuple(n + "bias" for n in qkv) if config.attention_bias else ()),
-                o=linear((attn + "o_proj.weight",), (attn + "o_proj.bias",) if attn + "o_proj.bias" in weights else ()),
-                post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=linear((mlp + "gate_proj.weight", mlp + "up_proj.weight"), gated=True),
-                down=linear((mlp + "down_proj.weight",)),
-                q_norm=w(attn + "q_norm.weight") if config.qk_norm else None,
-                k_norm=w(attn + "k_norm.weight") if config.qk_norm else None,
-            ))
+        self.layers = [self._layer(f"model.layers.{i}.", weights, w, linear) for i in range(config.num_layers)]
         self.amx_linears = any(getattr(lin, "amx_weight", None) is not None for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.cos, self.signed_sin = rope_tables(config, self.dtype, self.device)
         self.scale = config.head_dim**-0.5
+
+    def _layer(self, p: str, weights: dict, w, linear) -> LayerWeights:
+        """Decoder layer ``p`` (``model.layers.{i}.``) from HF-named ``weights``: ``w`` moves a norm onto the
+        device, ``linear`` builds a (fused) linear from weight and bias names (see ``__init__``)."""
+        attn, mlp = p + "self_attn.", p + "mlp."
+        qkv = tuple(attn + f"{x}_proj." for x in "qkv")
+        qk_norm = self.config.qk_norm
+        return LayerWeights(
+            input_norm=w(p + "input_layernorm.weight"),
+            qkv=linear(tuple(n + "weight" for n in qkv), tuple(n + "bias" for n in qkv) if self.config.attention_bias else ()),
+            o=linear((attn + "o_proj.weight",), (attn + "o_proj.bias",) if attn + "o_proj.bias" in weights else ()),
+            post_norm=w(p + "post_attention_layernorm.weight"),
+            gate_up=linear((mlp + "gate_proj.weight", mlp + "up_proj.weight"), gated=True),
+            down=linear((mlp + "down_proj.weight",)),
+            q_norm=w(attn + "q_norm.weight") if qk_norm else None,
+            k_norm=w(attn + "k_norm.weight") if qk_norm else None,
+        )
 
     def _linear(self, parts: list[torch.Tensor | QuantizedWeight], bias: torch.Tensor | None, weight_format: str, amx: bool, gated: bool) -> Linear | QuantizedLinear:
         """One linear over ``parts`` stacked along the output features: on a weight-only kernel where

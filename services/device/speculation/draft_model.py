@@ -26,7 +26,7 @@ A decode row that asks for no drafts (not chosen by prepare's draft planner, con
 still takes part in the first pass, so the draft's KV follows its tokens. The KV of drafts the
 target rejects lies past the accepted run and is written again before it is read, as the
 target's. The drafts are argmaxes, a point-mass draft distribution, so the acceptance rule of
-`speculative` stays exact.
+`verification` stays exact.
 """
 
 from __future__ import annotations
