@@ -170,7 +170,7 @@ def config_from_hf(raw: Mapping[str, Any], eos_extra: list[int], path: Path) -> 
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos_ids)),
             rope_scaling=None if rope_type == "default" else rope,
-            **{"attention_bias": False, **family.hf_fields(raw)},
+            **{"attention_bias": False, **family.hf_fields(raw)},  # the family's own fields (attention_bias has no dataclass default)
         )
     except KeyError as exc:
         raise ModelLoadError(f"{path}: config.json lacks required key {exc.args[0]!r}") from None
