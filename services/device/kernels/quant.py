@@ -132,7 +132,6 @@ def round_symmetric_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.int8), scale
 
 
-
 def kernel_weight(parts: list[torch.Tensor | QuantizedWeight], weight_format: str) -> Int4Weight | Int8Weight | None:
     """The parts of one linear (stacked along N) in the kernel format ``weight_format`` asks for; ``None`` for dense.
 
