@@ -235,7 +235,7 @@ def _load_decoder(args: argparse.Namespace, path: Path, dtype, device):
                  str(dtype).removeprefix("torch."), "bfloat16 or float32" if vnni else "bfloat16")
         weight_format = "dequantize"
     model = DecoderModel.from_path(path, dtype, device, cpu_kernels_allowed=not args.no_cpu_kernels, amx_allowed=not args.no_amx_linears,
-                                 weight_format=weight_format, dense_copy=not args.no_dense_copy)
+                                 weight_format=weight_format, dense_copy=args.dense_copy)
     log.info("layers run %s%s", "with the fused CPU kernels" if model.cpu_kernels else "in plain torch ops",
              ", decode-sized linears on AMX" if model.amx_linears else "")
     return model

@@ -13,6 +13,7 @@ DEFAULT_PORT = 50052
 DEFAULT_METRICS_PORT = 9102
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("auto", "dequantize", "int8", "int4")  # --weights; stageserve.device.kernels.quant maps each onto kernels
+DENSE_COPY_MODES = ("auto", "all", "none")  # --dense-copy: DecoderModel's dense_copy (stageserve.device.kernels.dense_copies)
 # ngram: stageserve.device.speculation.proposer.PROPOSERS; draft: stageserve.device.speculation.draft_model (both import torch)
 PROPOSER_NAMES = ("ngram", "draft")
 SPECULATIVE_POLICIES = ("goodput", "always")  # --speculative-policy (docs/speculative.md#which-rows-draft)
@@ -47,8 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where steps run; sim = simulated device: no weights, each step takes --sim-step-ms without computing (default %(default)s)")
     parser.add_argument("--sim-step-ms", type=float, default=5.0, metavar="MS", help="--backend sim: device time of every step (default %(default)s)")
     parser.add_argument("--sim-token-us", type=float, default=0.0, metavar="US", help="--backend sim: added device time per token a step carries (default %(default)s)")
-    parser.add_argument("--no-dense-copy", action="store_true",
-                        help="quantized weights: keep no dense copy for inputs of more rows than the quantized kernel takes (8, or 4 on torch's kernels), dequantize per call instead (least memory; steps of many rows run several times slower)")
+    parser.add_argument("--dense-copy", choices=DENSE_COPY_MODES, default="auto",
+                        help="quantized weights: which linears also keep a dense copy for inputs of more rows than the quantized kernel takes "
+                             "(8, or 4 on torch's kernels): auto, those where it is faster on this CPU (timed at start-up) within one dense "
+                             "copy of the model in all; all; none (least memory: many-row inputs run on the VNNI kernel, slower)")
+    parser.add_argument("--no-dense-copy", dest="dense_copy", action="store_const", const="none", help="the same as --dense-copy none")
     parser.add_argument("--dispatch", choices=("async", "sync"), default="async", help="async: submit without waiting; sync: wait each step before the next (for comparison)")
     spec = parser.add_argument_group("speculative decoding (docs/speculative.md)")
     spec.add_argument("--speculative-method", choices=("none", *PROPOSER_NAMES), default="none",

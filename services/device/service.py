@@ -61,7 +61,7 @@ class CompletionOutbox:
             aborted=step.plan.aborted,
             submitted_unix_ns=ticket.submitted_unix_ns,
         )
-        self._push(device_pb2.CompletionEvent(ticket=message))
+        self.push(device_pb2.CompletionEvent(ticket=message))
 
     def push_output(self, ticket: StepTicket, result: StepResult | None, error: BaseException | None) -> None:
         """Queue the step's output (or its failure) for reclaim."""
@@ -83,32 +83,36 @@ class CompletionOutbox:
                 )
             output.completed_unix_ns = result.completed_unix_ns
             output.row_errors.update(result.row_errors)
-        self._push(device_pb2.CompletionEvent(output=output))
+        self.push(device_pb2.CompletionEvent(output=output))
 
-    def pop(self, timeout: float) -> device_pb2.CompletionEvent | None:
-        """The oldest event, or ``None`` after ``timeout`` seconds without one."""
+    def pop(self, timeout: float, claim: Callable[[device_pb2.CompletionEvent], bool] = lambda event: True) -> device_pb2.CompletionEvent | None:
+        """The oldest event, or ``None`` after ``timeout`` seconds without one or when ``claim`` refuses it.
+
+        ``claim(event)`` runs under the outbox's lock before the event leaves the queue, so an event
+        a consumer refuses (a detached stream) stays first for the next one: no other consumer can
+        take a later event between the two, which keeps each ticket ahead of its output.
+        """
         with self._ready:
             while True:
                 if not self._events and not self._ready.wait(timeout):
                     return None
-                event = self._events.popleft()
+                event = self._events[0]
                 if event.WhichOneof("kind") == "output" and event.output.ticket in self._orphaned:
+                    self._events.popleft()
                     self._orphaned.discard(event.output.ticket)
                     continue
-                return event
+                if not claim(event):
+                    return None
+                return self._events.popleft()
 
-    def events(self, keep_going: Callable[[], bool]) -> Iterator[device_pb2.CompletionEvent]:
-        """The events in order as they come, while ``keep_going()`` (asked at least every 0.1 s)."""
+    def events(self, keep_going: Callable[[], bool],
+               claim: Callable[[device_pb2.CompletionEvent], bool] = lambda event: True) -> Iterator[device_pb2.CompletionEvent]:
+        """The events in order as they come, while ``keep_going()`` (asked at least every 0.1 s) and
+        ``claim`` takes them (see `pop`)."""
         while keep_going():
-            event = self.pop(STREAM_POLL_S)
+            event = self.pop(STREAM_POLL_S, claim)
             if event is not None:
                 yield event
-
-    def put_back(self, event: device_pb2.CompletionEvent) -> None:
-        """Return a popped, undelivered ``event`` to the front (it stays next in order)."""
-        with self._ready:
-            self._events.appendleft(event)
-            self._ready.notify()
 
     def orphan(self, ticket_ids: list[int]) -> None:
         """Drop the not yet sent outputs of ``ticket_ids`` (their tickets went to a reclaim that is gone)."""
@@ -129,7 +133,8 @@ class CompletionOutbox:
         with self._ready:
             self._events.clear()
 
-    def _push(self, event: device_pb2.CompletionEvent) -> None:
+    def push(self, event: device_pb2.CompletionEvent) -> None:
+        """Queue ``event`` last."""
         with self._ready:
             self._events.append(event)
             self._ready.notify()
@@ -216,9 +221,7 @@ class DeviceServicer(device_pb2_grpc.DeviceServicer):
         reader.start()
         log.info("Complete stream opened by %s", context.peer())
         try:
-            for event in core.outbox.events(lambda: context.is_active() and reader.is_alive() and not self._drained.is_set()):
-                if attachment.take(event):
-                    yield event
+            yield from core.outbox.events(lambda: context.is_active() and reader.is_alive() and not self._drained.is_set(), attachment.take)
         finally:
             close()
 
@@ -259,7 +262,7 @@ class _ReclaimAttachment:
     """One Complete stream's book of tickets it was sent and has not released; thread-safe.
 
     ``detach`` (once, when the stream ends) releases those tickets' slots and drops their pending
-    outputs; an event taken after that goes back to the outbox for the next reclaim.
+    outputs; an event offered after that stays in the outbox for the next reclaim.
     """
 
     def __init__(self, core: DeviceCore) -> None:
@@ -269,10 +272,10 @@ class _ReclaimAttachment:
         self._detached = False
 
     def take(self, event: device_pb2.CompletionEvent) -> bool:
-        """Claim ``event`` for this stream; False (event returned to the outbox) once detached."""
+        """Claim ``event`` for this stream (called under the outbox's lock); False once detached (the
+        event then stays in the outbox for the next reclaim)."""
         with self._lock:
             if self._detached:
-                self._core.outbox.put_back(event)
                 return False
             if event.WhichOneof("kind") == "ticket":
                 self._unreleased.add(event.ticket.ticket)

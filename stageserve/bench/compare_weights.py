@@ -8,6 +8,7 @@ and each server's resident memory (``VmRSS`` of the device process, and of llama
 
 from __future__ import annotations
 
+import shlex
 import tempfile
 from pathlib import Path
 
@@ -17,16 +18,19 @@ from stageserve.device.assembly import resident_bytes
 
 
 def compare_weights(common: Common, llama_server: Path | None, streams: int, weights: list[str]) -> str:
-    """stageserve with each of ``weights`` (``--weights`` values) against llama-server (``None``: without it) at 1 and
-    ``streams`` streams; Markdown table."""
+    """stageserve with each of ``weights`` against llama-server (``None``: without it) at 1 and ``streams`` streams;
+    Markdown table. Each of ``weights`` is a ``--weights`` value, optionally followed by more device
+    flags for that side (``"auto --dense-copy all"``)."""
     workload = _workload(common, local_tokenize(common.model_path))
     results: dict[int, dict[str, list[RunResult]]] = {}
     memory: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="stageserve-bench-") as tmp:
         sides: list = []
         try:
-            for fmt in weights:
-                sides.append(ServicesSide(f"stageserve {fmt}", Path(tmp) / fmt, common.model_path, [*common.model_device_args(), "--weights", fmt]))
+            for index, side_flags in enumerate(weights):
+                fmt, *extra = shlex.split(side_flags)
+                sides.append(ServicesSide(f"stageserve {side_flags}", Path(tmp) / str(index), common.model_path,
+                                          [*common.model_device_args(), "--weights", fmt, *extra]))
             if llama_server is not None:
                 sides.append(LlamaServerSide(llama_server, Path(tmp), common, streams))
             for count in (1, streams):

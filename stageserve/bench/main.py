@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     weights = _comparison(sub, "compare-weights", "quantized against bfloat16 weights against llama.cpp's llama-server: ITL, tokens/s, memory")
     weights.add_argument("--streams", type=int, default=32, dest="compare_streams", help="concurrent streams besides 1 (default %(default)s; llama-server gets --parallel N)")
     weights.add_argument("--llama-server", type=Path, default=None, metavar="PATH", help=LLAMA_SERVER_HELP)
-    weights.add_argument("--weights", nargs="+", default=["auto", "dequantize"], dest="compare_weights", help="stageserve device --weights values to run (default auto dequantize)")
+    weights.add_argument("--weights", nargs="+", default=["auto", "dequantize"], dest="compare_weights", help="stageserve device --weights values to run, each optionally with more device flags for that side "
+                         "('auto --dense-copy all'; default auto dequantize)")
     sweep = _comparison(sub, "sweep", "tokens/s and p99 ITL against concurrency for stageserve and the peers, with a PNG plot")
     sweep.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], dest="compare_streams", help="concurrency values (default 1..64)")
     sweep.add_argument("--llama-max-requests", type=int, default=4, metavar="N",

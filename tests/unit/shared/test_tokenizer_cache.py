@@ -1,0 +1,36 @@
+"""The tokenizer of a GGUF file, built from the file once and read back from the cache after."""
+
+from __future__ import annotations
+
+from stageserve.model_files import embedded_model_path
+from stageserve.tokenizer import load_tokenizer
+
+TEXTS = ["The capital of France is", "def fibonacci(n):\n    return n", "东京是日本的首都。", "<|im_start|>user\nhi<|im_end|>", "  spaces\tand\ttabs  "]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3 + 3?"}]
+
+
+def test_the_cached_tokenizer_encodes_decodes_and_templates_as_the_one_built_from_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built = load_tokenizer(embedded_model_path())
+    (cached_dir,) = (tmp_path / "stageserve" / "tokenizers").iterdir()
+    assert (cached_dir / "tokenizer.json").is_file()
+    cached = load_tokenizer(embedded_model_path())
+    for text in TEXTS:
+        ids = built.encode(text)
+        assert cached.encode(text) == ids
+        assert cached.decode(ids) == built.decode(ids)
+        assert cached.decode(ids, skip_special_tokens=True) == built.decode(ids, skip_special_tokens=True)
+    for prompt in (True, False):
+        assert cached.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=prompt) == \
+            built.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=prompt)
+    assert cached.get_vocab() == built.get_vocab()
+    assert (cached.eos_token_id, cached.bos_token_id, cached.pad_token_id) == (built.eos_token_id, built.bos_token_id, built.pad_token_id)
+    assert cached.all_special_tokens == built.all_special_tokens
+
+
+def test_an_unwritable_cache_still_loads_from_the_file(tmp_path, monkeypatch):
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the cache folder would go")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    assert load_tokenizer(embedded_model_path()).encode("The capital of France is") == [504, 3575, 282, 4649, 314]
