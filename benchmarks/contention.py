@@ -1,5 +1,5 @@
 """Issue 20, item 7: 32 served streams with one core kept busy by another process, before and after
-the device's thread defaults (cpu_budget.py), side by side with the quiet run.
+the device's thread defaults (kernels/cpu_budget.py), side by side with the quiet run.
 
 Both pipelines stay up for the whole run; the four cases (before/after x quiet/busy) are run
 interleaved, ``--repeats`` times, so that load from elsewhere on a shared machine spreads over all
@@ -9,7 +9,7 @@ of them; the medians and their ratios are printed (and ``--json`` written).
 
 "before": ``--threads`` the host's cores, fixed (``--no-adaptive-threads``), and libgomp's default
 barrier spin (``GOMP_SPINCOUNT=300000``); "after": the defaults of ``stageserve device`` now
-(threads from ``cpu_budget.py``, adapted to the CPUs it gets by ``thread_governor.py``). "busy": a
+(threads from ``kernels/cpu_budget.py``, adapted to the CPUs it gets by ``kernels/thread_governor.py``). "busy": a
 ``while True: pass`` process runs during the measurement (stopped by pid after it).
 """
 

@@ -3,7 +3,7 @@
 Both sides run in this one process, on the same model file, device, dtype, torch threads, batch and
 context, one after the other for each batch size, so the ratio is measured side by side:
 
-- **stageserve**: ``LlamaModel`` over the paged KV cache plus the on-device sampler (greedy), one
+- **stageserve**: ``DecoderModel`` over the paged KV cache plus the on-device sampler (greedy), one
   batched decode step per token, prompts of ``--context`` tokens prefilled first; where the fused CPU
   kernels are in use, the same model in plain torch ops runs alongside;
 - **transformers**: ``AutoModelForCausalLM.generate`` (greedy, static batch, KV cache), decode time
@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.forward_batch import build_forward_batch
-from stageserve.device.model import LlamaModel
-from stageserve.device.quant import WEIGHT_FORMATS
+from stageserve.device.model.kv_cache import PagedKVCache
+from stageserve.device.model.forward_batch import build_forward_batch
+from stageserve.device.model.decoder import DecoderModel
+from stageserve.device.flags import WEIGHT_FORMATS
 from stageserve.device.sampler import argmax_rows
-from stageserve.device.weights import load_weights
+from stageserve.device.model.weights import load_weights
 from stageserve.model_files import embedded_model_path, transformers_source
 
 BLOCK_SIZE = 16
@@ -43,7 +43,7 @@ def synchronize(device: torch.device) -> None:
         torch.get_device_module(device.type).synchronize(device)
 
 
-def ours_decode_ms(model: LlamaModel, batch: int, context: int, steps: int) -> float:
+def ours_decode_ms(model: DecoderModel, batch: int, context: int, steps: int) -> float:
     """Median ms of one batched greedy decode step at ``batch`` rows, context ``context`` → ``context+steps``."""
     device = model.device
     blocks_per_row = (context + steps) // BLOCK_SIZE + 1
@@ -103,9 +103,9 @@ def main() -> None:
         import torch_npu  # noqa: F401 - registers the npu device type
     device = torch.device(args.device)
     config, weights = load_weights(path, dtype, keep_quantized=args.weights != "dequantize")
-    ours = LlamaModel(config, weights, device, weight_format=args.weights)
+    ours = DecoderModel(config, weights, device, weight_format=args.weights)
     # The same model in plain torch ops, where the fused CPU kernels are in use.
-    ours_torch = LlamaModel(config, weights, device, cpu_kernels_allowed=False, weight_format=args.weights) if ours.cpu_kernels else None
+    ours_torch = DecoderModel(config, weights, device, cpu_kernels_allowed=False, weight_format=args.weights) if ours.cpu_kernels else None
     del weights
     from transformers import AutoModelForCausalLM
 

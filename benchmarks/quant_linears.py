@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from stageserve.device import cpu_kernels, quant
-from stageserve.device.quant_linear import TorchInt4Kernel, TorchInt8Kernel, VnniKernel
+from stageserve.device.kernels import cpu_kernels, quant
+from stageserve.device.kernels.quant_linear import TorchInt4Kernel, TorchInt8Kernel, VnniKernel
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD_SHAPE = (49152, 576)

@@ -1,4 +1,4 @@
-"""The signal behind the device's adaptive compute threads (services/device/thread_governor.py):
+"""The signal behind the device's adaptive compute threads (services/device/kernels/thread_governor.py):
 the run-queue wait of the device's threads, quiet and with one core kept busy by another process,
 at 32 served streams, with the tokens/s of each run.
 

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from stageserve.device.main import SPECULATIVE_POLICIES
+from stageserve.device.flags import SPECULATIVE_POLICIES
 from stageserve.metrics_http import metrics_port_file
 from stageserve.prepare.openai_flags import add_openai_arguments, openai_argv
 from stageserve.security.tls import TlsFiles, dial
@@ -359,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
     flags that do not fit together, 130 when interrupted while starting.
     """
     from stageserve import client
-    from stageserve.device.main import speculative_flags_problem
+    from stageserve.device.flags import speculative_flags_problem
 
     problem = speculative_flags_problem(args.speculative_method, args.draft_model)
     if problem:

@@ -1,6 +1,6 @@
 """Prompt lookup (the ``ngram`` proposer's rule), on the host, one token at a time.
 
-The device's `stageserve.device.proposer.NgramProposer` drafts, for each decode row, the tokens
+The device's `stageserve.device.speculation.proposer.NgramProposer` drafts, for each decode row, the tokens
 that followed the latest earlier occurrence of the sequence's last ``n`` tokens, for the longest
 ``n`` in ``[MIN_N, MAX_N]`` that occurs (vLLM's ``ngram`` method, Hugging Face's prompt-lookup
 decoding), vectorised over the rows on the device. `PromptLookup` is the same rule kept

@@ -1,9 +1,9 @@
-"""A tiny randomly initialised Llama checkpoint with its own byte-level tokenizer, written offline.
+"""A tiny randomly initialised Llama (or Qwen3) checkpoint with its own byte-level tokenizer, written offline.
 
 For tests that need a whole model directory (weights, config, tokenizer) where the embedded GGUF is
 not available or too slow, e.g. on an accelerator machine: ``config.json`` + ``model.safetensors``
-from transformers' ``LlamaForCausalLM`` and a byte-level BPE tokenizer with no merges (256 byte
-tokens + ``<|endoftext|>``), so any text round-trips and nothing is downloaded.
+from transformers' ``LlamaForCausalLM`` (or ``Qwen3ForCausalLM``) and a byte-level BPE tokenizer
+with no merges (256 byte tokens + ``<|endoftext|>``), so any text round-trips and nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -16,15 +16,16 @@ EOS = "<|endoftext|>"
 VOCAB_SIZE = 257  # 256 byte tokens + EOS
 
 
-def write_tiny_checkpoint(directory: Path, seed: int = 0, num_layers: int = 2) -> Path:
+def write_tiny_checkpoint(directory: Path, seed: int = 0, num_layers: int = 2, family: str = "llama") -> Path:
     """Write the checkpoint into ``directory`` (created if needed); return ``directory``.
 
     The model: ``num_layers`` layers (weights drawn from ``seed``), hidden 64, 4 query heads over 1 KV head (GQA), tied embeddings,
     ``initializer_range`` 0.2 so logits are well separated and greedy choices are stable across
-    devices in float32.
+    devices in float32. ``family="qwen3"``: a Qwen3 instead, with 2 KV heads of ``head_dim`` 64
+    (not hidden / heads) and its q/k norm weights drawn around 1 (transformers sets them to 1).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
     directory.mkdir(parents=True, exist_ok=True)
     byte_symbols = pre_tokenizers.ByteLevel.alphabet()
@@ -38,8 +39,16 @@ def write_tiny_checkpoint(directory: Path, seed: int = 0, num_layers: int = 2) -
     fast.save_pretrained(directory)
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
-                         num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.2,
-                         bos_token_id=None, eos_token_id=vocab[EOS], pad_token_id=vocab[EOS])
-    LlamaForCausalLM(config).save_pretrained(directory)
+    shape = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
+                 max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.2,
+                 bos_token_id=None, eos_token_id=vocab[EOS], pad_token_id=vocab[EOS])
+    if family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(num_key_value_heads=2, head_dim=64, **shape))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
+                layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=1, **shape))
+    model.save_pretrained(directory)
     return directory

@@ -34,7 +34,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from stageserve.device.thread_governor import ComputeThreadGovernor
+from stageserve.device.kernels.thread_governor import ComputeThreadGovernor
 
 BACKENDS = ("cpu", "cuda", "npu")
 T = TypeVar("T")
@@ -110,7 +110,7 @@ class CpuBackend(Backend):
             speed: see the module docstring) instead of on a thread of the backend's own. Steps
             launched while no thread is inside `serve_while` wait in the queue.
         adaptive_threads: fewer intra-op threads while other work holds the CPUs
-            (`stageserve.device.thread_governor`); needs ``threads`` > 1.
+            (`stageserve.device.kernels.thread_governor`); needs ``threads`` > 1.
     """
 
     name = "cpu"

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import xgrammar
 
-from stageserve.device import cpu_kernels
+from stageserve.device.kernels import cpu_kernels
 from stageserve.device.step_plan import StartedSequence, Step
 from stageserve.structured_output import ConstraintError, constraint_grammar, readable_error
 from stageserve.v1 import common_pb2

@@ -31,7 +31,7 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from stageserve.device.executor import StepResult, StepTicket
+from stageserve.device.step_ticket import StepResult, StepTicket
 
 # Seconds per step: sub-millisecond (a simulated or tiny step) to seconds (a long prefill).
 STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 10.0)

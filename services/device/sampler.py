@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from stageserve.device import cpu_kernels
+from stageserve.device.kernels import cpu_kernels
 from stageserve.sampling_rules import GREEDY_TEMPERATURE_EPS, first_violation, logit_bias_problem, number_text
 from stageserve.v1 import common_pb2
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from stageserve.device.executor import StepExecutor, StepResult, StepTicket
+from stageserve.device.executor import StepExecutor
+from stageserve.device.step_ticket import StepResult, StepTicket
 from stageserve.device.grammar import GrammarTable
 from stageserve.device.plan_submitter import STREAM_POLL_S, PlanSubmitter
 from stageserve.device.sequence_table import SequenceTable

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from stageserve.device.backends import Backend, Completion
-from stageserve.device.executor import SlotBuffers, StepResult
+from stageserve.device.step_ticket import SlotBuffers, StepResult
 from stageserve.device.step_plan import AdmittedStep
 
 # Sampled ids start here, past the special and single-byte tokens, so the text decodes to words.

@@ -12,7 +12,7 @@ rows, the new sequences' parameters. ``run`` (backend compute context, in submis
 5. scatter the sampled ids into ``last_token`` (and the presence mask), on the device;
 6. copy the sampled ids (+ logprobs) into the step's slot-local host buffers (non-blocking).
 
-With speculative decoding (``speculation``), steps 2, 4 and 5 are those of `speculative`: each
+With speculative decoding (``speculation``), steps 2, 4 and 5 are those of `speculation.verification`: each
 decode row verifies the proposer's drafts in the same forward pass (on a CPU device, only the
 entries of drafts the proposer made run) and emits 1 + accepted tokens
 (a constrained row asks for no drafts: prepare plans it with none, so its one entry is masked as
@@ -30,14 +30,14 @@ from itertools import accumulate
 import torch
 
 from stageserve.device.backends import to_device
-from stageserve.device.executor import SlotBuffers, StepResult
-from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.forward_batch import ForwardBatch, build_forward_batch
+from stageserve.device.step_ticket import SlotBuffers, StepResult
+from stageserve.device.model.kv_cache import PagedKVCache
+from stageserve.device.model.forward_batch import ForwardBatch, build_forward_batch
 from stageserve.device.grammar import GrammarRows, GrammarTable
-from stageserve.device.model import LlamaModel
+from stageserve.device.model.decoder import DecoderModel
 from stageserve.device.sampler import SampleResult, sample
 from stageserve.device.sequence_table import SequenceTable, StagedStarts
-from stageserve.device.speculative import Speculation, StagedSpeculation
+from stageserve.device.speculation.verification import Speculation, StagedSpeculation
 from stageserve.device.step_plan import AdmittedStep
 
 
@@ -72,7 +72,7 @@ class ModelStepRunner:
     constrained sequences' grammar state in ``grammar`` (``None``: constraints are not served); with
     ``speculation``, decode rows verify drafts (see the module docstring)."""
 
-    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, table: SequenceTable, grammar: GrammarTable | None = None,
+    def __init__(self, model: DecoderModel, kv_cache: PagedKVCache, table: SequenceTable, grammar: GrammarTable | None = None,
                  speculation: Speculation | None = None) -> None:
         self.model, self.kv_cache, self.table, self.grammar, self.speculation = model, kv_cache, table, grammar, speculation
         self.device = model.device
@@ -150,7 +150,7 @@ class ModelStepRunner:
         return self.grammar.observe(staged.grammar, None if result is None else result.first_tokens())
 
     def _run_speculative(self, staged: StagedStep, out: SlotBuffers) -> None:
-        """Draft, verify in one forward pass, sample every entry, accept, copy out (`speculative`)."""
+        """Draft, verify in one forward pass, sample every entry, accept, copy out (`speculation.verification`)."""
         table, speculation, spec, batch = self.table, self.speculation, staged.speculation, staged.batch
         drafts, valid = speculation.fill_inputs(spec, batch, table.last_token)
         forward, kept = speculation.without_unproposed(spec, batch, valid)

@@ -25,7 +25,7 @@ Serving Large Language Models Using Goodput", there with one draft length per ba
   drafts it would have made the target would have accepted, whether or not the row asked for any;
   with a draft model, from the rows that drafted;
 - the step's **cost** (`StepCostModel`): the device's decode-step times by rows, drafts run per row
-  and context, measured at its start-up (``device/step_costs.py``, carried in ``AttachReply.step_costs``);
+  and context, measured at its start-up (``device/speculation/step_costs.py``, carried in ``AttachReply.step_costs``);
 - the planner takes drafts in order of expected tokens per expected entry and keeps the number that
   gives the most expected tokens (decode rows plus accepted drafts) per second; none unless that
   is at least 10 % more than without drafts (`MIN_SPEEDUP`: on the open-ended benchmark a served

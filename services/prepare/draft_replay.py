@@ -2,7 +2,7 @@
 the target would have accepted, whether or not the row asked for drafts.
 
 Exact verification makes the counterfactual exact: a speculating row emits the very tokens the
-non-speculative run emits (``device/speculative.py``: the target's token at each position is drawn
+non-speculative run emits (``device/speculation/verification.py``: the target's token at each position is drawn
 with noise keyed by the sequence's seed and output index, at any temperature), and a draft is
 accepted iff it equals the target's token at its position. So once the tokens after a row are
 published, the drafts prompt lookup proposes from the tokens before it (`stageserve.prompt_lookup`,

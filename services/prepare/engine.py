@@ -48,7 +48,8 @@ from stageserve.prepare.metrics import PrepareMetrics, RequestObserver
 from stageserve.prepare.placement import DeviceLoad
 from stageserve.prepare.request_handle import RequestHandle
 from stageserve.prepare.scheduled_step import ScheduledStep, build_step_plan, step_size_args
-from stageserve.prepare.scheduler import AbortOutcome, Scheduler, SchedulerConfig
+from stageserve.prepare.scheduler import AbortOutcome, Scheduler
+from stageserve.prepare.scheduler_config import SchedulerConfig
 from stageserve.prepare.validation import GenerationRequest, ModelLimits
 from stageserve.tracing import Tracer, clock_ns
 from stageserve.v1 import common_pb2, device_pb2, reclaim_pb2

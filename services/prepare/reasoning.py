@@ -22,11 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import xgrammar
-
 from stageserve.prepare.errors import invalid_argument
 from stageserve.prepare.text_tags import partial_tag_length
-from stageserve.structured_output import MAX_CONSTRAINT_CHARS, ConstraintError, constraint_grammar
 from stageserve.v1 import common_pb2
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -99,6 +96,11 @@ def constrain_after_reasoning(constraint: common_pb2.Constraint, parser: str) ->
         RequestError: ``INVALID_ARGUMENT``: the constraint does not parse, or the combined grammar
             is longer than ``MAX_CONSTRAINT_CHARS``.
     """
+    # Here, not at the top: xgrammar imports torch, and the launcher reads REASONING_PARSERS (openai_flags).
+    import xgrammar
+
+    from stageserve.structured_output import MAX_CONSTRAINT_CHARS, ConstraintError, constraint_grammar
+
     try:
         answer = constraint_grammar(constraint)
     except ConstraintError as exc:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from stageserve.prepare.block_manager import BlockTable
+from stageserve.prepare.block_manager import BlockManager, BlockTable
 from stageserve.prepare.draft_planner import SequenceDrafts
 from stageserve.prepare.validation import GenerationRequest
 from stageserve.v1 import common_pb2, device_pb2
@@ -62,12 +62,13 @@ class ScheduledStep:
     ``num_tokens[r]`` tokens in ``token_ids`` and ``num_new_blocks[r]`` ids in ``new_block_ids``),
     plus ``rows``, the host-side sequence of each row, and ``cache_writes``: ``(sequence, block
     index)`` of each prompt block whose last token a row writes (shareable once the step is published).
-    With speculative decoding ``num_draft_tokens`` has one entry per row and ``decode_drafts`` the
-    drafts each decode row asked for."""
+    With speculative decoding (``speculative``: the device speculates) ``num_draft_tokens`` has one
+    entry per row and ``decode_drafts`` the drafts each decode row asked for."""
 
     step_id: int
     finished: list[int]
     aborted: list[str]
+    speculative: bool = False
     started: list[SequenceState] = field(default_factory=list)
     rows: list[SequenceState] = field(default_factory=list)
     seq_index: list[int] = field(default_factory=list)
@@ -85,6 +86,44 @@ class ScheduledStep:
     @property
     def is_empty(self) -> bool:
         return not (self.rows or self.finished or self.aborted)
+
+    def add_row(self, seq: SequenceState, num_tokens: int, block_manager: BlockManager, drafts: int = 0) -> int:
+        """Append one row of ``num_tokens`` tokens for ``seq`` (a decode row: plus ``drafts``
+        placeholders for the device's drafts), its blocks appended from ``block_manager``, and advance
+        ``seq``; return the tokens it takes from the step's budget."""
+        start = seq.num_kv_tokens
+        num_tokens += drafts
+        end = start + num_tokens
+        prompt_tokens = seq.request.num_prompt_tokens
+        block_manager.append_slots(seq.blocks, end)
+        new_blocks = seq.blocks.block_ids[seq.num_blocks_sent :]  # the shared ones too, in a first row
+        seq.num_blocks_sent = len(seq.blocks.block_ids)
+        block_size = block_manager.block_size
+        self.cache_writes.extend((seq, j) for j in range(start // block_size, min(end // block_size, len(seq.block_hashes))))
+        sample = end >= prompt_tokens
+        self.rows.append(seq)
+        self.seq_index.append(seq.seq_index)
+        self.generation.append(seq.generation)
+        self.start_pos.append(start)
+        self.num_tokens.append(num_tokens)
+        if start < prompt_tokens:
+            self.token_ids.extend(seq.request.prompt_token_ids[start:end])
+        else:
+            self.token_ids.extend([PLACEHOLDER_TOKEN] * num_tokens)
+            if self.speculative:
+                self.decode_drafts[seq] = drafts
+        if self.speculative:
+            self.num_draft_tokens.append(drafts)
+        self.sample.append(sample)
+        self.num_new_blocks.append(len(new_blocks))
+        self.new_block_ids.extend(new_blocks)
+        seq.num_kv_tokens = end
+        seq.steps_in_flight += 1
+        if sample:
+            seq.num_sampled += 1
+            if seq.num_sampled >= seq.request.max_tokens:
+                seq.stopped = True
+        return num_tokens
 
 
 def build_step_plan(step: ScheduledStep) -> device_pb2.StepPlan:

@@ -56,65 +56,16 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from stageserve.prepare.block_manager import BlockManager
-from stageserve.prepare.draft_planner import DraftPlanner, SequenceDrafts, StepCostModel, may_draft
+from stageserve.prepare.draft_planner import DraftPlanner, SequenceDrafts, may_draft
 from stageserve.prepare.draft_replay import DraftReplay
 from stageserve.prepare.errors import QUEUE_FULL_RETRY_S, resource_exhausted
 from stageserve.prepare.prefix_cache import BlockHash, cache_namespace, chain_hashes
-from stageserve.prepare.scheduled_step import PLACEHOLDER_TOKEN, ScheduledStep, SequenceState
+from stageserve.prepare.scheduled_step import ScheduledStep, SequenceState
+from stageserve.prepare.scheduler_config import SchedulerConfig
 from stageserve.prepare.validation import GenerationRequest
-from stageserve.v1 import device_pb2, reclaim_pb2
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Limits the scheduler plans within.
-
-    Attributes:
-        max_num_seqs: seq indices ``[0, max_num_seqs)`` (the device's sequence table).
-        max_step_tokens: tokens one step may carry (prefill chunks + decode rows).
-        kv_num_blocks, kv_block_size: the device's KV pool (blocks; tokens per block).
-        max_prefill_chunk: prompt tokens of one sequence per step at most.
-        max_waiting: requests the waiting queue holds at most.
-        enable_prefix_caching: share published full prompt blocks between requests.
-        model_identity: what else changes a block's KV (the model); part of every block hash.
-        num_speculative_tokens: drafts a decode row may ask the device for (0: it does not speculate).
-        speculative_method: the device's proposer (``ngram``: prompt lookup, which prepare replays).
-        step_costs: the device's measured decode-step costs, by which drafts are planned
-            (`draft_planner`); ``None``: every decode row asks for ``num_speculative_tokens``.
-    """
-
-    max_num_seqs: int
-    max_step_tokens: int
-    kv_num_blocks: int
-    kv_block_size: int
-    max_prefill_chunk: int
-    max_waiting: int
-    enable_prefix_caching: bool = True
-    model_identity: str = ""
-    num_speculative_tokens: int = 0
-    speculative_method: str = ""
-    step_costs: StepCostModel | None = None
-
-    @classmethod
-    def from_attach(cls, reply: device_pb2.AttachReply, max_prefill_chunk: int, max_waiting: int,
-                    enable_prefix_caching: bool = True) -> "SchedulerConfig":
-        """The device's limits and model from its ``AttachReply`` plus prepare's own flags."""
-        return cls(
-            max_num_seqs=reply.max_num_seqs,
-            max_step_tokens=reply.max_step_tokens,
-            kv_num_blocks=reply.kv_num_blocks,
-            kv_block_size=reply.kv_block_size,
-            max_prefill_chunk=max_prefill_chunk,
-            max_waiting=max_waiting,
-            enable_prefix_caching=enable_prefix_caching,
-            model_identity=f"{reply.model_name}|{reply.dtype}",
-            num_speculative_tokens=reply.num_speculative_tokens,
-            speculative_method=reply.speculative_method,
-            step_costs=StepCostModel.from_attach(reply),
-        )
+from stageserve.v1 import reclaim_pb2
 
 
 class AbortOutcome(enum.Enum):
@@ -269,7 +220,8 @@ class Scheduler:
         nothing to send. The step counts as in flight until published or refused."""
         if not self.has_work():
             return None
-        step = ScheduledStep(step_id=self._next_step_id, finished=self._pending_finished, aborted=self._pending_aborts)
+        step = ScheduledStep(step_id=self._next_step_id, finished=self._pending_finished, aborted=self._pending_aborts,
+                             speculative=self.config.num_speculative_tokens > 0)
         self._pending_finished, self._pending_aborts = [], []
         budget = self.config.max_step_tokens
         budget = self._schedule_decode_rows(step, budget)
@@ -290,7 +242,7 @@ class Scheduler:
             context = sum(seq.num_kv_tokens for seq in decoding) / len(decoding) if decoding else 0.0
             drafts = self._draft_planner.plan([(seq.drafts, self._draft_room(seq)) for seq in decoding], spare, context)
         for seq, k in zip(decoding, drafts):
-            budget -= self._add_row(step, seq, 1, k)
+            budget -= step.add_row(seq, 1, self.block_manager, k)
         return budget
 
     def _draft_room(self, seq: SequenceState) -> int:
@@ -308,7 +260,7 @@ class Scheduler:
             if budget == 0:
                 break
             if not seq.stopped and seq.in_prefill:
-                budget -= self._add_row(step, seq, min(seq.request.num_prompt_tokens - seq.num_kv_tokens, self.config.max_prefill_chunk, budget))
+                budget -= step.add_row(seq, min(seq.request.num_prompt_tokens - seq.num_kv_tokens, self.config.max_prefill_chunk, budget), self.block_manager)
         return budget
 
     def _can_admit(self, request: GenerationRequest) -> bool:
@@ -330,7 +282,7 @@ class Scheduler:
             self._by_index[index] = seq
             self._by_request[request] = seq
             step.started.append(seq)
-            budget -= self._add_row(step, seq, min(request.num_prompt_tokens - seq.num_kv_tokens, self.config.max_prefill_chunk, budget))
+            budget -= step.add_row(seq, min(request.num_prompt_tokens - seq.num_kv_tokens, self.config.max_prefill_chunk, budget), self.block_manager)
 
     def _new_drafts(self, request: GenerationRequest) -> SequenceDrafts:
         """A new sequence's drafting state: none when its sampling forbids drafts, a replay of prompt
@@ -338,43 +290,6 @@ class Scheduler:
         k = self.config.num_speculative_tokens if may_draft(request) else 0
         replays = bool(k) and self.config.step_costs is not None and self.config.speculative_method == "ngram"
         return SequenceDrafts(k, replay=DraftReplay(list(request.prompt_token_ids), k) if replays else None)
-
-    def _add_row(self, step: ScheduledStep, seq: SequenceState, num_tokens: int, drafts: int = 0) -> int:
-        """Append one row of ``num_tokens`` tokens for ``seq`` (a decode row: plus ``drafts``
-        placeholders for the device's drafts); return the tokens it takes from the budget."""
-        start = seq.num_kv_tokens
-        num_tokens += drafts
-        end = start + num_tokens
-        prompt_tokens = seq.request.num_prompt_tokens
-        self.block_manager.append_slots(seq.blocks, end)
-        new_blocks = seq.blocks.block_ids[seq.num_blocks_sent :]  # the shared ones too, in a first row
-        seq.num_blocks_sent = len(seq.blocks.block_ids)
-        block_size = self.config.kv_block_size
-        step.cache_writes.extend((seq, j) for j in range(start // block_size, min(end // block_size, len(seq.block_hashes))))
-        sample = end >= prompt_tokens
-        step.rows.append(seq)
-        step.seq_index.append(seq.seq_index)
-        step.generation.append(seq.generation)
-        step.start_pos.append(start)
-        step.num_tokens.append(num_tokens)
-        if start < prompt_tokens:
-            step.token_ids.extend(seq.request.prompt_token_ids[start:end])
-        else:
-            step.token_ids.extend([PLACEHOLDER_TOKEN] * num_tokens)
-            if self.config.num_speculative_tokens:
-                step.decode_drafts[seq] = drafts
-        if self.config.num_speculative_tokens:
-            step.num_draft_tokens.append(drafts)
-        step.sample.append(sample)
-        step.num_new_blocks.append(len(new_blocks))
-        step.new_block_ids.extend(new_blocks)
-        seq.num_kv_tokens = end
-        seq.steps_in_flight += 1
-        if sample:
-            seq.num_sampled += 1
-            if seq.num_sampled >= seq.request.max_tokens:
-                seq.stopped = True
-        return num_tokens
 
     # ---- outputs back ------------------------------------------------------------------------------
     def update_from_output(self, step_events: reclaim_pb2.StepEvents) -> list[tuple[GenerationRequest, reclaim_pb2.SequenceEvent]]:

@@ -144,7 +144,7 @@ class LlamaServerSide:
         return RunResult(build_report(records, _config(self.name, workload, load)))
 
     def resident_bytes(self) -> int:
-        from stageserve.device.main import resident_bytes
+        from stageserve.device.assembly import resident_bytes
 
         return resident_bytes(self.server.pid)
 

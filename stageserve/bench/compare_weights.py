@@ -14,7 +14,7 @@ from pathlib import Path
 
 from stageserve.bench.compare import LLAMA, Common, LlamaServerSide, RunResult, ServicesSide, _alternate, _fmt, _median, _ratio, _save, _workload, local_tokenize
 from stageserve.bench.loadgen import Load
-from stageserve.device.main import resident_bytes
+from stageserve.device.assembly import resident_bytes
 
 
 def compare_weights(common: Common, llama_server: Path | None, streams: int, weights: list[str]) -> str:

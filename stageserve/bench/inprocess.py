@@ -6,7 +6,7 @@ Everything that does the work is the real code: requests are validated and token
 (`validate_generate_request`), scheduled by the `Engine` and its `Scheduler` (plans are the same
 ``StepPlan`` messages, built by `build_step_plan`), submitted by the device's own `PlanSubmitter`
 (decode, wait for a slot, admit, submit) to the `StepExecutor` of a device core built by
-`stageserve.device.main.build_core` (same model, KV pool, backend, warm-up); the executor's tickets
+`stageserve.device.assembly.build_core` (same model, KV pool, backend, warm-up); the executor's tickets
 and outputs go through the device's `CompletionOutbox` and reclaim's own stream loop
 (`receive`, `consume_stream`) to its `CompletionHandler` (detokenization, stops), whose
 ``StepEvents`` go straight to `Engine.on_step_events` and whose slot releases straight to
@@ -38,11 +38,11 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from stageserve.bench.loadgen import StreamFailed
-from stageserve.device import main as device_main
+from stageserve.device import assembly as device_assembly, flags as device_flags
 from stageserve.device.backends import create_backend
 from stageserve.device.plan_submitter import PlanSubmitter
 from stageserve.device.service import DeviceCore
-from stageserve.prepare.api import stream_chunk
+from stageserve.prepare.service import stream_chunk
 from stageserve.prepare.engine import Engine
 from stageserve.prepare.errors import RequestError
 from stageserve.prepare.validation import validate_generate_request
@@ -73,10 +73,10 @@ class InProcessPipeline:
     def __init__(self, model_path: Path, device_args: list[str] = (), max_prefill_chunk: int = 512,
                  max_waiting: int = 256, completion_timeout_s: float = 30.0) -> None:
         parser = argparse.ArgumentParser()
-        device_main.add_arguments(parser)
+        device_flags.add_arguments(parser)
         args = parser.parse_args(list(device_args))
         backend = create_backend("cpu", args.threads, on_caller=True) if args.backend == "cpu" else None
-        build = partial(device_main.build_core, args, model_path, backend=backend)
+        build = partial(device_assembly.build_core, args, model_path, backend=backend)
         self.core: DeviceCore = backend.serve_while(build) if backend is not None else build()
         self.tokenizer = load_tokenizer(model_path)
         self.engine = Engine(max_prefill_chunk=max_prefill_chunk, max_waiting=max_waiting)

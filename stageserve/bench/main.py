@@ -27,7 +27,7 @@ import os
 import sys
 from pathlib import Path
 
-from stageserve.device.main import SPECULATIVE_POLICIES, WEIGHT_FORMATS
+from stageserve.device.flags import SPECULATIVE_POLICIES, WEIGHT_FORMATS
 
 LLAMA_SERVER_HELP = "the llama-server program (default: llama-server on PATH; without one, stageserve's sides only)"
 

@@ -146,12 +146,12 @@ def reclaim(stub):
 @pytest.fixture(scope="module")
 def reference_tokens():
     """The first three greedy tokens after PROMPT from the same model in this process, with the device's default ``--weights auto``."""
-    from stageserve.device.kv_cache import PagedKVCache
-    from stageserve.device.forward_batch import build_forward_batch
-    from stageserve.device.model import LlamaModel
+    from stageserve.device.model.kv_cache import PagedKVCache
+    from stageserve.device.model.forward_batch import build_forward_batch
+    from stageserve.device.model.decoder import DecoderModel
     from stageserve.model_files import embedded_model_path
 
-    model = LlamaModel.from_path(embedded_model_path(), torch.float32, "cpu", weight_format="auto")
+    model = DecoderModel.from_path(embedded_model_path(), torch.float32, "cpu", weight_format="auto")
     ids, tokens = list(PROMPT), []
     for _ in range(3):
         kv = PagedKVCache(model.config, 1, 16, torch.float32, "cpu")

@@ -225,7 +225,7 @@ def overlay(request) -> tuple[str, list[dict]]:
 def health_service_names() -> dict[str, str]:
     """The readiness names the services register with ServiceServer, from the services' own modules."""
     from stageserve.device.service import SERVICE_NAME as device
-    from stageserve.prepare.main import SERVICE_NAME as prepare
+    from stageserve.prepare.service import SERVICE_NAME as prepare
     from stageserve.reclaim.service import SERVICE_NAME as reclaim
 
     return {"prepare": prepare, "device": device, "reclaim": reclaim}

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from stageserve.device.backends import StreamBackend
-from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.forward_batch import build_forward_batch
-from stageserve.device.model import LlamaModel
+from stageserve.device.model.kv_cache import PagedKVCache
+from stageserve.device.model.forward_batch import build_forward_batch
+from stageserve.device.model.decoder import DecoderModel
 from tests.tiny_checkpoint import write_tiny_checkpoint
 from tests.unit.device.test_executor import run_plans
 
@@ -41,7 +41,7 @@ def checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
-def greedy_logits(model: LlamaModel, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
+def greedy_logits(model: DecoderModel, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
     """Prefill ``prompt`` then ``new_tokens`` greedy decode steps; (tokens, logits [1 + new_tokens, vocab] on the CPU)."""
     kv = PagedKVCache(model.config, 8, 16, model.dtype, model.device)
     ids, tokens, logits = list(prompt), [], []
@@ -56,8 +56,8 @@ def greedy_logits(model: LlamaModel, prompt: list[int], new_tokens: int) -> tupl
 
 def test_forward_matches_the_cpu(checkpoint):
     """Prefill + 16 decode steps: float32 logits within 1e-4 of the CPU's and the same greedy tokens."""
-    cpu = LlamaModel.from_path(checkpoint, torch.float32, "cpu")
-    accelerated = LlamaModel.from_path(checkpoint, torch.float32, ACCELERATOR)
+    cpu = DecoderModel.from_path(checkpoint, torch.float32, "cpu")
+    accelerated = DecoderModel.from_path(checkpoint, torch.float32, ACCELERATOR)
     (tokens, logits), (ref_tokens, ref_logits) = greedy_logits(accelerated, list(PROMPTS[0]), 16), greedy_logits(cpu, list(PROMPTS[0]), 16)
     assert (logits - ref_logits).abs().max() < 1e-4
     assert tokens == ref_tokens
@@ -65,8 +65,8 @@ def test_forward_matches_the_cpu(checkpoint):
 
 def test_bfloat16_forward_stays_close_to_float32(checkpoint):
     """bfloat16 weights and KV cache on the accelerator: prefill logits within 0.25 of float32 (the CPU measures 0.06)."""
-    fp32 = LlamaModel.from_path(checkpoint, torch.float32, ACCELERATOR)
-    bf16 = LlamaModel.from_path(checkpoint, torch.bfloat16, ACCELERATOR)
+    fp32 = DecoderModel.from_path(checkpoint, torch.float32, ACCELERATOR)
+    bf16 = DecoderModel.from_path(checkpoint, torch.bfloat16, ACCELERATOR)
     (_, ref), (_, low) = greedy_logits(fp32, list(PROMPTS[0]), 0), greedy_logits(bf16, list(PROMPTS[0]), 0)
     assert (low - ref).abs().max() < 0.25
 
@@ -75,8 +75,8 @@ def test_bfloat16_forward_stays_close_to_float32(checkpoint):
 def test_executor_steps_match_the_cpu_backend(checkpoint, dispatch):
     """Prefill + 5 decode steps with placeholders, a greedy and a seeded top-p row with a repetition
     penalty, through the executor: the stream backend samples exactly the cpu backend's ids."""
-    cpu = LlamaModel.from_path(checkpoint, torch.float32, "cpu")
-    accelerated = LlamaModel.from_path(checkpoint, torch.float32, ACCELERATOR)
+    cpu = DecoderModel.from_path(checkpoint, torch.float32, "cpu")
+    accelerated = DecoderModel.from_path(checkpoint, torch.float32, ACCELERATOR)
     reference = run_plans(cpu, "async", prompts=PROMPTS)
     assert run_plans(accelerated, dispatch, backend=StreamBackend(ACCELERATOR), prompts=PROMPTS) == reference
     assert len(reference) == 6 and all(len(ids) == 2 for ids in reference)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from stageserve.device.cpu_budget import cgroup_cpu_quota, default_compute_threads, usable_cpus
+from stageserve.device.kernels.cpu_budget import cgroup_cpu_quota, default_compute_threads, usable_cpus
 
 
 def test_cgroup_v2_quota(tmp_path: Path):

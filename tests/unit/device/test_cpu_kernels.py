@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from stageserve.device import cpu_kernels
-from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.forward_batch import ForwardBatch, build_forward_batch
-from stageserve.device.model import LlamaModel
-from stageserve.device.rope import apply_rope, rope_tables
-from stageserve.device.weights import load_weights
+from stageserve.device.kernels import cpu_kernels
+from stageserve.device.model.kv_cache import PagedKVCache
+from stageserve.device.model.forward_batch import ForwardBatch, build_forward_batch
+from stageserve.device.model.decoder import DecoderModel
+from stageserve.device.model.rope import apply_rope, rope_tables
+from stageserve.device.model.weights import load_weights
 from stageserve.model_files import embedded_model_path
 
 
@@ -92,7 +92,7 @@ def test_model_step_runs_through_the_fused_ops(dtype):
     on a CPU with AMX (granted by Linux) its linears run on ``amx_linear`` (qkv, o and down of each
     layer, and the lm head) and SwiGLU on ``amx_swiglu``; otherwise on oneDNN, then ``silu_and_mul``."""
     config, weights = load_weights(embedded_model_path(), dtype)
-    model = LlamaModel(config, weights, "cpu")
+    model = DecoderModel(config, weights, "cpu")
     on_amx = dtype == torch.bfloat16 and HAS_AMX
     assert model.cpu_kernels, f"the model runs plain torch ops: {cpu_kernels.unavailable_reason()}"
     assert model.amx_linears == on_amx
@@ -107,7 +107,7 @@ def test_model_step_runs_through_the_fused_ops(dtype):
 def test_quantized_decode_step_runs_every_linear_on_quant_linear():
     """``--weights auto`` on a VNNI CPU: a one-row decode step of the embedded Q4_1 model runs its
     120 layer linears and the int8 head on ``quant_linear`` and none on AMX or oneDNN."""
-    model = LlamaModel.from_path(embedded_model_path(), torch.bfloat16, "cpu", weight_format="auto")
+    model = DecoderModel.from_path(embedded_model_path(), torch.bfloat16, "cpu", weight_format="auto")
     cache = PagedKVCache(model.config, 4, 16, torch.bfloat16, "cpu")
     model.forward(build_forward_batch([([1, 2, 3], 0, [1], True)], 16, "cpu"), cache)
     calls = fused_op_calls(lambda: model.forward(build_forward_batch([([4], 3, [1], True)], 16, "cpu"), cache))
@@ -307,7 +307,7 @@ def test_norms_and_swiglu_match_torch(dtype, rows):
 def test_rope_and_cache_matches_rope_then_store(dtype, heads, kv_heads, head_dim):
     """Rotated q/k heads equal ``apply_rope``'s; keys and values land in the named slots of the pool
     and every other slot is untouched."""
-    from stageserve.device.model_config import ModelConfig
+    from stageserve.device.model.config import ModelConfig
 
     g = torch.Generator().manual_seed(head_dim)
     config = ModelConfig(
@@ -397,7 +397,7 @@ def test_amx_linear_takes_no_rows_and_refuses_what_it_cannot_run():
     assert not cpu_kernels.amx_ready(torch.randn(32, 64))  # float32
 
 
-def mixed_step(model: LlamaModel, dtype: torch.dtype) -> tuple[ForwardBatch, PagedKVCache]:
+def mixed_step(model: DecoderModel, dtype: torch.dtype) -> tuple[ForwardBatch, PagedKVCache]:
     """One mixed step: decode rows of several lengths, a fresh prefill and a later prefill chunk,
     over scattered blocks (the same random tokens and tables for every model), and its KV cache
     holding the earlier tokens of its rows."""
@@ -414,7 +414,7 @@ def mixed_step(model: LlamaModel, dtype: torch.dtype) -> tuple[ForwardBatch, Pag
     return build_forward_batch(step, 16, "cpu"), cache
 
 
-def mixed_step_logits(model: LlamaModel, dtype: torch.dtype) -> torch.Tensor:
+def mixed_step_logits(model: DecoderModel, dtype: torch.dtype) -> torch.Tensor:
     """Float32 logits ``[5, vocab]`` of ``mixed_step``."""
     return model.forward(*mixed_step(model, dtype)).float()
 
@@ -424,7 +424,7 @@ def test_model_fused_and_torch_paths_agree():
     plain torch ops; where the kernels are unavailable (not on an AVX-512 CPU: see
     test_kernels_load_on_an_avx512_cpu) both are the torch path."""
     config, weights = load_weights(embedded_model_path(), torch.float32)
-    fused, plain = LlamaModel(config, weights, "cpu"), LlamaModel(config, weights, "cpu", cpu_kernels_allowed=False)
+    fused, plain = DecoderModel(config, weights, "cpu"), DecoderModel(config, weights, "cpu", cpu_kernels_allowed=False)
     assert fused.cpu_kernels == cpu_kernels.available(torch.float32, 64, 3) and not plain.cpu_kernels
     assert (mixed_step_logits(fused, torch.float32) - mixed_step_logits(plain, torch.float32)).abs().max().item() < 1e-4
 
@@ -434,14 +434,14 @@ def test_bfloat16_model_stays_close_to_float32():
     where the CPU has it) against plain fp32: logits within 1 (0.56 measured) and the same argmax;
     likewise with the AMX linears turned off."""
     config, weights = load_weights(embedded_model_path(), torch.bfloat16)
-    model = LlamaModel(config, weights, "cpu")
+    model = DecoderModel(config, weights, "cpu")
     assert (model.layers[0].qkv.amx_weight is not None) == (model.cpu_kernels and cpu_kernels.amx_ready(weights["model.embed_tokens.weight"]))
     config32, weights32 = load_weights(embedded_model_path(), torch.float32)
-    reference = mixed_step_logits(LlamaModel(config32, weights32, "cpu", cpu_kernels_allowed=False), torch.float32)
+    reference = mixed_step_logits(DecoderModel(config32, weights32, "cpu", cpu_kernels_allowed=False), torch.float32)
     logits = mixed_step_logits(model, torch.bfloat16)
     assert (logits - reference).abs().max().item() < 1.0
     assert torch.equal(logits.argmax(-1), reference.argmax(-1))
-    on_onednn = LlamaModel(config, weights, "cpu", amx_allowed=False)  # `stageserve device --no-amx-linears`
+    on_onednn = DecoderModel(config, weights, "cpu", amx_allowed=False)  # `stageserve device --no-amx-linears`
     assert not on_onednn.amx_linears and on_onednn.layers[0].qkv.amx_weight is None
     assert torch.equal(mixed_step_logits(on_onednn, torch.bfloat16).argmax(-1), reference.argmax(-1))
 

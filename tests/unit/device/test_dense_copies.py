@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from stageserve.device import dense_copies, quant
-from stageserve.device.model import Linear
-from stageserve.device.quant_linear import QuantizedLinear
+from stageserve.device.kernels import dense_copies, quant
+from stageserve.device.model.linear import Linear
+from stageserve.device.kernels.quant_linear import QuantizedLinear
 
 
 def linear(n: int, k: int, seed: int = 0) -> QuantizedLinear:

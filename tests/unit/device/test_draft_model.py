@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stageserve.device.draft_model import DraftModelProposer
-from stageserve.device.forward_batch import build_forward_batch
-from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.model import LlamaModel
-from stageserve.device.proposer import ProposalStep, StepLayout, TokenHistory
-from stageserve.device.speculative import PLACEHOLDER
+from stageserve.device.speculation.draft_model import DraftModelProposer
+from stageserve.device.model.forward_batch import build_forward_batch
+from stageserve.device.model.kv_cache import PagedKVCache
+from stageserve.device.model.decoder import DecoderModel
+from stageserve.device.speculation.proposer import ProposalStep, StepLayout, TokenHistory
+from stageserve.device.speculation.verification import PLACEHOLDER
 from tests.tiny_checkpoint import write_tiny_checkpoint
 
 CPU = torch.device("cpu")
@@ -26,11 +26,11 @@ PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]  # two full blocks: the second co
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> LlamaModel:
-    return LlamaModel.from_path(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny")), torch.float32, CPU)
+def model(tmp_path_factory) -> DecoderModel:
+    return DecoderModel.from_path(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny")), torch.float32, CPU)
 
 
-def greedy_continuation(model: LlamaModel, prompt: list[int], count: int) -> list[int]:
+def greedy_continuation(model: DecoderModel, prompt: list[int], count: int) -> list[int]:
     """The model's greedy tokens after ``prompt``, decoded one at a time over a KV pool of its own."""
     kv = PagedKVCache(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, CPU)
     logits = model.forward(build_forward_batch([(prompt, 0, TABLE, True)], BLOCK_SIZE, CPU), kv)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from stageserve.device.backends import CpuBackend
-from stageserve.device.executor import SlotBuffers, SlotTimeout, StepExecutor, TicketTimeout
+from stageserve.device.executor import SlotTimeout, StepExecutor
+from stageserve.device.step_ticket import SlotBuffers, TicketTimeout
 from stageserve.device.step_plan import AdmittedStep, Step
 from stageserve.v1 import device_pb2
 
@@ -202,10 +203,10 @@ def test_a_release_before_delivery_frees_the_slot_only_after_the_step_completes(
 @pytest.fixture(scope="module")
 def real_model():
     """The embedded model in float32 on the CPU (loaded once for this module)."""
-    from stageserve.device.model import LlamaModel
+    from stageserve.device.model.decoder import DecoderModel
     from stageserve.model_files import embedded_model_path
 
-    return LlamaModel.from_path(embedded_model_path(), torch.float32, "cpu")
+    return DecoderModel.from_path(embedded_model_path(), torch.float32, "cpu")
 
 
 EMBEDDED_PROMPTS = ([1, 9690, 198, 2683, 359, 253, 5356], [1, 4093, 1050, 28, 6128, 314])
@@ -215,7 +216,7 @@ def run_plans(model, dispatch: str, backend=None, prompts: tuple[list[int], list
     """Two sequences (one greedy, one seeded with top-p and a repetition penalty), prefill then 5 decode
     steps with placeholders, through a fresh table/KV cache/executor on ``backend`` (default: a new
     `CpuBackend`; closed at the end); returns each step's sampled ids."""
-    from stageserve.device.kv_cache import PagedKVCache
+    from stageserve.device.model.kv_cache import PagedKVCache
     from stageserve.device.sampler import validate_sampling_params
     from stageserve.sampling_rules import MAX_LOGPROBS
     from stageserve.device.sequence_table import SequenceTable
@@ -263,8 +264,8 @@ def test_async_and_sync_dispatch_give_identical_tokens(real_model):
     assert async_ids == sync_ids
     assert len(async_ids) == 6 and all(len(ids) == 2 for ids in async_ids)
     # The greedy row matches a plain greedy loop of the model (placeholders resolved on the device).
-    from stageserve.device.kv_cache import PagedKVCache
-    from stageserve.device.forward_batch import build_forward_batch
+    from stageserve.device.model.kv_cache import PagedKVCache
+    from stageserve.device.model.forward_batch import build_forward_batch
 
     ids, reference = list(EMBEDDED_PROMPTS[0]), []
     kv = PagedKVCache(real_model.config, 1, 16, torch.float32, "cpu")

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
-from stageserve.device.executor import StepResult
+from stageserve.device.step_ticket import StepResult
 from stageserve.device.metrics import DeviceMetrics
 
 RESULT = StepResult(token_ids=[1], logprobs=None, completed_unix_ns=0)  # a step's output; its contents are not measured

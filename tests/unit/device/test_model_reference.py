@@ -10,16 +10,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.forward_batch import build_forward_batch
-from stageserve.device.model import LlamaModel
+from stageserve.device.model.kv_cache import PagedKVCache
+from stageserve.device.model.forward_batch import build_forward_batch
+from stageserve.device.model.decoder import DecoderModel
 from stageserve.model_files import embedded_model_path
 
 BLOCK_SIZE = 16
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
 
 
-def greedy(model: LlamaModel, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
+def greedy(model: DecoderModel, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
     """Greedy decoding through our model: prefill once, then one decode step per token.
 
     Returns the generated ids and each step's logits ``[new_tokens, vocab]`` float32.
@@ -53,7 +53,7 @@ def embedded_runs():
     """32 greedy tokens and per-step logits from both implementations of the embedded model (float32)."""
     torch.manual_seed(0)
     path = embedded_model_path()
-    ours = LlamaModel.from_path(path, torch.float32, "cpu")
+    ours = DecoderModel.from_path(path, torch.float32, "cpu")
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     return greedy(ours, PROMPT, 32), hf_greedy(hf, PROMPT, 32)
 
@@ -107,7 +107,7 @@ def test_tiny_hf_checkpoint_matches_transformers(tmp_path, name):
                 if proj.bias is not None:
                     proj.bias.normal_(0.0, 0.5)
     hf.save_pretrained(tmp_path)
-    ours = LlamaModel.from_path(tmp_path, torch.float32, "cpu")
+    ours = DecoderModel.from_path(tmp_path, torch.float32, "cpu")
     assert ours.config.attention_bias == (name.startswith("qwen2"))
     prompt = torch.randint(3, 256, (40,)).tolist()
     (tokens, logits), (ref_tokens, ref_logits) = greedy(ours, prompt, 24), hf_greedy(hf, prompt, 24)

@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from stageserve.device.kv_cache import PagedKVCache, bytes_per_block, kv_memory_budget, num_blocks_for_memory
-from stageserve.device.forward_batch import build_forward_batch
-from stageserve.device.model import LlamaModel
+from stageserve.device.model.kv_cache import PagedKVCache, bytes_per_block, kv_memory_budget, num_blocks_for_memory
+from stageserve.device.model.forward_batch import build_forward_batch
+from stageserve.device.model.decoder import DecoderModel
 from stageserve.model_files import embedded_model_path
 
 BLOCK_SIZE = 4
@@ -17,15 +17,15 @@ NUM_BLOCKS = 64
 
 
 @pytest.fixture(scope="module")
-def model() -> LlamaModel:
-    return LlamaModel.from_path(embedded_model_path(), torch.float32, "cpu")
+def model() -> DecoderModel:
+    return DecoderModel.from_path(embedded_model_path(), torch.float32, "cpu")
 
 
 def _blocks_for(tokens: int) -> int:
     return -(-tokens // BLOCK_SIZE)
 
 
-def _run_alone(model: LlamaModel, history: list[int], new: list[int]) -> torch.Tensor:
+def _run_alone(model: DecoderModel, history: list[int], new: list[int]) -> torch.Tensor:
     """Logits [vocab] of ``new`` after ``history`` for one row in a fresh cache with contiguous blocks."""
     cache = PagedKVCache(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
     table = list(range(_blocks_for(len(history) + len(new))))

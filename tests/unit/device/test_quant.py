@@ -25,9 +25,9 @@ import pytest
 import torch
 from gguf.quants import quantize
 
-from stageserve.device import cpu_kernels, quant
-from stageserve.device.quant import QuantizedWeight
-from stageserve.device.quant_linear import QuantizedLinear, TorchInt8Kernel, VnniKernel, fits
+from stageserve.device.kernels import cpu_kernels, quant
+from stageserve.device.kernels.quant import QuantizedWeight
+from stageserve.device.kernels.quant_linear import QuantizedLinear, TorchInt8Kernel, VnniKernel, fits
 
 Q = gguf.GGMLQuantizationType
 N, K = 192, 96  # three of torch's int4 kernel's 64-row blocks, three groups of 32
@@ -157,12 +157,12 @@ def test_int8_rows_serve_as_the_tied_embedding_table():
 
 def test_k_quant_tensors_are_dequantized_with_a_log_line(tmp_path, caplog):
     """A Q6_K tensor has no kernel here: the loader dequantizes it and says so; Q4_0 stays as stored."""
-    from stageserve.device.weights import load_weights
+    from stageserve.device.model.weights import load_weights
     from tests.unit.device.test_weights import write_gguf
 
     path = tmp_path / "k.gguf"
     write_gguf(path, {"blk.0.ffn_down.weight": Q.Q6_K, "blk.0.ffn_gate.weight": Q.Q4_0}, ffn=256)
-    with caplog.at_level(logging.INFO, logger="stageserve.device.weights"):
+    with caplog.at_level(logging.INFO, logger="stageserve.device.model.weights"):
         _, weights = load_weights(path, torch.float32, keep_quantized=True)
     assert isinstance(weights["model.layers.0.mlp.gate_proj.weight"], QuantizedWeight)
     assert weights["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32
@@ -173,8 +173,8 @@ def test_k_quant_tensors_are_dequantized_with_a_log_line(tmp_path, caplog):
 def test_the_dense_companion_runs_any_row_count_on_its_one_amx_copy(gated):
     """``Linear(one_copy=True)`` (a quantized linear's dense copy) holds only the AMX copy and runs
     inputs of more than 64 rows on it 64 at a time, as oneDNN would compute them."""
-    from stageserve.device import cpu_kernels
-    from stageserve.device.model import Linear
+    from stageserve.device.kernels import cpu_kernels
+    from stageserve.device.model.linear import Linear
 
     weight = (torch.randn(2 * 256 if gated else 256, 128) * 0.05).bfloat16()
     if not cpu_kernels.amx_ready(weight, gated):

@@ -18,9 +18,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.forward_batch import build_forward_batch
-from stageserve.device.model import LlamaModel
+from stageserve.device.model.kv_cache import PagedKVCache
+from stageserve.device.model.forward_batch import build_forward_batch
+from stageserve.device.model.decoder import DecoderModel
 from stageserve.model_files import embedded_model_path
 from stageserve.tokenizer import load_tokenizer
 from tests.unit.device.test_model_reference import PROMPT, greedy
@@ -38,10 +38,10 @@ PASSAGE = (
 
 
 @pytest.fixture(scope="module")
-def models() -> dict[str, LlamaModel]:
+def models() -> dict[str, DecoderModel]:
     path = embedded_model_path()
     # auto without its dense copy: every linear's values come from the quantized weight (kernel or per-call dequantization)
-    return {fmt: LlamaModel.from_path(path, torch.bfloat16, "cpu", weight_format=fmt, dense_copy="none") for fmt in ("dequantize", "auto")}
+    return {fmt: DecoderModel.from_path(path, torch.bfloat16, "cpu", weight_format=fmt, dense_copy="none") for fmt in ("dequantize", "auto")}
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_auto_keeps_the_q4_layers_int4_and_the_q8_head_int8_in_under_half_the_me
 
 def test_auto_with_its_dense_copies_holds_at_most_one_dense_copy_of_the_model():
     """The default (``--dense-copy auto``): the copies timed faster on this CPU, within the budget."""
-    model = LlamaModel.from_path(embedded_model_path(), torch.bfloat16, "cpu", weight_format="auto")
+    model = DecoderModel.from_path(embedded_model_path(), torch.bfloat16, "cpu", weight_format="auto")
     assert model.linear_formats == {"int4": 120, "int8": 1}
     assert model.weight_bytes() <= model.dense_weight_bytes(torch.bfloat16)
 
@@ -80,7 +80,7 @@ def test_greedy_tokens_agree_with_bfloat16_or_part_at_a_near_tie(models, tokeniz
             assert abs(logits[a] - logits[b]) <= TIE_LOGITS, (part, a, b)
 
 
-def _perplexity(model: LlamaModel, ids: list[int], chunk: int = 4) -> float:
+def _perplexity(model: DecoderModel, ids: list[int], chunk: int = 4) -> float:
     """exp(mean negative log-likelihood) of ``ids`` under ``model``, fed ``chunk`` tokens a step with
     every position's logits (chunks of 4 rows run the int4 kernel, as decode steps do)."""
     block_size = 16

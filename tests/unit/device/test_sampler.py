@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from stageserve.device import cpu_kernels
+from stageserve.device.kernels import cpu_kernels
 from stageserve.device.sampler import (
     SamplingTensors,
     _log_exponential_noise,

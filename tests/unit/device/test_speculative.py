@@ -13,10 +13,10 @@ import math
 import pytest
 import torch
 
-from stageserve.device.proposer import NgramProposer, TokenHistory
+from stageserve.device.speculation.proposer import NgramProposer, TokenHistory
 from stageserve.device.sampler import sample
 from stageserve.device.sequence_table import SequenceTable
-from stageserve.device.speculative import accept_drafts
+from stageserve.device.speculation.verification import accept_drafts
 from stageserve.device.step_plan import PlanError, decode_plan
 from stageserve.v1 import common_pb2
 
@@ -150,12 +150,12 @@ def test_a_penalised_sequence_may_not_draft():
 def test_a_batch_without_some_decode_entries_computes_the_same_logits_for_the_rest(tmp_path):
     """`ForwardBatch.keep_decode` (a CPU step dropping the entries of drafts that were not proposed):
     the entries and rows it keeps get the logits the whole batch gives them, in order."""
-    from stageserve.device.forward_batch import build_forward_batch
-    from stageserve.device.kv_cache import PagedKVCache
-    from stageserve.device.model import LlamaModel
+    from stageserve.device.model.forward_batch import build_forward_batch
+    from stageserve.device.model.kv_cache import PagedKVCache
+    from stageserve.device.model.decoder import DecoderModel
     from tests.tiny_checkpoint import write_tiny_checkpoint
 
-    model = LlamaModel.from_path(write_tiny_checkpoint(tmp_path / "tiny"), torch.float32, CPU)
+    model = DecoderModel.from_path(write_tiny_checkpoint(tmp_path / "tiny"), torch.float32, CPU)
     block_size, tables = 4, ([0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11])
     prompts = ([5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16])
 
@@ -197,8 +197,8 @@ def test_a_cpu_step_drops_the_entries_of_drafts_not_proposed_and_measuring_propo
     made 1, the pending token's and that draft's entries run (the entries of drafts 2 and 3 are
     dropped), next to a row that drafted nothing and a prefill row; every entry runs when all are
     proposed, and under `Speculation.proposing_every_draft` the proposer's misses count as proposed."""
-    from stageserve.device.forward_batch import build_forward_batch
-    from stageserve.device.speculative import Speculation
+    from stageserve.device.model.forward_batch import build_forward_batch
+    from stageserve.device.speculation.verification import Speculation
     from stageserve.v1 import device_pb2
 
     table = SequenceTable(SPECULATING.max_num_seqs, VOCAB, SPECULATING.block_size, CPU)

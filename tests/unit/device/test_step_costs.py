@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import argparse
 
-from stageserve.device import main as device_main
-from stageserve.device.step_costs import LONG_CONTEXT, ROW_POINTS, SHORT_CONTEXT
+from stageserve.device import assembly as device_assembly, flags as device_flags
+from stageserve.device.speculation.step_costs import LONG_CONTEXT, ROW_POINTS, SHORT_CONTEXT
 
 from tests.tiny_checkpoint import write_tiny_checkpoint
 
 
 def core(tmp_path, *flags: str):
     parser = argparse.ArgumentParser()
-    device_main.add_arguments(parser)
+    device_flags.add_arguments(parser)
     model = write_tiny_checkpoint(tmp_path / "tiny")
     args = parser.parse_args(["--model", str(model), "--dtype", "float32", "--speculative-method", "ngram", "--num-speculative-tokens", "2", *flags])
-    return device_main.build_core(args, model)
+    return device_assembly.build_core(args, model)
 
 
 def cells(built) -> set[tuple[int, int, int]]:

@@ -4,7 +4,7 @@ from this process."""
 
 from __future__ import annotations
 
-from stageserve.device.thread_governor import ComputeThreadGovernor, process_run_queue_wait_s
+from stageserve.device.kernels.thread_governor import ComputeThreadGovernor, process_run_queue_wait_s
 
 
 class Machine:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf.quants import dequantize, quantize
 
-from stageserve.device.weights import ModelLoadError, load_weights
+from stageserve.device.model.weights import ModelLoadError, load_weights
 from stageserve.model_files import embedded_model_path
 
 Q = gguf.GGMLQuantizationType

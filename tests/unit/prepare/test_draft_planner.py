@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from stageserve.prepare.draft_planner import FIRST_PROBE_ROWS, RunEstimate, DraftPlanner, SequenceDrafts, StepCostModel
-from stageserve.prepare.scheduler import SchedulerConfig
+from stageserve.prepare.scheduler_config import SchedulerConfig
 from stageserve.v1 import device_pb2
 
 from .test_scheduler import event, make_request, make_scheduler, publish

@@ -7,7 +7,8 @@ import pytest
 
 from stageserve.prepare.errors import RequestError
 from stageserve.prepare.scheduled_step import ScheduledStep
-from stageserve.prepare.scheduler import AbortOutcome, Scheduler, SchedulerConfig
+from stageserve.prepare.scheduler import AbortOutcome, Scheduler
+from stageserve.prepare.scheduler_config import SchedulerConfig
 from stageserve.prepare.validation import GenerationRequest
 from stageserve.v1 import common_pb2, reclaim_pb2
 

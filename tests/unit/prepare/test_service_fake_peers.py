@@ -13,11 +13,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from stageserve.device_endpoints import parse_device_endpoints
-from stageserve.prepare.api import GenerationServicer
+from stageserve.prepare.service import GenerationServicer
 from stageserve.prepare.connector import PipelineConnector
 from stageserve.prepare.frontend import GenerationFrontend
 from stageserve.prepare.engine import Engine
-from stageserve.prepare.main import SERVICE_NAME
+from stageserve.prepare.service import SERVICE_NAME
 from stageserve.prepare.metrics import PrepareMetrics
 from stageserve.prepare.request_handle import LoopWaker
 from stageserve.prepare.router import DeviceRouter

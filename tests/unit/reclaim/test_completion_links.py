@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 from stageserve.device_endpoints import parse_device_endpoints
-from stageserve.reclaim.service import CompletionLinks
+from stageserve.reclaim.links import CompletionLinks
 
 
 class FakeDns:

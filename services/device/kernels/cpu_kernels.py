@@ -281,6 +281,6 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list
     torch.ops.stageserve.apply_token_bitmask_(logits, bitmask, rows)
 
 
-if __name__ == "__main__":  # `python -m stageserve.device.cpu_kernels`: build now (make install, images)
+if __name__ == "__main__":  # `python -m stageserve.device.kernels.cpu_kernels`: build now (make install, images)
     logging.basicConfig(level=logging.INFO)
     raise SystemExit(0 if load_cpu_kernels() else 1)

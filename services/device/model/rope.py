@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from stageserve.device.model_config import ModelConfig
+from stageserve.device.model.config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float, int]:

@@ -45,8 +45,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stageserve.device import cpu_kernels
-from stageserve.device.quant import GROUP, Int4Weight, Int8Weight, round_symmetric_int8
+from stageserve.device.kernels import cpu_kernels
+from stageserve.device.kernels.quant import GROUP, Int4Weight, Int8Weight, round_symmetric_int8
 
 LANES = 16  # output rows per panel of the VNNI layout (one per int32 lane)
 VNNI_MAX_ROWS = {8: 8, 16: 8}  # by input bits, measured (docs/benchmarks.md): about where the AMX copy starts to win
@@ -215,7 +215,7 @@ class QuantizedLinear:
     def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype,
                  make_dense: Callable[[torch.Tensor], Any] | None = None, input_bits: int = 16, own_kernels: bool = True) -> None:
         """``weight`` in a format `fits` takes, ``bias`` [N] of ``dtype`` or ``None``; ``dtype`` is the
-        activations'. ``make_dense``: builds the dense linear (e.g. ``model.Linear``) from the
+        activations'. ``make_dense``: builds the dense linear (e.g. ``model.linear.Linear``) from the
         dequantized weight [N, K] when `keep_dense_copy` asks for one. ``input_bits``: see
         `VnniKernel`; ``own_kernels=False``: torch's kernels even where the VNNI one runs (``--no-cpu-kernels``).
 

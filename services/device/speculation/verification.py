@@ -44,8 +44,8 @@ from itertools import accumulate
 import torch
 
 from stageserve.device.backends import to_device
-from stageserve.device.forward_batch import ForwardBatch, decode_slots_and_masks
-from stageserve.device.proposer import ProposalStep, Proposer, StepLayout, TokenHistory
+from stageserve.device.model.forward_batch import ForwardBatch, decode_slots_and_masks
+from stageserve.device.speculation.proposer import ProposalStep, Proposer, StepLayout, TokenHistory
 from stageserve.device.step_plan import AdmittedStep
 
 PLACEHOLDER = -1

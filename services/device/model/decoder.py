@@ -1,13 +1,15 @@
-"""Llama-family decoder (Llama, SmolLM, Qwen2) for batched serving over a paged KV cache.
+"""The decoder every family runs (``families/``), for batched serving over a paged KV cache.
 
 One forward pass takes a flattened batch mixing prefill chunks and single-token decode rows
 (``forward_batch.ForwardBatch``, built once per step by ``forward_batch.build_forward_batch``) and returns the logits of the rows
 that sample. The layers are device-generic torch (the same code runs on cpu, cuda and npu tensors),
 except that on x86-64 CPUs with AVX-512 they go through the fused C++ ops of ``cpu_kernels``.
 
-Layer math follows the Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` reference:
-RMSNorm (Zhang & Sennrich 2019), rotary position embeddings with rotate-half pairing (Su et al.
-2021, "RoFormer"), grouped-query attention (Ainslie et al. 2023) and a SwiGLU MLP (Shazeer 2020).
+Layer math follows the Hugging Face ``LlamaForCausalLM`` reference: RMSNorm (Zhang & Sennrich
+2019), rotary position embeddings with rotate-half pairing (Su et al. 2021, "RoFormer"),
+grouped-query attention (Ainslie et al. 2023, ``attention.py``) and a SwiGLU MLP (Shazeer 2020),
+with the optional parts a family's config turns on: q/k/v biases (``attention_bias``: Qwen2) and an
+RMSNorm over ``head_dim`` on each query and key head before RoPE (``qk_norm``: Qwen3).
 """
 
 from __future__ import annotations
@@ -20,79 +22,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from stageserve.device import cpu_kernels, dense_copies, quant
-from stageserve.device.forward_batch import ForwardBatch
-from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.model_config import ModelConfig
-from stageserve.device.quant import QuantizedWeight
-from stageserve.device.quant_linear import QuantizedLinear, fits
-from stageserve.device.rope import apply_rope, rope_tables
-from stageserve.device.weights import expected_shapes, load_weights
-
-# ---- model ------------------------------------------------------------------------------------
-
-
-class Linear:
-    """``y = x @ weight.T + bias``: ``x`` [..., in] -> [..., out], with the weight held in its device's fastest layout.
-
-    On a CPU with oneDNN, float32 and (where oneDNN supports it) bfloat16 weights are reordered once
-    into oneDNN's blocked layout and run through ``torch.ops.mkldnn._linear_pointwise`` (the packed
-    linear torch.compile's inductor emits on CPU). Measured on a 2-core AVX-512 CPU (torch 2.13),
-    the model's matmuls at 1-64 rows ran 1.5-2.8x faster in bfloat16 and 3.7-4.4x faster in float32
-    (where ``F.linear`` goes to MKL's sgemm) than through ``F.linear``. Everywhere else: ``F.linear``.
-
-    ``amx``: also keep an AMX-packed copy (``cpu_kernels.amx_pack``, where ``cpu_kernels.amx_ready``)
-    for inputs of at most ``AMX_MAX_ROWS`` rows, a decode step's: ``cpu_kernels.amx_linear`` runs them
-    ~20 % faster than oneDNN, at the cost of a second copy of the weight. ``gated``: the weight is
-    SwiGLU's ``[gate; up]``, packed for ``swiglu``, which then runs on ``cpu_kernels.amx_swiglu``.
-    ``one_copy``: where the AMX copy is made, keep no other: larger inputs run on it 64 rows at a time
-    (the dense companion of a quantized linear, see ``quant.QuantizedLinear``).
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, amx: bool = False, gated: bool = False, one_copy: bool = False) -> None:
-        """``weight`` [out, in] and ``bias`` [out] already on their device, same dtype."""
-        self.bias, self.gated = bias, gated
-        self.amx_weight = None
-        if amx and cpu_kernels.amx_ready(weight, gated) and not (gated and bias is not None):  # amx_swiglu takes no bias
-            self.amx_weight = (cpu_kernels.amx_pack_gated if gated else cpu_kernels.amx_pack)(weight)
-        self.amx_only = one_copy and self.amx_weight is not None
-        self.packed = _can_pack(weight) and not self.amx_only
-        self.weight = None if self.amx_only else torch.ops.mkldnn._reorder_linear_weight(weight) if self.packed else weight
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor this linear holds (for memory accounting)."""
-        return [t for t in (self.weight, self.amx_weight, self.bias) if t is not None]
-
-    def _on_amx(self, x: torch.Tensor) -> bool:
-        return self.amx_weight is not None and x.dim() == 2 and (x.shape[0] <= cpu_kernels.AMX_MAX_ROWS or self.amx_only)
-
-    def _amx_rows(self, op, x: torch.Tensor, *extra) -> torch.Tensor:
-        """``op(x, amx_weight, *extra)`` over ``x`` [T, in] in slices of at most ``AMX_MAX_ROWS`` rows."""
-        rows = cpu_kernels.AMX_MAX_ROWS
-        if x.shape[0] <= rows:
-            return op(x, self.amx_weight, *extra)
-        return torch.cat([op(x[i : i + rows], self.amx_weight, *extra) for i in range(0, x.shape[0], rows)])
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [..., in] -> [..., out], in ``x``'s dtype."""
-        if not self.gated and self._on_amx(x):
-            return self._amx_rows(cpu_kernels.amx_linear, x, self.bias)
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` of this ``[gate; up]`` projection of ``x`` [T, in] -> [T, out / 2] (CPU kernels only)."""
-        if self._on_amx(x):
-            return self._amx_rows(cpu_kernels.amx_swiglu, x)
-        return cpu_kernels.silu_and_mul(self(x))
-
-
-def _can_pack(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` can take oneDNN's packed linear path (CPU, oneDNN built in, a dtype it runs natively)."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+from stageserve.device.kernels import cpu_kernels, dense_copies, quant
+from stageserve.device.kernels.quant import QuantizedWeight
+from stageserve.device.kernels.quant_linear import QuantizedLinear, fits
+from stageserve.device.model.attention import attention_output, decode_attention
+from stageserve.device.model.config import ModelConfig
+from stageserve.device.model.forward_batch import ForwardBatch
+from stageserve.device.model.kv_cache import PagedKVCache
+from stageserve.device.model.linear import Linear
+from stageserve.device.model.rope import apply_rope, rope_tables
+from stageserve.device.model.weights import expected_shapes, load_weights
 
 
 @dataclass
@@ -105,9 +44,22 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: Linear  # [hidden] -> [2 * intermediate]
     down: Linear  # [intermediate] -> [hidden]
+    q_norm: torch.Tensor | None = None  # [head_dim], with config.qk_norm (Qwen3)
+    k_norm: torch.Tensor | None = None  # [head_dim]
+
+    def norm_qk_heads_(self, qkv: torch.Tensor, heads: int, kv_heads: int, eps: float) -> torch.Tensor:
+        """With ``q_norm``/``k_norm``: RMSNorm each query and key head of ``qkv`` [T, (H + 2K) * D] in place
+        (before RoPE, as transformers' ``Qwen3Attention``); ``qkv`` as it was otherwise. Returns ``qkv``."""
+        if self.q_norm is not None:
+            d = self.q_norm.shape[0]
+            q = qkv[:, : heads * d].view(-1, heads, d)
+            k = qkv[:, heads * d : (heads + kv_heads) * d].view(-1, kv_heads, d)
+            q.copy_(F.rms_norm(q, (d,), self.q_norm, eps))
+            k.copy_(F.rms_norm(k, (d,), self.k_norm, eps))
+        return qkv
 
 
-class LlamaModel:
+class DecoderModel:
     """The decoder's weights on one device and its forward pass (no autograd, no nn.Module hooks)."""
 
     def __init__(
@@ -121,7 +73,7 @@ class LlamaModel:
         dtype and head shape (``self.cpu_kernels`` says whether they do), and with them the bfloat16
         linears of decode-sized inputs on AMX where the CPU has it (``self.amx_linears``;
         ``amx_allowed=False`` keeps them on oneDNN, without the AMX copy of the weights); ``False``
-        keeps the pure-torch path (for comparison). ``weight_format`` (``quant.WEIGHT_FORMATS``):
+        keeps the pure-torch path (for comparison). ``weight_format`` (``flags.WEIGHT_FORMATS``):
         which linears run on weight-only int4/int8 kernels (CPU only; see `quant.kernel_weight`;
         the VNNI one only with ``cpu_kernels_allowed``, else torch's, `quant_linear.kernel_for`);
         ``self.linear_formats`` counts the linears by the format they run in. ``dense_copy``
@@ -156,23 +108,28 @@ class LlamaModel:
         else:  # a tied head is packed separately from the embedding table on CPU (one more vocab x hidden copy)
             self.embed = (embed.dequantize() if isinstance(embed, QuantizedWeight) else embed).to(self.device, self.dtype)  # [vocab, hidden]
         self.norm = w("model.norm.weight")
-        self.layers = []
-        for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-            attn, mlp = p + "self_attn.", p + "mlp."
-            qkv = tuple(attn + f"{x}_proj." for x in "qkv")
-            self.layers.append(LayerWeights(
-                input_norm=w(p + "input_layernorm.weight"),
-                qkv=linear(tuple(n + "weight" for n in qkv), tuple(n + "bias" for n in qkv) if config.attention_bias else ()),
-                o=linear((attn + "o_proj.weight",), (attn + "o_proj.bias",) if attn + "o_proj.bias" in weights else ()),
-                post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=linear((mlp + "gate_proj.weight", mlp + "up_proj.weight"), gated=True),
-                down=linear((mlp + "down_proj.weight",)),
-            ))
+        self.layers = [self._layer(f"model.layers.{i}.", weights, w, linear) for i in range(config.num_layers)]
         self._keep_dense_copies(dense_copy)
         self.amx_linears = any(getattr(lin, "amx_weight", None) is not None for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.cos, self.signed_sin = rope_tables(config, self.dtype, self.device)
         self.scale = config.head_dim**-0.5
+
+    def _layer(self, p: str, weights: dict, w, linear) -> LayerWeights:
+        """Decoder layer ``p`` (``model.layers.{i}.``) from HF-named ``weights``: ``w`` moves a norm onto the
+        device, ``linear`` builds a (fused) linear from weight and bias names (see ``__init__``)."""
+        attn, mlp = p + "self_attn.", p + "mlp."
+        qkv = tuple(attn + f"{x}_proj." for x in "qkv")
+        qk_norm = self.config.qk_norm
+        return LayerWeights(
+            input_norm=w(p + "input_layernorm.weight"),
+            qkv=linear(tuple(n + "weight" for n in qkv), tuple(n + "bias" for n in qkv) if self.config.attention_bias else ()),
+            o=linear((attn + "o_proj.weight",), (attn + "o_proj.bias",) if attn + "o_proj.bias" in weights else ()),
+            post_norm=w(p + "post_attention_layernorm.weight"),
+            gate_up=linear((mlp + "gate_proj.weight", mlp + "up_proj.weight"), gated=True),
+            down=linear((mlp + "down_proj.weight",)),
+            q_norm=w(attn + "q_norm.weight") if qk_norm else None,
+            k_norm=w(attn + "k_norm.weight") if qk_norm else None,
+        )
 
     def _linear(self, parts: list[torch.Tensor | QuantizedWeight], bias: torch.Tensor | None, weight_format: str, amx: bool, gated: bool) -> Linear | QuantizedLinear:
         """One linear over ``parts`` stacked along the output features: on a weight-only kernel where
@@ -215,7 +172,8 @@ class LlamaModel:
         for lin in self._linears():
             for t in lin.tensors():
                 add(t)
-        for t in [self.norm, *(layer.input_norm for layer in self.layers), *(layer.post_norm for layer in self.layers)]:
+        norms = [self.norm] + [t for layer in self.layers for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm) if t is not None]
+        for t in norms:
             add(t)
         if isinstance(self.embed, torch.Tensor):
             add(self.embed)
@@ -229,7 +187,7 @@ class LlamaModel:
     def from_path(
         cls, path: Path, dtype: torch.dtype, device: torch.device | str, cpu_kernels_allowed: bool = True, amx_allowed: bool = True,
         weight_format: str = "dequantize", dense_copy: str = "auto",
-    ) -> LlamaModel:
+    ) -> DecoderModel:
         """Load a GGUF file or HF directory (see ``load_weights``; raises ``ModelLoadError``); the options as in ``__init__``."""
         config, weights = load_weights(path, dtype, keep_quantized=weight_format != "dequantize")
         return cls(config, weights, device, cpu_kernels_allowed, amx_allowed, weight_format, dense_copy)
@@ -263,15 +221,15 @@ class LlamaModel:
         heads, kv_heads, d = c.num_heads, c.num_kv_heads, c.head_dim
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (c.hidden_size,), layer.input_norm, c.rms_norm_eps)
-            qkv = layer.qkv(h)  # [T, (H + 2K) * D]
+            qkv = layer.norm_qk_heads_(layer.qkv(h), heads, kv_heads, c.rms_norm_eps)  # [T, (H + 2K) * D]
             qk = apply_rope(qkv[:, : (heads + kv_heads) * d].view(-1, heads + kv_heads, d), cos, sin)  # [T, H + K, D]
             v = qkv[:, (heads + kv_heads) * d :].view(-1, kv_heads, d)  # [T, K, D]
             kv_cache.write(index, qk[:, heads:], v, batch.slot_mapping)
             decode = None
             if batch.num_decode:
                 k_context, v_context = kv_cache.gather_blocks(index, decode_rows)  # [K * Bd * W, block_size, D]
-                decode = self._decode_attention(qk[: batch.num_decode, :heads], k_context, v_context, decode_bias)
-            x = x + layer.o(self._attention_output(index, decode, qk, v, batch, kv_cache))
+                decode = decode_attention(qk[: batch.num_decode, :heads], k_context, v_context, decode_bias, self.scale)
+            x = x + layer.o(attention_output(index, decode, qk, v, batch, kv_cache, self.scale))
             h = F.rms_norm(x, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
             x = x + layer.down(_swiglu(layer.gate_up(h), c.intermediate_size))
         return x
@@ -288,88 +246,19 @@ class LlamaModel:
         context_lens = batch.positions[: batch.num_decode] + 1  # [Bd] tokens each decode row attends to
         h = cpu_kernels.rms_norm(x, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
-            qkv, pool = layer.qkv(h), kv_cache.layer(index)  # [T, (H + 2K) * D], [2K, blocks, block_size, D]
+            qkv, pool = layer.norm_qk_heads_(layer.qkv(h), heads, kv_heads, eps), kv_cache.layer(index)  # [T, (H + 2K) * D], [2K, blocks, block_size, D]
             qk = cpu_kernels.rope_and_cache(qkv, self.cos, self.signed_sin, batch.positions, pool, batch.slot_mapping, heads)
             v = qkv[:, (heads + kv_heads) * d :].view(-1, kv_heads, d)  # [T, K, D]
             decode = None
             if batch.num_decode:
                 decode = cpu_kernels.paged_decode_attention(qk[: batch.num_decode, :heads], pool, batch.decode_blocks, context_lens, self.scale)
-            h = cpu_kernels.add_rms_norm(x, layer.o(self._attention_output(index, decode, qk, v, batch, kv_cache)), layer.post_norm, eps)
+            h = cpu_kernels.add_rms_norm(x, layer.o(attention_output(index, decode, qk, v, batch, kv_cache, self.scale)), layer.post_norm, eps)
             mlp = layer.down(layer.gate_up.swiglu(h))
             if index + 1 < len(self.layers):
                 h = cpu_kernels.add_rms_norm(x, mlp, self.layers[index + 1].input_norm, eps)
             else:
                 x += mlp
         return x
-
-    def _attention_output(
-        self, index: int, decode: torch.Tensor | None, qk: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, kv_cache: PagedKVCache,
-    ) -> torch.Tensor:
-        """Attention output ``[T, q_size]`` of one layer: the decode rows' ``decode`` ([Bd, q_size], or
-        ``None`` without decode rows) followed by each prefill row's causal attention.
-
-        ``qk`` [T, H + K, D] are the rotated query and key heads, ``v`` [T, K, D] the values; this
-        step's keys and values are already in ``kv_cache``. Consecutive fresh prefills of one length
-        (a burst of same-length prompts) go through one batched call instead of one call each.
-        """
-        heads = self.config.num_heads
-        outputs = [] if decode is None else [decode]
-        segments, i = batch.prefills, 0
-        while i < len(segments):
-            seg = segments[i]
-            if seg.context_slots is None:
-                j = i + 1
-                while j < len(segments) and segments[j].context_slots is None and segments[j].length == seg.length:
-                    j += 1
-                rows = slice(seg.start, seg.start + (j - i) * seg.length)
-                outputs.append(self._fresh_prefill_attention(qk[rows], v[rows], j - i))
-                i = j
-                continue
-            rows = slice(seg.start, seg.start + seg.length)
-            k_context, v_context = kv_cache.gather_slots(index, seg.context_slots)  # [K, context, D]
-            outputs.append(self._prefill_attention(qk[rows, :heads], k_context, v_context, seg.mask))
-            i += 1
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-
-    def _decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """Single-query attention of ``q`` [B, H, D] over each row's cached context -> [B, H * D].
-
-        ``k``/``v`` [K * B * W, block_size, D] are the rows' W context blocks per KV head, kv-head-major
-        (``PagedKVCache.gather_blocks``); ``bias`` [K * B, H / K, W * block_size] is the additive mask.
-        Uses baddbmm/softmax/bmm with each KV head's query group as a tiny batch: on CPU this is
-        about twice as fast as ``scaled_dot_product_attention`` for one query per row (measured on
-        torch 2.13, bf16 and fp32), and it needs no GQA key repetition.
-        """
-        b, heads, d = q.shape
-        kv_heads, length = bias.shape[0] // b, bias.shape[2]
-        group = heads // kv_heads
-        k, v = k.view(kv_heads * b, length, d), v.view(kv_heads * b, length, d)
-        q = q.view(b, kv_heads, group, d).transpose(0, 1).reshape(kv_heads * b, group, d)
-        scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=self.scale)  # [K*B, G, L]
-        out = torch.bmm(scores.softmax(-1), v)  # [K*B, G, D]
-        return out.view(kv_heads, b, group * d).transpose(0, 1).reshape(b, -1)
-
-    def _fresh_prefill_attention(self, qk: torch.Tensor, v: torch.Tensor, rows: int) -> torch.Tensor:
-        """Causal self-attention of ``rows`` fresh prefills of n tokens each, laid end to end:
-        ``qk`` [rows * n, H + K, D] and ``v`` [rows * n, K, D] -> [rows * n, H * D].
-
-        One 4-D SDPA call over the batch of rows (on CPU only 4-D inputs reach SDPA's flash kernel;
-        3-D ones take the math path that materialises the scores, measured 6x slower at 2048 tokens).
-        """
-        heads, kv_heads, d = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
-        n = qk.shape[0] // rows
-        q = qk[:, :heads].view(rows, n, heads, d).transpose(1, 2)  # [rows, H, n, D]
-        k = qk[:, heads:].view(rows, n, kv_heads, d).transpose(1, 2)  # [rows, K, n, D]
-        out = F.scaled_dot_product_attention(q, k, v.view(rows, n, kv_heads, d).transpose(1, 2), is_causal=True, scale=self.scale, enable_gqa=True)
-        return out.transpose(1, 2).reshape(rows * n, heads * d)
-
-    def _prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Attention of one later prefill chunk: ``q`` [n, H, D] over its context ``k``/``v`` [K, context, D]
-        with ``mask`` [n, context] bool -> [n, H * D] (4-D inputs, for SDPA's flash kernel)."""
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=self.scale, enable_gqa=True,
-        )  # [1, H, n, D]
-        return out[0].transpose(0, 1).reshape(q.shape[0], -1)
 
 
 def _swiglu(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from stageserve.device.backends import to_device
-from stageserve.device.forward_batch import ForwardBatch
+from stageserve.device.model.forward_batch import ForwardBatch
 from stageserve.device.step_plan import StartedSequence
 from stageserve.prompt_lookup import MAX_N, MIN_N
 

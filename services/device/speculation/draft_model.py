@@ -26,7 +26,7 @@ A decode row that asks for no drafts (not chosen by prepare's draft planner, con
 still takes part in the first pass, so the draft's KV follows its tokens. The KV of drafts the
 target rejects lies past the accepted run and is written again before it is read, as the
 target's. The drafts are argmaxes, a point-mass draft distribution, so the acceptance rule of
-`speculative` stays exact.
+`verification` stays exact.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ from dataclasses import dataclass
 import torch
 
 from stageserve.device.backends import to_device
-from stageserve.device.forward_batch import ForwardBatch, PrefillSegment, decode_batch, decode_slots_and_masks
-from stageserve.device.kv_cache import PagedKVCache
-from stageserve.device.model import LlamaModel
-from stageserve.device.proposer import ProposalStep, StepLayout, TokenHistory, no_drafts
+from stageserve.device.model.forward_batch import ForwardBatch, PrefillSegment, decode_batch, decode_slots_and_masks
+from stageserve.device.model.kv_cache import PagedKVCache
+from stageserve.device.model.decoder import DecoderModel
+from stageserve.device.speculation.proposer import ProposalStep, StepLayout, TokenHistory, no_drafts
 from stageserve.device.sampler import argmax_rows
 
 
@@ -75,7 +75,7 @@ class DraftModelProposer:
     the ids both have.
     """
 
-    def __init__(self, model: LlamaModel, vocab_size: int, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, model: DecoderModel, vocab_size: int, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
         self.model, self.block_size = model, block_size
         self.vocab_size = min(vocab_size, model.config.vocab_size)
         self.kv_cache = PagedKVCache(model.config, num_blocks + 1, block_size, dtype, model.device)

@@ -1,4 +1,4 @@
-"""Load a llama-family checkpoint (GGUF file or Hugging Face directory) into host tensors.
+"""Load a checkpoint of a registered family (GGUF file or Hugging Face directory) into host tensors.
 
 Tensors come back under Hugging Face names (``model.layers.{i}.self_attn.q_proj.weight``, ...) in
 HF layout, whatever the source format, so the model has one naming scheme to consume.
@@ -21,8 +21,9 @@ import torch
 from gguf.quants import dequantize
 from safetensors import safe_open
 
-from stageserve.device.model_config import ModelConfig, ModelLoadError, config_from_gguf, config_from_hf
-from stageserve.device.quant import KEPT_TYPES, QuantizedWeight, from_gguf_bytes
+from stageserve.device.model.config import ModelConfig, ModelLoadError, config_from_gguf, config_from_hf
+from stageserve.device.model.family import family_named
+from stageserve.device.kernels.quant import KEPT_TYPES, QuantizedWeight, from_gguf_bytes
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ _GGUF_LAYER_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "attn_output.bias": "self_attn.o_proj.bias",
     "ffn_gate.weight": "mlp.gate_proj.weight",
@@ -120,6 +123,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.attention_bias:
             shapes |= {p + "self_attn.q_proj.bias": (c.q_size,), p + "self_attn.k_proj.bias": (c.kv_size,),
                        p + "self_attn.v_proj.bias": (c.kv_size,)}
+        if c.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
     return shapes
 
 
@@ -229,6 +234,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool) -> tuple[Mo
         raise ModelLoadError(f"{path}: corrupt or truncated GGUF header ({type(exc).__name__}: {exc})") from exc
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     dequantized_blocks: set[str] = set()
+    qk_permuted = family_named(config.architecture).gguf_qk_permuted
     for info in infos:
         raw = torch.frombuffer(buffer, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
         kept = keep_quantized and info.qtype in KEPT_TYPES and len(info.shape) == 2
@@ -241,7 +247,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool) -> tuple[Mo
             raise ModelLoadError(f"{path}: unexpected tensor {info.name!r} for architecture {config.architecture!r}")
         if keep_quantized and not kept and info.qtype not in _FLOAT_TYPES:
             dequantized_blocks.add(info.qtype.name)
-        if config.architecture == "llama" and (".attn_q." in info.name or ".attn_k." in info.name):
+        if qk_permuted and (".attn_q." in info.name or ".attn_k." in info.name):
             heads = config.num_heads if ".attn_q." in info.name else config.num_kv_heads
             tensor = QuantizedWeight(tensor.qtype, _unpermute_rope_rows(tensor.blocks, heads)) if kept else _unpermute_rope_rows(tensor, heads)
         weights[hf_name] = tensor if kept else tensor.to(dtype, copy=True)

@@ -37,6 +37,7 @@ from stageserve.prepare.validation import tokenize_prompt, validate_request_id
 from stageserve.security.guard import current_principal
 from stageserve.v1 import prepare_pb2, prepare_pb2_grpc, reclaim_pb2
 
+SERVICE_NAME = "stageserve.v1.Generation"  # its readiness entry and reflection name
 REQUEST_ID_HEADER = "x-request-id"
 # A call that ends this close (seconds) to its deadline is counted as DEADLINE_EXCEEDED, not CANCELLED.
 DEADLINE_SLACK_S = 0.25

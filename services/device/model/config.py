@@ -1,7 +1,8 @@
-"""Architecture hyper-parameters of a llama-family model, read from GGUF metadata or an HF config.json.
+"""Architecture hyper-parameters of a decoder-only model, read from GGUF metadata or an HF config.json.
 
-Only what the device's forward pass needs is kept. Supported architectures: ``llama`` (Llama,
-SmolLM, Mistral-style dense models without sliding window) and ``qwen2`` (adds q/k/v biases).
+Only what the device's forward pass needs is kept. What is common to every family is read here;
+which family a file is, and what that family adds, comes from the registry (``family.py``, one
+module per family in ``families/``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+from stageserve.device.model.family import family_for_gguf, family_for_hf, gguf_architectures, hf_model_types
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -21,12 +23,14 @@ class ModelLoadError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a decoder-only llama-family transformer.
+    """Hyper-parameters of a decoder-only transformer of one of the registered families.
 
     ``rope_scaling`` follows the Hugging Face ``rope_parameters`` dict (``rope_type`` plus that
     type's keys, e.g. ``factor``), or is ``None`` for plain RoPE. ``rope_freq_factors`` holds
     llama.cpp's ``rope_freqs.weight`` (per-frequency divisors, ``head_dim // 2`` values) that GGUF
-    converters write instead of llama3 scaling parameters.
+    converters write instead of llama3 scaling parameters. ``attention_bias``: the q/k/v projections
+    have biases (o_proj's is loaded where the checkpoint has one); ``qk_norm``: an RMSNorm over
+    ``head_dim`` on every query and key head before RoPE (Qwen3's ``q_norm``/``k_norm``).
     """
 
     architecture: str
@@ -46,6 +50,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     rope_scaling: dict[str, Any] | None = None
     rope_freq_factors: tuple[float, ...] | None = None
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -67,13 +72,15 @@ def config_from_gguf(fields: Mapping[str, Any], tensor_shapes: Mapping[str, tupl
 
     ``tensor_shapes`` maps GGUF tensor names to row-major shapes (``token_embd.weight`` is
     ``(vocab, hidden)``). Keys follow the GGUF spec (``{arch}.block_count``, ...); ``vocab_size``
-    falls back to the embedding's row count; rope scaling comes from
-    ``{arch}.rope.scaling.*``. Raises ``ModelLoadError`` naming ``path`` for an unsupported
-    architecture or a missing key.
+    falls back to the embedding's row count; ``head_dim`` is ``{arch}.attention.key_length``, else
+    ``{arch}.rope.dimension_count``, else hidden / heads; rope scaling comes from
+    ``{arch}.rope.scaling.*``; q/k/v biases and q/k norms are there when layer 0's tensors are.
+    Raises ``ModelLoadError`` naming ``path`` for an unsupported architecture or a missing key.
     """
     arch = fields.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    family = family_for_gguf(arch)
+    if family is None:
+        raise ModelLoadError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(gguf_architectures())})")
 
     def need(key: str) -> Any:
         try:
@@ -83,13 +90,13 @@ def config_from_gguf(fields: Mapping[str, Any], tensor_shapes: Mapping[str, tupl
 
     hidden = int(need("embedding_length"))
     num_heads = int(need("attention.head_count"))
-    head_dim = int(fields.get(f"{arch}.rope.dimension_count") or hidden // num_heads)
+    head_dim = int(fields.get(f"{arch}.attention.key_length") or fields.get(f"{arch}.rope.dimension_count") or hidden // num_heads)
     if "token_embd.weight" not in tensor_shapes:
         raise ModelLoadError(f"{path}: tensor 'token_embd.weight' is missing")
     vocab = fields.get(f"{arch}.vocab_size") or tensor_shapes["token_embd.weight"][0]
     eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in fields]
     return ModelConfig(
-        architecture=arch,
+        architecture=family.name,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
@@ -102,6 +109,7 @@ def config_from_gguf(fields: Mapping[str, Any], tensor_shapes: Mapping[str, tupl
         max_position_embeddings=int(need("context_length")),
         tie_word_embeddings="output.weight" not in tensor_shapes,
         attention_bias="blk.0.attn_q.bias" in tensor_shapes,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_shapes,
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
         rope_scaling=_gguf_rope_scaling(fields, arch, path),
@@ -125,13 +133,14 @@ def config_from_hf(raw: Mapping[str, Any], eos_extra: list[int], path: Path) -> 
     """Build a ``ModelConfig`` from a parsed Hugging Face ``config.json``.
 
     ``eos_extra`` adds end-of-sequence ids from ``generation_config.json``. Reads both the
-    transformers 5 ``rope_parameters`` key and the older ``rope_theta`` / ``rope_scaling`` keys.
-    Raises ``ModelLoadError`` naming ``path`` for an unsupported architecture, activation, rope
-    type or sliding-window attention.
+    transformers 5 ``rope_parameters`` key and the older ``rope_theta`` / ``rope_scaling`` keys;
+    the family's own fields come from its ``Family.hf_fields``. Raises ``ModelLoadError`` naming
+    ``path`` for an unsupported architecture, activation, rope type or sliding-window attention.
     """
     arch = raw.get("model_type")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"{path}: unsupported model_type {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    family = family_for_hf(arch)
+    if family is None:
+        raise ModelLoadError(f"{path}: unsupported model_type {arch!r} (supported: {', '.join(hf_model_types())})")
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{path}: unsupported hidden_act {raw['hidden_act']!r} (only silu)")
     if raw.get("use_sliding_window") or raw.get("mlp_bias"):
@@ -146,7 +155,7 @@ def config_from_hf(raw: Mapping[str, Any], eos_extra: list[int], path: Path) -> 
         eos = raw.get("eos_token_id")
         eos_ids = ([] if eos is None else [eos] if isinstance(eos, int) else list(eos)) + eos_extra
         return ModelConfig(
-            architecture=arch,
+            architecture=family.name,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=int(raw["hidden_size"]),
             intermediate_size=int(raw["intermediate_size"]),
@@ -158,11 +167,10 @@ def config_from_hf(raw: Mapping[str, Any], eos_extra: list[int], path: Path) -> 
             rope_theta=rope_theta,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; Llama has them (and an o_proj bias) only when asked.
-            attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos_ids)),
             rope_scaling=None if rope_type == "default" else rope,
+            **{"attention_bias": False, **family.hf_fields(raw)},  # the family's own fields (attention_bias has no dataclass default)
         )
     except KeyError as exc:
         raise ModelLoadError(f"{path}: config.json lacks required key {exc.args[0]!r}") from None

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from stageserve.device.model_config import ModelConfig
+from stageserve.device.model.config import ModelConfig
 
 
 class PagedKVCache:

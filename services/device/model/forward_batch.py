@@ -2,7 +2,7 @@
 
 ``build_forward_batch`` turns a step's rows into one ``ForwardBatch`` (token ids, positions, KV
 slot mapping, block tables and attention masks), built once per step on the host and moved to the
-device; ``LlamaModel.forward`` reads it.
+device; ``DecoderModel.forward`` reads it.
 """
 
 from __future__ import annotations

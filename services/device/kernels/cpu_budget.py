@@ -11,7 +11,7 @@ running, every region of every step.
 (gRPC server, completion thread, ``SIDE_THREADS_CPUS``: ~5 % of a core measured for gRPC, see
 docs/benchmarks.md; rounded so that a CPU that is mostly free still gets a thread).
 
-Within this budget, `stageserve.device.thread_governor` follows the CPUs the device actually gets.
+Within this budget, `stageserve.device.kernels.thread_governor` follows the CPUs the device actually gets.
 
 torch's OpenMP barrier spin (libgomp's ``GOMP_SPINCOUNT``) is left at the runtime's default: a
 shorter spin measured slower on a quiet machine (docs/benchmarks.md), and its gain under contention

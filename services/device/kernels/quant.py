@@ -20,6 +20,8 @@ import dataclasses
 import gguf
 import torch
 
+from stageserve.device.flags import WEIGHT_FORMATS
+
 Q = gguf.GGMLQuantizationType
 GROUP = 32  # GGUF's block length along K, and the formats' group size
 KEPT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # GGUF block types that map onto a kernel here
@@ -128,9 +130,6 @@ def round_symmetric_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = w.abs().amax(-1) / 127
     q = (w / scale.clamp_min(torch.finfo(torch.float32).tiny)[..., None]).round_().clamp_(-127, 127)
     return q.to(torch.int8), scale
-
-
-WEIGHT_FORMATS = ("auto", "dequantize", "int8", "int4")
 
 
 def kernel_weight(parts: list[torch.Tensor | QuantizedWeight], weight_format: str) -> Int4Weight | Int8Weight | None:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from stageserve.cache_dirs import user_cache_dir
-from stageserve.device.quant_linear import QuantizedLinear
+from stageserve.device.kernels.quant_linear import QuantizedLinear
 
 log = logging.getLogger(__name__)
 
