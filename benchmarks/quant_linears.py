@@ -9,7 +9,9 @@ step does; the tied head 49152x576), bfloat16 inputs, wall time of one pass over
   head), and ``vnni 1-level`` with one (llama.cpp's), where the CPU has AVX512-VNNI;
 - ``torch``: torch's ``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm`` (`TorchInt4Kernel`,
   `TorchInt8Kernel`), the fallback elsewhere;
-- ``amx``: the dense bfloat16 copy on ``amx_linear`` where the CPU has AMX (what inputs of more rows run on).
+- ``amx``: the dense bfloat16 copy on ``amx_linear`` where the CPU has AMX (what inputs of more rows run on);
+- ``onednn``: the dense bfloat16 copy as oneDNN's packed linear (`Linear` without AMX: the copy a CPU
+  without AMX keeps, `dense_copies`).
 
     python benchmarks/quant_linears.py --rows 1 2 4 8 16 32 --threads 2
 """
@@ -24,6 +26,7 @@ import torch
 
 from stageserve.device.kernels import cpu_kernels, quant
 from stageserve.device.kernels.quant_linear import TorchInt4Kernel, TorchInt8Kernel, VnniKernel
+from stageserve.device.model.linear import Linear
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD_SHAPE = (49152, 576)
@@ -60,6 +63,7 @@ def main() -> None:
             if amx:
                 packed = cpu_kernels.amx_pack(kernels["torch"].dense_weight())
                 kernels["amx"] = lambda x, packed=packed: cpu_kernels.amx_linear(x, packed)
+            kernels["onednn"] = Linear(kernels["torch"].dense_weight())
             layers.append((k, kernels))
     head = quant.int8_from_float(torch.randn(*HEAD_SHAPE) * 0.02)
     heads = {"torch": TorchInt8Kernel(head, torch.bfloat16)}
@@ -68,6 +72,7 @@ def main() -> None:
     if amx:
         packed_head = cpu_kernels.amx_pack(heads["torch"].dense_weight())
         heads["amx"] = lambda x: cpu_kernels.amx_linear(x, packed_head)
+    heads["onednn"] = Linear(heads["torch"].dense_weight())
     names = list(layers[0][1])
     print(f"{args.layers * len(LAYER_SHAPES)} layer linears (ms per pass) and the {HEAD_SHAPE[0]}x{HEAD_SHAPE[1]} head (ms per call), "
           f"bfloat16 inputs, {args.threads} threads, median of {args.repeats}")

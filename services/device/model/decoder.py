@@ -79,8 +79,8 @@ class DecoderModel:
         ``self.linear_formats`` counts the linears by the format they run in. ``dense_copy``
         (``auto``, ``all`` or ``none``): which quantized linears also keep one dense copy (AMX-packed where
         the CPU has AMX, else oneDNN's) for inputs of more rows than their kernel takes: ``auto``
-        those where it is faster on this CPU, within one dense copy of the model in all
-        (`dense_copies.choose`), ``all`` every one, ``none`` none.
+        those where it is faster on this CPU (`dense_copies.choose`), oneDNN's within one dense copy
+        of the model in all, ``all`` every one, ``none`` none.
         """
         self.config, self.device = config, torch.device(device)
         self.cpu_kernels_allowed = cpu_kernels_allowed
@@ -109,7 +109,11 @@ class DecoderModel:
             self.embed = (embed.dequantize() if isinstance(embed, QuantizedWeight) else embed).to(self.device, self.dtype)  # [vocab, hidden]
         self.norm = w("model.norm.weight")
         self.layers = [self._layer(f"model.layers.{i}.", weights, w, linear) for i in range(config.num_layers)]
-        self._keep_dense_copies(dense_copy)
+        # AMX-packed copies (where the CPU has AMX) ran the many-row inputs 2-4x faster than the
+        # kernel (docs/benchmarks.md): there `auto` keeps every copy timed faster, as before; the
+        # budget of one dense copy applies to oneDNN's copies (a CPU without AMX).
+        amx_copies = amx and self.dtype == torch.bfloat16 and cpu_kernels.amx_ready(torch.empty(16, 32, dtype=torch.bfloat16))
+        self._keep_dense_copies(dense_copy, budgeted=not amx_copies)
         self.amx_linears = any(getattr(lin, "amx_weight", None) is not None for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.cos, self.signed_sin = rope_tables(config, self.dtype, self.device)
         self.scale = config.head_dim**-0.5
@@ -149,14 +153,16 @@ class DecoderModel:
     def _linears(self) -> list[Linear | QuantizedLinear]:
         return [self.lm_head] + [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
-    def _keep_dense_copies(self, mode: str) -> None:
-        """Give the quantized linears their dense copies as ``mode`` says (see ``__init__``)."""
+    def _keep_dense_copies(self, mode: str, budgeted: bool) -> None:
+        """Give the quantized linears their dense copies as ``mode`` says (see ``__init__``); with
+        ``auto`` and ``budgeted``, within one dense copy of the model in all."""
         quantized = [lin for lin in self._linears() if isinstance(lin, QuantizedLinear)]
         if mode == "all":
             for linear in quantized:
                 linear.keep_dense_copy()
         elif mode == "auto" and quantized:
-            budget = self.dense_weight_bytes(self.dtype) - self.weight_bytes()
+            every_copy = sum(linear.dense_copy_bytes() for linear in quantized)
+            budget = self.dense_weight_bytes(self.dtype) - self.weight_bytes() if budgeted else every_copy
             dense_copies.choose(quantized, budget, cache=dense_copies.cache_path(quantized, dense_copies.ROWS))
 
     def weight_bytes(self) -> int:
