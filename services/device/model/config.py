@@ -14,7 +14,7 @@ from typing import Any
 
 from stageserve.device.model.family import family_for_gguf, family_for_hf, gguf_architectures, hf_model_types
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 class ModelLoadError(ValueError):
@@ -31,6 +31,11 @@ class ModelConfig:
     converters write instead of llama3 scaling parameters. ``attention_bias``: the q/k/v projections
     have biases (o_proj's is loaded where the checkpoint has one); ``qk_norm``: an RMSNorm over
     ``head_dim`` on every query and key head before RoPE (Qwen3's ``q_norm``/``k_norm``).
+    ``sliding_window``: every layer's query at position p attends only to keys at positions
+    ``p - sliding_window < k <= p`` (transformers' ``sliding_window_overlay`` in ``masking_utils.py``:
+    the window counts the current token), ``None`` for full causal attention (Mistral, Phi-3).
+    ``rotary_dim``: RoPE rotates only the first ``rotary_dim`` values of each head
+    (``partial_rotary_factor * head_dim``, Phi-3/Phi-4-mini), ``None`` for the whole head.
     """
 
     architecture: str
@@ -51,10 +56,14 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     rope_freq_factors: tuple[float, ...] | None = None
     qk_norm: bool = False
+    sliding_window: int | None = None
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} is not a positive number of tokens")
 
     @property
     def q_size(self) -> int:
@@ -74,7 +83,8 @@ def config_from_gguf(fields: Mapping[str, Any], tensor_shapes: Mapping[str, tupl
     ``(vocab, hidden)``). Keys follow the GGUF spec (``{arch}.block_count``, ...); ``vocab_size``
     falls back to the embedding's row count; ``head_dim`` is ``{arch}.attention.key_length``, else
     ``{arch}.rope.dimension_count``, else hidden / heads; rope scaling comes from
-    ``{arch}.rope.scaling.*``; q/k/v biases and q/k norms are there when layer 0's tensors are.
+    ``{arch}.rope.scaling.*``; q/k/v biases and q/k norms are there when layer 0's tensors are;
+    ``{arch}.attention.sliding_window`` (``GGUFWriter.add_sliding_window``) sets the window where present.
     Raises ``ModelLoadError`` naming ``path`` for an unsupported architecture or a missing key.
     """
     arch = fields.get("general.architecture")
@@ -110,6 +120,7 @@ def config_from_gguf(fields: Mapping[str, Any], tensor_shapes: Mapping[str, tupl
         tie_word_embeddings="output.weight" not in tensor_shapes,
         attention_bias="blk.0.attn_q.bias" in tensor_shapes,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_shapes,
+        sliding_window=fields.get(f"{arch}.attention.sliding_window") or None,
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
         rope_scaling=_gguf_rope_scaling(fields, arch, path),
@@ -135,7 +146,7 @@ def config_from_hf(raw: Mapping[str, Any], eos_extra: list[int], path: Path) -> 
     ``eos_extra`` adds end-of-sequence ids from ``generation_config.json``. Reads both the
     transformers 5 ``rope_parameters`` key and the older ``rope_theta`` / ``rope_scaling`` keys;
     the family's own fields come from its ``Family.hf_fields``. Raises ``ModelLoadError`` naming
-    ``path`` for an unsupported architecture, activation, rope type or sliding-window attention.
+    ``path`` for an unsupported architecture, activation, rope type, Qwen2's sliding window or MLP biases.
     """
     arch = raw.get("model_type")
     family = family_for_hf(arch)
@@ -143,15 +154,22 @@ def config_from_hf(raw: Mapping[str, Any], eos_extra: list[int], path: Path) -> 
         raise ModelLoadError(f"{path}: unsupported model_type {arch!r} (supported: {', '.join(hf_model_types())})")
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{path}: unsupported hidden_act {raw['hidden_act']!r} (only silu)")
-    if raw.get("use_sliding_window") or raw.get("mlp_bias"):
-        raise ModelLoadError(f"{path}: sliding-window attention and MLP biases are not supported")
+    for field in ("use_sliding_window", "mlp_bias"):  # Qwen2's window over layers from max_window_layers on; biased MLPs
+        if raw.get(field):
+            raise ModelLoadError(f"{path}: unsupported {field} {raw[field]!r} (supported: false)")
     try:
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
         rope_type = rope.setdefault("rope_type", rope.pop("type", "default"))
+        if rope_type == "su":  # LongRoPE's first name in Phi-3 configs (transformers' Phi3Config renames it too)
+            rope_type = rope["rope_type"] = "longrope"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ModelLoadError(f"{path}: unsupported rope_type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        if rope_type == "longrope":  # transformers 5 keeps it in rope_parameters, older configs at the top level
+            rope.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
         num_heads = int(raw["num_attention_heads"])
+        head_dim = int(raw.get("head_dim") or raw["hidden_size"] // num_heads)
+        rotary_dim = int(head_dim * float(rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))))
         eos = raw.get("eos_token_id")
         eos_ids = ([] if eos is None else [eos] if isinstance(eos, int) else list(eos)) + eos_extra
         return ModelConfig(
@@ -162,7 +180,7 @@ def config_from_hf(raw: Mapping[str, Any], eos_extra: list[int], path: Path) -> 
             num_layers=int(raw["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // num_heads),
+            head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
@@ -170,6 +188,7 @@ def config_from_hf(raw: Mapping[str, Any], eos_extra: list[int], path: Path) -> 
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos_ids)),
             rope_scaling=None if rope_type == "default" else rope,
+            rotary_dim=None if rotary_dim == head_dim else rotary_dim,
             **{"attention_bias": False, **family.hf_fields(raw)},  # the family's own fields (attention_bias has no dataclass default)
         )
     except KeyError as exc:

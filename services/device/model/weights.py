@@ -302,6 +302,14 @@ def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 # ---- Hugging Face directory -----------------------------------------------------------------
 
 
+# Phi-3's fused projections (transformers' ``Phi3Attention.qkv_proj``, ``Phi3MLP.gate_up_proj``: gate
+# rows first), split at load into the names every other family uses.
+_FUSED_HF_NAMES = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     config_file = path / "config.json"
     raw = _read_json(config_file)
@@ -313,13 +321,23 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str,
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors files")
     wanted = expected_shapes(config).keys() | {f"model.layers.{i}.self_attn.o_proj.bias" for i in range(config.num_layers)}
+    fused_sizes = {"self_attn.qkv_proj.weight": (config.q_size, config.kv_size, config.kv_size),
+                   "mlp.gate_up_proj.weight": (config.intermediate_size, config.intermediate_size)}
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         try:
             with safe_open(file, framework="pt") as handle:
                 for name in handle.keys():
+                    index, _, suffix = name.removeprefix("model.layers.").partition(".")
                     if name in wanted:
                         weights[name] = handle.get_tensor(name).to(dtype)
+                    elif name.startswith("model.layers.") and suffix in _FUSED_HF_NAMES:
+                        fused = handle.get_tensor(name)
+                        sizes = fused_sizes[suffix]
+                        if fused.shape[0] != sum(sizes):
+                            raise ModelLoadError(f"{file}: tensor {name!r} has {fused.shape[0]} rows, expected {sum(sizes)}")
+                        for part_name, part in zip(_FUSED_HF_NAMES[suffix], fused.split(sizes)):
+                            weights[f"model.layers.{index}.{part_name}"] = part.to(dtype)
         except ModelLoadError:
             raise
         except Exception as exc:  # safetensors raises SafetensorError / OSError on bad headers or sizes
