@@ -120,7 +120,7 @@ def config_from_gguf(fields: Mapping[str, Any], tensor_shapes: Mapping[str, tupl
         tie_word_embeddings="output.weight" not in tensor_shapes,
         attention_bias="blk.0.attn_q.bias" in tensor_shapes,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_shapes,
-        sliding_window=fields.get(f"{arch}.attention.sliding_window") or None,
+        sliding_window=int(fields.get(f"{arch}.attention.sliding_window") or 0) or None,
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
         rope_scaling=_gguf_rope_scaling(fields, arch, path),
@@ -138,6 +138,17 @@ def _gguf_rope_scaling(fields: Mapping[str, Any], arch: str, path: Path) -> dict
     if kind == "yarn":
         scaling["original_max_position_embeddings"] = int(fields[f"{arch}.rope.scaling.original_context_length"])
     return scaling
+
+
+def _check_longrope(rope: dict[str, Any], raw: Mapping[str, Any], rotary_dim: int, path: Path) -> None:
+    """Complete ``rope`` (a ``longrope`` ``rope_parameters``) with ``original_max_position_embeddings``
+    (transformers 5 keeps it there, older configs at the top level) and check its factors' lengths."""
+    rope.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    if not rope["original_max_position_embeddings"]:
+        raise ModelLoadError(f"{path}: rope_type 'longrope' needs original_max_position_embeddings")
+    for key in ("short_factor", "long_factor"):
+        if len(rope.get(key) or ()) != rotary_dim // 2:
+            raise ModelLoadError(f"{path}: rope_parameters {key!r} must hold {rotary_dim // 2} values (rotary dimension / 2)")
 
 
 def config_from_hf(raw: Mapping[str, Any], eos_extra: list[int], path: Path) -> ModelConfig:
@@ -165,11 +176,13 @@ def config_from_hf(raw: Mapping[str, Any], eos_extra: list[int], path: Path) -> 
             rope_type = rope["rope_type"] = "longrope"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ModelLoadError(f"{path}: unsupported rope_type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-        if rope_type == "longrope":  # transformers 5 keeps it in rope_parameters, older configs at the top level
-            rope.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
         num_heads = int(raw["num_attention_heads"])
         head_dim = int(raw.get("head_dim") or raw["hidden_size"] // num_heads)
         rotary_dim = int(head_dim * float(rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))))
+        if rotary_dim % 2 or (head_dim - rotary_dim) % 2:
+            raise ModelLoadError(f"{path}: unsupported partial_rotary_factor: {rotary_dim} rotary values of a {head_dim}-value head (supported: even splits)")
+        if rope_type == "longrope":
+            _check_longrope(rope, raw, rotary_dim, path)
         eos = raw.get("eos_token_id")
         eos_ids = ([] if eos is None else [eos] if isinstance(eos, int) else list(eos)) + eos_extra
         return ModelConfig(

@@ -204,8 +204,10 @@ def test_gguf_gives_transformers_tokens(checkpoint, reference, tmp_path):
         ({"hidden_act": "gelu_pytorch_tanh"}, r"config\.json: unsupported hidden_act 'gelu_pytorch_tanh' \(only silu\)"),
         ({"model_type": "qwen2", "use_sliding_window": True}, r"config\.json: unsupported use_sliding_window True \(supported: false\)"),
         ({"mlp_bias": True}, r"config\.json: unsupported mlp_bias True \(supported: false\)"),
+        ({"model_type": "phi3", "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0, 1.0]},
+          "original_max_position_embeddings": 16}, r"config\.json: rope_parameters 'short_factor' must hold 2 values"),
     ],
-    ids=["architecture", "rope-type", "activation", "qwen2-sliding-window", "mlp-bias"],
+    ids=["architecture", "rope-type", "activation", "qwen2-sliding-window", "mlp-bias", "longrope-factors"],
 )
 def test_what_is_not_supported_is_refused_naming_the_file_field_and_supported_values(tmp_path, change, message):
     """The device exits 2 with this message (``test_an_unloadable_model_exits_with_code_2_naming_the_file``)."""
