@@ -84,7 +84,9 @@ def config_from_gguf(fields: Mapping[str, Any], tensor_shapes: Mapping[str, tupl
     falls back to the embedding's row count; ``head_dim`` is ``{arch}.attention.key_length``, else
     ``{arch}.rope.dimension_count``, else hidden / heads; rope scaling comes from
     ``{arch}.rope.scaling.*``; q/k/v biases and q/k norms are there when layer 0's tensors are;
-    ``{arch}.attention.sliding_window`` (``GGUFWriter.add_sliding_window``) sets the window where present.
+    ``{arch}.attention.sliding_window`` (``GGUFWriter.add_sliding_window``) sets the window where present
+    (0: none). A family with ``gguf_partial_rotary`` (Phi-3) reads ``rope.dimension_count`` as its
+    ``rotary_dim`` and LongRoPE from its ``rope_factors_*`` tensors (``_gguf_rope_scaling``).
     Raises ``ModelLoadError`` naming ``path`` for an unsupported architecture or a missing key.
     """
     arch = fields.get("general.architecture")
@@ -100,7 +102,9 @@ def config_from_gguf(fields: Mapping[str, Any], tensor_shapes: Mapping[str, tupl
 
     hidden = int(need("embedding_length"))
     num_heads = int(need("attention.head_count"))
-    head_dim = int(fields.get(f"{arch}.attention.key_length") or fields.get(f"{arch}.rope.dimension_count") or hidden // num_heads)
+    key_length, rope_dims = fields.get(f"{arch}.attention.key_length"), fields.get(f"{arch}.rope.dimension_count")
+    head_dim = int(key_length or (None if family.gguf_partial_rotary else rope_dims) or hidden // num_heads)
+    rotary_dim = int(rope_dims) if family.gguf_partial_rotary and rope_dims and rope_dims != head_dim else None
     if "token_embd.weight" not in tensor_shapes:
         raise ModelLoadError(f"{path}: tensor 'token_embd.weight' is missing")
     vocab = fields.get(f"{arch}.vocab_size") or tensor_shapes["token_embd.weight"][0]
@@ -123,12 +127,24 @@ def config_from_gguf(fields: Mapping[str, Any], tensor_shapes: Mapping[str, tupl
         sliding_window=int(fields.get(f"{arch}.attention.sliding_window") or 0) or None,
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
-        rope_scaling=_gguf_rope_scaling(fields, arch, path),
+        rope_scaling=_gguf_rope_scaling(fields, arch, "rope_factors_long.weight" in tensor_shapes, path),
+        rotary_dim=rotary_dim,
     )
 
 
-def _gguf_rope_scaling(fields: Mapping[str, Any], arch: str, path: Path) -> dict[str, Any] | None:
-    """Translate ``{arch}.rope.scaling.*`` keys into an HF-style ``rope_parameters`` dict."""
+def _gguf_rope_scaling(fields: Mapping[str, Any], arch: str, longrope: bool, path: Path) -> dict[str, Any] | None:
+    """Translate ``{arch}.rope.scaling.*`` keys into an HF-style ``rope_parameters`` dict.
+
+    ``longrope``: the file has llama.cpp's ``rope_factors_long``/``rope_factors_short`` tensors
+    (``Phi3MiniModel.generate_extra_tensors`` in ``convert_hf_to_gguf.py``, no scaling type written):
+    LongRoPE with ``{arch}.rope.scaling.original_context_length`` and ``.attn_factor``; the factors
+    themselves are tensors, added when the weights load (``weights.py``).
+    """
+    if longrope:
+        scaling = {"rope_type": "longrope", "original_max_position_embeddings": int(fields[f"{arch}.rope.scaling.original_context_length"])}
+        if f"{arch}.rope.scaling.attn_factor" in fields:
+            scaling["attention_factor"] = float(fields[f"{arch}.rope.scaling.attn_factor"])
+        return scaling
     kind = fields.get(f"{arch}.rope.scaling.type", "none")
     if kind == "none":
         return None

@@ -101,7 +101,9 @@ class DecoderModel:
             rotated = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias")
             for name in [n for n in weights if n.endswith(rotated)]:
                 t = weights[name]
-                weights[name] = t.view(-1, config.head_dim, *t.shape[1:])[:, order].reshape(t.shape)
+                rows = t.blocks if isinstance(t, QuantizedWeight) else t  # a quantized weight's rows are its rows of blocks
+                rows = rows.view(-1, config.head_dim, *rows.shape[1:])[:, order].reshape(rows.shape)
+                weights[name] = QuantizedWeight(t.qtype, rows) if isinstance(t, QuantizedWeight) else rows
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(self.device)

@@ -1,11 +1,12 @@
 """Model families: the registry, and each family added through ``services/device/model/README.md``'s
 steps (Qwen3, Mistral with and without a sliding window, Phi-3) computing what transformers computes,
 from a Hugging Face directory, on the fused CPU kernels and on plain torch ops, and from the same
-weights as GGUF where the family has a GGUF form here."""
+weights as GGUF."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,16 +40,17 @@ CHECKPOINTS = {
     "mistral-window": {"family": "mistral", "sliding_window": WINDOW},
     "phi3": {"family": "phi3"},
 }
-GGUF_CHECKPOINTS = ("qwen3", "mistral", "mistral-window")  # Phi-3's GGUF form is not read yet
+GGUF_ARCHITECTURES = {"qwen3": "qwen3", "mistral": "llama", "mistral-window": "llama", "phi3": "phi3"}  # as llama.cpp writes them
 
 
 def test_every_family_is_registered_under_its_hf_and_gguf_names():
     assert [f.name for f in family.families()] == ["llama", "mistral", "phi3", "qwen2", "qwen3"]
     assert family.hf_model_types() == ("llama", "mistral", "phi3", "qwen2", "qwen3")
-    assert family.gguf_architectures() == ("llama", "qwen2", "qwen3")  # llama.cpp writes Mistral as llama
+    assert family.gguf_architectures() == ("llama", "phi3", "qwen2", "qwen3")  # llama.cpp writes Mistral as llama
     assert family.family_for_hf("qwen3").name == "qwen3" and family.family_for_gguf("qwen3").name == "qwen3"
     assert family.family_for_hf("mistral").name == "mistral" and family.family_for_hf("phi3").name == "phi3"
-    assert family.family_for_hf("gpt2") is None and family.family_for_gguf("gpt2") is None and family.family_for_gguf("phi3") is None
+    assert family.family_for_gguf("phi3").name == "phi3" and family.family_for_gguf("mistral") is None
+    assert family.family_for_hf("gpt2") is None and family.family_for_gguf("gpt2") is None
     assert family.family_named("llama").gguf_qk_permuted and not family.family_named("qwen3").gguf_qk_permuted
 
 
@@ -132,14 +134,15 @@ def test_longrope_tables_past_the_original_length_use_the_long_factors(checkpoin
     assert (cos[:, 16:32] == 1).all() and (signed_sin[:, 16:32] == 0).all() and (signed_sin[:, 48:] == 0).all()
 
 
-def write_gguf(checkpoint: Path, path: Path) -> Path:
+def write_gguf(checkpoint: Path, path: Path, arch: str) -> Path:
     """The checkpoint's float32 weights as a GGUF file as llama.cpp's ``convert_hf_to_gguf.py`` writes
     them: Qwen3 as ``qwen3`` (Q/K rows as they are), Mistral as ``llama`` (``LlamaModel``: Q/K rows
     permuted for GGML's adjacent-pair RoPE, ``LlamaModel.permute``), its window as
-    ``llama.attention.sliding_window`` where it has one."""
+    ``llama.attention.sliding_window`` where it has one; Phi-3 as ``phi3`` (``Phi3MiniModel``: fused
+    ``attn_qkv`` and ``ffn_up``, no key length, ``rope.dimension_count`` the rotating values, the
+    LongRoPE factors as tensors with the original context length and attention factor)."""
     hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
     c = hf.config
-    arch = "qwen3" if c.model_type == "qwen3" else "llama"
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(c.num_hidden_layers)
     writer.add_context_length(c.max_position_embeddings)
@@ -147,26 +150,37 @@ def write_gguf(checkpoint: Path, path: Path) -> Path:
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_rope_dimension_count(c.head_dim)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_eos_token_id(c.eos_token_id)
-    if getattr(c, "sliding_window", None):
-        writer.add_sliding_window(c.sliding_window)
+    if arch == "phi3":
+        rope = c.rope_parameters
+        writer.add_rope_dimension_count(int(c.hidden_size // c.num_attention_heads * rope["partial_rotary_factor"]))
+        writer.add_sliding_window(c.sliding_window or 0)
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        factor = c.max_position_embeddings / rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(factor) / math.log(rope["original_max_position_embeddings"])))
+        writer.add_tensor("rope_factors_long.weight", torch.tensor(rope["long_factor"]).numpy())
+        writer.add_tensor("rope_factors_short.weight", torch.tensor(rope["short_factor"]).numpy())
+    else:
+        writer.add_key_length(c.head_dim)
+        writer.add_value_length(c.head_dim)
+        writer.add_rope_dimension_count(c.head_dim)
+        if getattr(c, "sliding_window", None):
+            writer.add_sliding_window(c.sliding_window)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     layer_names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
                    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-                   "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+                   "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+                   "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # Phi-3's fused ones
     for i in range(c.num_hidden_layers):
         names |= {f"model.layers.{i}.{hf}.weight": f"blk.{i}.{ours}.weight" for hf, ours in layer_names.items()}
     state = hf.state_dict()
     assert c.tie_word_embeddings and set(state) - set(names) <= {"lm_head.weight"}
     for hf_name, gguf_name in names.items():
         if hf_name not in state:
-            continue  # q/k norms: Qwen3's only
+            continue  # each family has only some of these
         tensor = state[hf_name]
         if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = c.num_attention_heads if "attn_q" in gguf_name else c.num_key_value_heads
@@ -179,17 +193,22 @@ def write_gguf(checkpoint: Path, path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("checkpoint", GGUF_CHECKPOINTS, indirect=True)
+@pytest.mark.parametrize("checkpoint", list(GGUF_ARCHITECTURES), indirect=True)
 def test_gguf_gives_transformers_tokens(checkpoint, reference, tmp_path):
     """The same weights written as GGUF load to the same config (Qwen3's ``attn_q_norm``/``attn_k_norm``
-    and ``qwen3.attention.key_length``; Mistral as ``llama``, with its window) and give transformers'
-    greedy tokens, logits within 1e-4."""
+    and ``qwen3.attention.key_length``; Mistral as ``llama``, with its window; Phi-3's fused tensors,
+    rotary dimension and LongRoPE factors) and give transformers' greedy tokens, logits within 1e-4."""
     name, directory = checkpoint
     prompt, ref_tokens, ref_logits = reference
-    model = DecoderModel.from_path(write_gguf(directory, tmp_path / f"{name}.gguf"), torch.float32, "cpu")
+    arch = GGUF_ARCHITECTURES[name]
+    model = DecoderModel.from_path(write_gguf(directory, tmp_path / f"{name}.gguf", arch), torch.float32, "cpu")
     hf_config = load_config(directory)
-    assert model.config.architecture == ("qwen3" if name == "qwen3" else "llama")
-    assert (model.config.head_dim, model.config.qk_norm, model.config.sliding_window) == (64, hf_config.qk_norm, hf_config.sliding_window)
+    assert model.config.architecture == ("llama" if arch == "llama" else name)
+    fields = ("head_dim", "qk_norm", "sliding_window", "rotary_dim", "num_kv_heads", "intermediate_size")
+    assert [getattr(model.config, f) for f in fields] == [getattr(hf_config, f) for f in fields]
+    if hf_config.rope_scaling:
+        assert model.config.rope_scaling["short_factor"] == pytest.approx(hf_config.rope_scaling["short_factor"])
+        assert model.config.rope_scaling["long_factor"] == pytest.approx(hf_config.rope_scaling["long_factor"])
     tokens, logits = greedy(model, prompt, NEW_TOKENS)
     assert (logits[:17] - ref_logits[:17]).abs().max() < 1e-4
     assert tokens == ref_tokens
