@@ -25,7 +25,8 @@ from stageserve.device.model.decoder import DecoderModel
 from stageserve.device.model.forward_batch import build_forward_batch
 from stageserve.device.model.kv_cache import PagedKVCache
 from stageserve.device.model.rope import rope_tables
-from stageserve.device.model.weights import ModelLoadError, load_config
+from stageserve.device.kernels.quant import QuantizedWeight
+from stageserve.device.model.weights import ModelLoadError, load_config, load_weights
 from tests.tiny_checkpoint import write_tiny_checkpoint
 from tests.unit.device.test_model_reference import BLOCK_SIZE, greedy, hf_greedy
 
@@ -134,13 +135,14 @@ def test_longrope_tables_past_the_original_length_use_the_long_factors(checkpoin
     assert (cos[:, 16:32] == 1).all() and (signed_sin[:, 16:32] == 0).all() and (signed_sin[:, 48:] == 0).all()
 
 
-def write_gguf(checkpoint: Path, path: Path, arch: str) -> Path:
+def write_gguf(checkpoint: Path, path: Path, arch: str, linears: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
     """The checkpoint's float32 weights as a GGUF file as llama.cpp's ``convert_hf_to_gguf.py`` writes
     them: Qwen3 as ``qwen3`` (Q/K rows as they are), Mistral as ``llama`` (``LlamaModel``: Q/K rows
     permuted for GGML's adjacent-pair RoPE, ``LlamaModel.permute``), its window as
     ``llama.attention.sliding_window`` where it has one; Phi-3 as ``phi3`` (``Phi3MiniModel``: fused
     ``attn_qkv`` and ``ffn_up``, no key length, ``rope.dimension_count`` the rotating values, the
-    LongRoPE factors as tensors with the original context length and attention factor)."""
+    LongRoPE factors as tensors with the original context length and attention factor). ``linears``:
+    the block type of the layers' 2-D weights (``gguf.quants.quantize``)."""
     hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
     c = hf.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -185,7 +187,10 @@ def write_gguf(checkpoint: Path, path: Path, arch: str) -> Path:
         if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = c.num_attention_heads if "attn_q" in gguf_name else c.num_key_value_heads
             tensor = tensor.reshape(heads, 2, tensor.shape[0] // heads // 2, tensor.shape[1]).swapaxes(1, 2).reshape(tensor.shape)
-        writer.add_tensor(gguf_name, tensor.numpy())
+        if tensor.dim() == 2 and gguf_name.startswith("blk.") and linears != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(tensor.numpy(), linears), raw_dtype=linears)
+        else:
+            writer.add_tensor(gguf_name, tensor.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -237,3 +242,24 @@ def test_what_is_not_supported_is_refused_naming_the_file_field_and_supported_va
     (directory / "config.json").write_text(json.dumps(raw | change))
     with pytest.raises(ModelLoadError, match=message):
         load_config(directory)
+
+
+@pytest.mark.parametrize("checkpoint", ["phi3"], indirect=True)
+def test_a_q8_0_phi3_gguf_splits_its_fused_blocks_and_runs_them_on_int8_kernels(checkpoint, reference, tmp_path):
+    """Phi-3's fused ``attn_qkv``/``ffn_up`` in Q8_0 split by rows of blocks into parts that dequantize
+    to what the dequantizing load gives; kept quantized (``--weights auto``), with the q/k rows
+    reordered for partial rotary, every layer linear runs int8 and gives the dequantized model's
+    greedy tokens (Q8_0 rounding itself changes this random model's tokens from transformers')."""
+    prompt = reference[0]
+    path = write_gguf(checkpoint[1], tmp_path / "phi3-q8_0.gguf", "phi3", gguf.GGMLQuantizationType.Q8_0)
+    _, kept = load_weights(path, torch.float32, keep_quantized=True)
+    _, dense = load_weights(path, torch.float32)
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        part = kept[f"model.layers.1.{name}.weight"]
+        assert isinstance(part, QuantizedWeight) and torch.equal(part.dequantize(), dense[f"model.layers.1.{name}.weight"])
+    model = DecoderModel.from_path(path, torch.float32, "cpu", weight_format="auto")
+    assert model.linear_formats["int8"] == 4 * model.config.num_layers
+    tokens, logits = greedy(model, prompt, NEW_TOKENS)
+    ref_tokens, ref_logits = greedy(DecoderModel.from_path(path, torch.float32, "cpu"), prompt, NEW_TOKENS)
+    assert (logits - ref_logits).abs().max() < 1e-2  # int8 activations (measured 3e-3)
+    assert tokens == ref_tokens
