@@ -12,17 +12,18 @@ from stageserve.device.model.config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float, int]:
-    """Inverse frequencies ``[head_dim // 2]`` float32, the cos/sin scale, and the table length.
+    """Inverse frequencies ``[(rotary_dim or head_dim) // 2]`` float32, the cos/sin scale, and the table length.
 
     Base RoPE: ``theta ** (-2i / d)`` (Su et al. 2021). Scaling variants follow transformers'
     ``modeling_rope_utils``: ``linear`` (divide by ``factor``, kaiokendev), ``llama3`` (Meta's
     smooth low/high-frequency blend, ``_compute_llama3_parameters``), ``yarn`` (Peng et al. 2023,
     ``_compute_yarn_parameters``, incl. its attention factor), ``longrope`` (Phi-3's short factors,
-    ``_compute_longrope_parameters``, incl. its attention factor; the long ones: ``rope_tables``). ``dynamic`` NTK is applied as one
-    static table for ``max_position_embeddings * factor`` positions with the NTK-enlarged base,
-    as vLLM does, because a paged cache cannot re-rotate keys already stored when a sequence grows.
-    llama.cpp's ``rope_freqs`` (``config.rope_freq_factors``) divide the frequencies. With
-    ``config.rotary_dim`` the frequencies are those of a ``rotary_dim``-wide head (``rotary_dim // 2`` values).
+    ``_compute_longrope_parameters``, incl. its attention factor; the long ones: ``rope_tables``).
+    ``dynamic`` NTK is applied as one static table for ``max_position_embeddings * factor``
+    positions with the NTK-enlarged base, as vLLM does, because a paged cache cannot re-rotate keys
+    already stored when a sequence grows. llama.cpp's ``rope_freqs`` (``config.rope_freq_factors``)
+    divide the frequencies. With ``config.rotary_dim`` they are those of a ``rotary_dim``-wide head
+    (``rotary_dim // 2`` values).
     """
     dim, base, length = config.rotary_dim or config.head_dim, config.rope_theta, config.max_position_embeddings
     scaling = config.rope_scaling or {"rope_type": "default"}
@@ -68,7 +69,7 @@ def _longrope_attention_factor(s: dict, config: ModelConfig) -> float:
 
 
 def _yarn_inv_freq(pos_freqs: torch.Tensor, s: dict, config: ModelConfig) -> tuple[torch.Tensor, float]:
-    dim, base = config.head_dim, config.rope_theta
+    dim, base = config.rotary_dim or config.head_dim, config.rope_theta
     old_len = s.get("original_max_position_embeddings") or config.max_position_embeddings
     factor = s.get("factor") or config.max_position_embeddings / old_len
 

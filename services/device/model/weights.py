@@ -139,6 +139,31 @@ def _check_shapes(config: ModelConfig, weights: dict[str, torch.Tensor], path: P
             raise ModelLoadError(f"{path}: tensor {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
 
 
+# Phi-3's fused projections (transformers' ``Phi3Attention.qkv_proj``, ``Phi3MLP.gate_up_proj``: gate
+# rows first; GGUF ``attn_qkv``, ``ffn_up``), split at load into the names every other family uses.
+_FUSED_HF_NAMES = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+def _split_fused(name: str, tensor: torch.Tensor | QuantizedWeight, config: ModelConfig, path: Path) -> list[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """``[(name, tensor)]``, or for a fused projection (``_FUSED_HF_NAMES``) its parts by rows under
+    their own names (a `QuantizedWeight` splits by its rows of blocks). Raises ``ModelLoadError``
+    naming ``path`` for a fused tensor whose rows do not add up."""
+    suffix = next((s for s in _FUSED_HF_NAMES if name.endswith("." + s)), None)
+    if suffix is None:
+        return [(name, tensor)]
+    prefix = name.removesuffix("." + suffix)
+    sizes = (config.q_size, config.kv_size, config.kv_size) if suffix.startswith("self_attn.") else (config.intermediate_size,) * 2
+    rows = tensor.shape[0]
+    if rows != sum(sizes):
+        raise ModelLoadError(f"{path}: tensor {name!r} has {rows} rows, expected {sum(sizes)}")
+    blocks = tensor.blocks if isinstance(tensor, QuantizedWeight) else tensor
+    parts = [QuantizedWeight(tensor.qtype, p) if isinstance(tensor, QuantizedWeight) else p for p in blocks.split(sizes)]
+    return [(f"{prefix}.{part_name}", part) for part_name, part in zip(_FUSED_HF_NAMES[suffix], parts)]
+
+
 # ---- GGUF -------------------------------------------------------------------------------------
 # The header is parsed here rather than with gguf.GGUFReader: the reader decodes every tokenizer
 # string through numpy memmap slicing (~2 s for a 49k-token vocabulary); skipping those arrays with
@@ -309,31 +334,6 @@ def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 # ---- Hugging Face directory -----------------------------------------------------------------
-
-
-# Phi-3's fused projections (transformers' ``Phi3Attention.qkv_proj``, ``Phi3MLP.gate_up_proj``: gate
-# rows first; GGUF ``attn_qkv``, ``ffn_up``), split at load into the names every other family uses.
-_FUSED_HF_NAMES = {
-    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-}
-
-
-def _split_fused(name: str, tensor: torch.Tensor | QuantizedWeight, config: ModelConfig, path: Path) -> list[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """``[(name, tensor)]``, or for a fused projection (``_FUSED_HF_NAMES``) its parts by rows under
-    their own names (a `QuantizedWeight` splits by its rows of blocks). Raises ``ModelLoadError``
-    naming ``path`` for a fused tensor whose rows do not add up."""
-    suffix = next((s for s in _FUSED_HF_NAMES if name.endswith("." + s)), None)
-    if suffix is None:
-        return [(name, tensor)]
-    prefix = name.removesuffix("." + suffix)
-    sizes = (config.q_size, config.kv_size, config.kv_size) if suffix.startswith("self_attn.") else (config.intermediate_size,) * 2
-    rows = tensor.shape[0]
-    if rows != sum(sizes):
-        raise ModelLoadError(f"{path}: tensor {name!r} has {rows} rows, expected {sum(sizes)}")
-    blocks = tensor.blocks if isinstance(tensor, QuantizedWeight) else tensor
-    parts = [QuantizedWeight(tensor.qtype, p) if isinstance(tensor, QuantizedWeight) else p for p in blocks.split(sizes)]
-    return [(f"{prefix}.{part_name}", part) for part_name, part in zip(_FUSED_HF_NAMES[suffix], parts)]
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
