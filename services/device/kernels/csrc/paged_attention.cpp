@@ -119,9 +119,8 @@ struct Bf16Dot {
 // One (row, kv head): the G query heads q[g * q_head_stride, + D) over the row's tokens [first,
 // end), whose keys/values are rows of k_pool/v_pool ([num_blocks, block_size, D]) at the block
 // table's blocks. Writes out[G * D]. `scores` holds G * (end - first) floats, `offsets` end - first
-// entries. Keys go
-// 16 tokens at a time (16 scores per head from one sum_lanes16); the key and value rows
-// kPrefetchAhead tokens on are requested meanwhile, so the values are in cache after the softmax.
+// entries. Keys go 16 tokens at a time (16 scores per head from one sum_lanes16); the key and value
+// rows kPrefetchAhead tokens on are requested meanwhile, so the values are in cache after the softmax.
 template <typename T, int D, int G, typename Dot>
 SS_AVX512 void attend(const T* __restrict__ q, int64_t q_head_stride, const T* __restrict__ k_pool,
                       const T* __restrict__ v_pool, const int64_t* __restrict__ table, int64_t first, int64_t end,
