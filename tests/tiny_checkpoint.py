@@ -1,8 +1,8 @@
-"""A tiny randomly initialised Llama (or Qwen3) checkpoint with its own byte-level tokenizer, written offline.
+"""A tiny randomly initialised Llama (or Qwen3, Mistral, Phi-3) checkpoint with its own byte-level tokenizer, written offline.
 
 For tests that need a whole model directory (weights, config, tokenizer) where the embedded GGUF is
 not available or too slow, e.g. on an accelerator machine: ``config.json`` + ``model.safetensors``
-from transformers' ``LlamaForCausalLM`` (or ``Qwen3ForCausalLM``) and a byte-level BPE tokenizer
+from transformers' ``LlamaForCausalLM`` (or another family's ``*ForCausalLM``) and a byte-level BPE tokenizer
 with no merges (256 byte tokens + ``<|endoftext|>``), so any text round-trips and nothing is downloaded.
 """
 
@@ -16,16 +16,21 @@ EOS = "<|endoftext|>"
 VOCAB_SIZE = 257  # 256 byte tokens + EOS
 
 
-def write_tiny_checkpoint(directory: Path, seed: int = 0, num_layers: int = 2, family: str = "llama") -> Path:
+def write_tiny_checkpoint(directory: Path, seed: int = 0, num_layers: int = 2, family: str = "llama", sliding_window: int | None = None) -> Path:
     """Write the checkpoint into ``directory`` (created if needed); return ``directory``.
 
     The model: ``num_layers`` layers (weights drawn from ``seed``), hidden 64, 4 query heads over 1 KV head (GQA), tied embeddings,
     ``initializer_range`` 0.2 so logits are well separated and greedy choices are stable across
     devices in float32. ``family="qwen3"``: a Qwen3 instead, with 2 KV heads of ``head_dim`` 64
     (not hidden / heads) and its q/k norm weights drawn around 1 (transformers sets them to 1).
+    ``family="mistral"``: a Mistral with Qwen3's head shape and ``sliding_window`` (``None``: full
+    attention). ``family="phi3"``: a Phi-3 of hidden 128, 2 query heads of 64 over 1 KV head, RoPE on
+    half of each head, ``longrope`` with random short and long factors from position 128 on.
+    Head size 64 everywhere but Llama's, so the fused CPU kernels run them.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                              PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM)
 
     directory.mkdir(parents=True, exist_ok=True)
     byte_symbols = pre_tokenizers.ByteLevel.alphabet()
@@ -48,6 +53,13 @@ def write_tiny_checkpoint(directory: Path, seed: int = 0, num_layers: int = 2, f
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
                 layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
+    elif family == "mistral":
+        model = MistralForCausalLM(MistralConfig(num_key_value_heads=2, head_dim=64, sliding_window=sliding_window, **shape))
+    elif family == "phi3":
+        factors = [torch.empty(16).uniform_(1.0, 4.0).tolist() for _ in range(2)]
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": factors[0], "long_factor": factors[1]}
+        model = Phi3ForCausalLM(Phi3Config(**(shape | {"hidden_size": 128, "num_attention_heads": 2}), num_key_value_heads=1,
+                                           partial_rotary_factor=0.5, original_max_position_embeddings=128, rope_parameters=rope))
     else:
         model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=1, **shape))
     model.save_pretrained(directory)

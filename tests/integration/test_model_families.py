@@ -1,10 +1,13 @@
-"""A family added through ``services/device/model/README.md`` (Qwen3) served through the three services."""
+"""The families added through ``services/device/model/README.md`` served through the three services:
+Qwen3, and Mistral with a sliding window shorter than the prompts (one pipeline each; Phi-3 differs
+only in what the model does at load and in its RoPE tables, checked in the unit tests)."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -14,16 +17,18 @@ from tests.integration.conftest import launch
 from tests.tiny_checkpoint import write_tiny_checkpoint
 from tests.unit.device.test_model_reference import hf_greedy
 
-PROMPTS = ("Hello, world", "abcabcabc")
+PROMPTS = ("Hello, world", "abcabcabc")  # 12 and 9 tokens: longer than Mistral's window of 8
 MAX_TOKENS = 16
+CHECKPOINTS = {"qwen3": {"family": "qwen3"}, "mistral-window": {"family": "mistral", "sliding_window": 8}}
 
 
-def test_a_tiny_qwen3_through_the_services_gives_transformers_greedy_tokens(tmp_path_factory):
-    """Two concurrent greedy requests (float32, continuous batching) on a tiny random Qwen3 checkpoint
-    give the tokens transformers' greedy ``generate`` gives for the same prompt ids."""
-    checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), family="qwen3")
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_a_tiny_checkpoint_through_the_services_gives_transformers_greedy_tokens(tmp_path_factory, name):
+    """Two concurrent greedy requests (float32, continuous batching) on a tiny random checkpoint of
+    each family give the tokens transformers' greedy ``generate`` gives for the same prompt ids."""
+    checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp(name), **CHECKPOINTS[name])
     model = ["--model", str(checkpoint)]
-    pipeline = launch(tmp_path_factory, "qwen3-pipeline", device_args=model, prepare_args=model, reclaim_args=model)
+    pipeline = launch(tmp_path_factory, f"{name}-pipeline", device_args=model, prepare_args=model, reclaim_args=model)
     try:
         with grpc.insecure_channel(pipeline.prepare.address) as channel:
             stub = prepare_pb2_grpc.GenerationStub(channel)

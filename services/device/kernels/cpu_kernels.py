@@ -130,7 +130,9 @@ def available(dtype: torch.dtype, head_dim: int, group: int) -> bool:
     return load_cpu_kernels() and torch.ops.stageserve.supported(dtype, head_dim, group)
 
 
-def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int | None = None,
+) -> torch.Tensor:
     """Single-query attention of each row over its paged context, read in place from the KV pool.
 
     Args:
@@ -140,6 +142,8 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: torc
         block_tables: ``[B, W]`` int64 contiguous, each row's blocks in order (padding beyond its context unused).
         context_lens: ``[B]`` int64 contiguous, tokens each row attends to (its position + 1), ``1 <= len <= W * block_size``.
         scale: the softmax scale, usually ``head_dim ** -0.5``.
+        window: a sliding window: each row attends only to its last ``window`` tokens (the blocks
+            before are not read, so they may be stale); ``None`` for the whole context.
 
     Returns:
         ``[B, H * D]`` in ``q``'s dtype; fp32 scores, exact softmax and fp32 accumulation inside.
@@ -148,7 +152,7 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: torc
         RuntimeError: shapes, dtypes or bounds that do not fit, or no kernel for them on this CPU
             (check ``available`` first). So do the other ops here.
     """
-    return torch.ops.stageserve.paged_decode_attention(q, kv, block_tables, context_lens, scale)
+    return torch.ops.stageserve.paged_decode_attention(q, kv, block_tables, context_lens, scale, window or 0)
 
 
 def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int) -> torch.Tensor:

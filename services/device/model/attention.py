@@ -2,6 +2,8 @@
 
 A step's rows come as the decode rows (one query each, over their cached blocks) followed by
 prefill chunks (causal, over their context); ``scale`` is the softmax scale (``head_dim ** -0.5``).
+A sliding ``window`` (``ModelConfig.sliding_window``, ``None`` for none) keeps each query to the keys
+at positions ``q - window < k <= q`` (transformers' ``sliding_window_overlay``, ``masking_utils.py``).
 The fused CPU path (``kernels/cpu_kernels.paged_decode_attention``) replaces only the decode part.
 """
 
@@ -16,6 +18,7 @@ from stageserve.device.model.kv_cache import PagedKVCache
 
 def attention_output(
     index: int, decode: torch.Tensor | None, qk: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, kv_cache: PagedKVCache, scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention output ``[T, q_size]`` of one layer: the decode rows' ``decode`` ([Bd, q_size], or
     ``None`` without decode rows) followed by each prefill row's causal attention.
@@ -34,14 +37,23 @@ def attention_output(
             while j < len(segments) and segments[j].context_slots is None and segments[j].length == seg.length:
                 j += 1
             rows = slice(seg.start, seg.start + (j - i) * seg.length)
-            outputs.append(fresh_prefill_attention(qk[rows], v[rows], j - i, scale))
+            outputs.append(fresh_prefill_attention(qk[rows], v[rows], j - i, scale, window))
             i = j
             continue
         rows = slice(seg.start, seg.start + seg.length)
         k_context, v_context = kv_cache.gather_slots(index, seg.context_slots)  # [K, context, D]
-        outputs.append(prefill_attention(qk[rows, :heads], k_context, v_context, seg.mask, scale))
+        mask = within_window(seg.mask, batch.positions[rows], window)
+        outputs.append(prefill_attention(qk[rows, :heads], k_context, v_context, mask, scale))
         i += 1
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+def within_window(mask: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``mask`` [R, L] bool (key ``j`` is the sequence's position ``j``) also false where key ``j`` is at
+    or before ``positions`` [R] int64 (each query's position) minus ``window``; ``mask`` itself without a window."""
+    if window is None:
+        return mask
+    return mask & (torch.arange(mask.shape[1], device=mask.device) > positions[:, None] - window)
+
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
     """Single-query attention of ``q`` [B, H, D] over each row's cached context -> [B, H * D].
@@ -61,9 +73,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     out = torch.bmm(scores.softmax(-1), v)  # [K*B, G, D]
     return out.view(kv_heads, b, group * d).transpose(0, 1).reshape(b, -1)
 
-def fresh_prefill_attention(qk: torch.Tensor, v: torch.Tensor, rows: int, scale: float) -> torch.Tensor:
+def fresh_prefill_attention(qk: torch.Tensor, v: torch.Tensor, rows: int, scale: float, window: int | None = None) -> torch.Tensor:
     """Causal self-attention of ``rows`` fresh prefills of n tokens each, laid end to end:
-    ``qk`` [rows * n, H + K, D] and ``v`` [rows * n, K, D] -> [rows * n, H * D].
+    ``qk`` [rows * n, H + K, D] and ``v`` [rows * n, K, D] -> [rows * n, H * D]; with a ``window``
+    shorter than n, each query over its last ``window`` tokens only (an explicit [n, n] mask).
 
     One 4-D SDPA call over the batch of rows (on CPU only 4-D inputs reach SDPA's flash kernel;
     3-D ones take the math path that materialises the scores, measured 6x slower at 2048 tokens).
@@ -73,7 +86,13 @@ def fresh_prefill_attention(qk: torch.Tensor, v: torch.Tensor, rows: int, scale:
     n = qk.shape[0] // rows
     q = qk[:, :heads].view(rows, n, heads, d).transpose(1, 2)  # [rows, H, n, D]
     k = qk[:, heads:].view(rows, n, kv_heads, d).transpose(1, 2)  # [rows, K, n, D]
-    out = F.scaled_dot_product_attention(q, k, v.view(rows, n, kv_heads, d).transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True)
+    v = v.view(rows, n, kv_heads, d).transpose(1, 2)
+    if window is not None and window < n:
+        position = torch.arange(n, device=qk.device)
+        mask = within_window(position <= position[:, None], position, window)  # [n, n]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).reshape(rows * n, heads * d)
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import Any
 
 from stageserve.device.model.family import family_for_gguf, family_for_hf, gguf_architectures, hf_model_types
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 class ModelLoadError(ValueError):
@@ -31,6 +31,11 @@ class ModelConfig:
     converters write instead of llama3 scaling parameters. ``attention_bias``: the q/k/v projections
     have biases (o_proj's is loaded where the checkpoint has one); ``qk_norm``: an RMSNorm over
     ``head_dim`` on every query and key head before RoPE (Qwen3's ``q_norm``/``k_norm``).
+    ``sliding_window``: every layer's query at position p attends only to keys at positions
+    ``p - sliding_window < k <= p`` (transformers' ``sliding_window_overlay`` in ``masking_utils.py``:
+    the window counts the current token), ``None`` for full causal attention (Mistral, Phi-3).
+    ``rotary_dim``: RoPE rotates only the first ``rotary_dim`` values of each head
+    (``partial_rotary_factor * head_dim``, Phi-3/Phi-4-mini), ``None`` for the whole head.
     """
 
     architecture: str
@@ -51,10 +56,14 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     rope_freq_factors: tuple[float, ...] | None = None
     qk_norm: bool = False
+    sliding_window: int | None = None
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} is not a positive number of tokens")
 
     @property
     def q_size(self) -> int:
@@ -74,7 +83,10 @@ def config_from_gguf(fields: Mapping[str, Any], tensor_shapes: Mapping[str, tupl
     ``(vocab, hidden)``). Keys follow the GGUF spec (``{arch}.block_count``, ...); ``vocab_size``
     falls back to the embedding's row count; ``head_dim`` is ``{arch}.attention.key_length``, else
     ``{arch}.rope.dimension_count``, else hidden / heads; rope scaling comes from
-    ``{arch}.rope.scaling.*``; q/k/v biases and q/k norms are there when layer 0's tensors are.
+    ``{arch}.rope.scaling.*``; q/k/v biases and q/k norms are there when layer 0's tensors are;
+    ``{arch}.attention.sliding_window`` (``GGUFWriter.add_sliding_window``) sets the window where present
+    (0: none). A family with ``gguf_partial_rotary`` (Phi-3) reads ``rope.dimension_count`` as its
+    ``rotary_dim`` and LongRoPE from its ``rope_factors_*`` tensors (``_gguf_rope_scaling``).
     Raises ``ModelLoadError`` naming ``path`` for an unsupported architecture or a missing key.
     """
     arch = fields.get("general.architecture")
@@ -90,7 +102,9 @@ def config_from_gguf(fields: Mapping[str, Any], tensor_shapes: Mapping[str, tupl
 
     hidden = int(need("embedding_length"))
     num_heads = int(need("attention.head_count"))
-    head_dim = int(fields.get(f"{arch}.attention.key_length") or fields.get(f"{arch}.rope.dimension_count") or hidden // num_heads)
+    key_length, rope_dims = fields.get(f"{arch}.attention.key_length"), fields.get(f"{arch}.rope.dimension_count")
+    head_dim = int(key_length or (None if family.gguf_partial_rotary else rope_dims) or hidden // num_heads)
+    rotary_dim = int(rope_dims) if family.gguf_partial_rotary and rope_dims and rope_dims != head_dim else None
     if "token_embd.weight" not in tensor_shapes:
         raise ModelLoadError(f"{path}: tensor 'token_embd.weight' is missing")
     vocab = fields.get(f"{arch}.vocab_size") or tensor_shapes["token_embd.weight"][0]
@@ -110,14 +124,27 @@ def config_from_gguf(fields: Mapping[str, Any], tensor_shapes: Mapping[str, tupl
         tie_word_embeddings="output.weight" not in tensor_shapes,
         attention_bias="blk.0.attn_q.bias" in tensor_shapes,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_shapes,
+        sliding_window=int(fields.get(f"{arch}.attention.sliding_window") or 0) or None,
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
-        rope_scaling=_gguf_rope_scaling(fields, arch, path),
+        rope_scaling=_gguf_rope_scaling(fields, arch, "rope_factors_long.weight" in tensor_shapes, path),
+        rotary_dim=rotary_dim,
     )
 
 
-def _gguf_rope_scaling(fields: Mapping[str, Any], arch: str, path: Path) -> dict[str, Any] | None:
-    """Translate ``{arch}.rope.scaling.*`` keys into an HF-style ``rope_parameters`` dict."""
+def _gguf_rope_scaling(fields: Mapping[str, Any], arch: str, longrope: bool, path: Path) -> dict[str, Any] | None:
+    """Translate ``{arch}.rope.scaling.*`` keys into an HF-style ``rope_parameters`` dict.
+
+    ``longrope``: the file has llama.cpp's ``rope_factors_long``/``rope_factors_short`` tensors
+    (``Phi3MiniModel.generate_extra_tensors`` in ``convert_hf_to_gguf.py``, no scaling type written):
+    LongRoPE with ``{arch}.rope.scaling.original_context_length`` and ``.attn_factor``; the factors
+    themselves are tensors, added when the weights load (``weights.py``).
+    """
+    if longrope:
+        scaling = {"rope_type": "longrope", "original_max_position_embeddings": int(fields[f"{arch}.rope.scaling.original_context_length"])}
+        if f"{arch}.rope.scaling.attn_factor" in fields:
+            scaling["attention_factor"] = float(fields[f"{arch}.rope.scaling.attn_factor"])
+        return scaling
     kind = fields.get(f"{arch}.rope.scaling.type", "none")
     if kind == "none":
         return None
@@ -129,13 +156,24 @@ def _gguf_rope_scaling(fields: Mapping[str, Any], arch: str, path: Path) -> dict
     return scaling
 
 
+def _check_longrope(rope: dict[str, Any], raw: Mapping[str, Any], rotary_dim: int, path: Path) -> None:
+    """Complete ``rope`` (a ``longrope`` ``rope_parameters``) with ``original_max_position_embeddings``
+    (transformers 5 keeps it there, older configs at the top level) and check its factors' lengths."""
+    rope.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    if not rope["original_max_position_embeddings"]:
+        raise ModelLoadError(f"{path}: rope_type 'longrope' needs original_max_position_embeddings")
+    for key in ("short_factor", "long_factor"):
+        if len(rope.get(key) or ()) != rotary_dim // 2:
+            raise ModelLoadError(f"{path}: rope_parameters {key!r} must hold {rotary_dim // 2} values (rotary dimension / 2)")
+
+
 def config_from_hf(raw: Mapping[str, Any], eos_extra: list[int], path: Path) -> ModelConfig:
     """Build a ``ModelConfig`` from a parsed Hugging Face ``config.json``.
 
     ``eos_extra`` adds end-of-sequence ids from ``generation_config.json``. Reads both the
     transformers 5 ``rope_parameters`` key and the older ``rope_theta`` / ``rope_scaling`` keys;
     the family's own fields come from its ``Family.hf_fields``. Raises ``ModelLoadError`` naming
-    ``path`` for an unsupported architecture, activation, rope type or sliding-window attention.
+    ``path`` for an unsupported architecture, activation, rope type, Qwen2's sliding window or MLP biases.
     """
     arch = raw.get("model_type")
     family = family_for_hf(arch)
@@ -143,15 +181,24 @@ def config_from_hf(raw: Mapping[str, Any], eos_extra: list[int], path: Path) -> 
         raise ModelLoadError(f"{path}: unsupported model_type {arch!r} (supported: {', '.join(hf_model_types())})")
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{path}: unsupported hidden_act {raw['hidden_act']!r} (only silu)")
-    if raw.get("use_sliding_window") or raw.get("mlp_bias"):
-        raise ModelLoadError(f"{path}: sliding-window attention and MLP biases are not supported")
+    for field in ("use_sliding_window", "mlp_bias"):  # Qwen2's window over layers from max_window_layers on; biased MLPs
+        if raw.get(field):
+            raise ModelLoadError(f"{path}: unsupported {field} {raw[field]!r} (supported: false)")
     try:
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
         rope_type = rope.setdefault("rope_type", rope.pop("type", "default"))
+        if rope_type == "su":  # LongRoPE's first name in Phi-3 configs (transformers' Phi3Config renames it too)
+            rope_type = rope["rope_type"] = "longrope"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ModelLoadError(f"{path}: unsupported rope_type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
         num_heads = int(raw["num_attention_heads"])
+        head_dim = int(raw.get("head_dim") or raw["hidden_size"] // num_heads)
+        rotary_dim = int(head_dim * float(rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))))
+        if rotary_dim % 2 or (head_dim - rotary_dim) % 2:
+            raise ModelLoadError(f"{path}: unsupported partial_rotary_factor: {rotary_dim} rotary values of a {head_dim}-value head (supported: even splits)")
+        if rope_type == "longrope":
+            _check_longrope(rope, raw, rotary_dim, path)
         eos = raw.get("eos_token_id")
         eos_ids = ([] if eos is None else [eos] if isinstance(eos, int) else list(eos)) + eos_extra
         return ModelConfig(
@@ -162,7 +209,7 @@ def config_from_hf(raw: Mapping[str, Any], eos_extra: list[int], path: Path) -> 
             num_layers=int(raw["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // num_heads),
+            head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
@@ -170,6 +217,7 @@ def config_from_hf(raw: Mapping[str, Any], eos_extra: list[int], path: Path) -> 
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos_ids)),
             rope_scaling=None if rope_type == "default" else rope,
+            rotary_dim=None if rotary_dim == head_dim else rotary_dim,
             **{"attention_bias": False, **family.hf_fields(raw)},  # the family's own fields (attention_bias has no dataclass default)
         )
     except KeyError as exc:

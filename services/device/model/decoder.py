@@ -8,8 +8,10 @@ except that on x86-64 CPUs with AVX-512 they go through the fused C++ ops of ``c
 Layer math follows the Hugging Face ``LlamaForCausalLM`` reference: RMSNorm (Zhang & Sennrich
 2019), rotary position embeddings with rotate-half pairing (Su et al. 2021, "RoFormer"),
 grouped-query attention (Ainslie et al. 2023, ``attention.py``) and a SwiGLU MLP (Shazeer 2020),
-with the optional parts a family's config turns on: q/k/v biases (``attention_bias``: Qwen2) and an
-RMSNorm over ``head_dim`` on each query and key head before RoPE (``qk_norm``: Qwen3).
+with the optional parts a family's config turns on: q/k/v biases (``attention_bias``: Qwen2), an
+RMSNorm over ``head_dim`` on each query and key head before RoPE (``qk_norm``: Qwen3) and a
+sliding attention window (``sliding_window``: Mistral, Phi-3; ``attention.py``). The KV pool keeps
+every block of a windowed sequence: freeing the blocks every window has left is not done yet.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ import torch.nn.functional as F
 from stageserve.device.kernels import cpu_kernels, dense_copies, quant
 from stageserve.device.kernels.quant import QuantizedWeight
 from stageserve.device.kernels.quant_linear import QuantizedLinear, fits
-from stageserve.device.model.attention import attention_output, decode_attention
+from stageserve.device.model.attention import attention_output, decode_attention, within_window
 from stageserve.device.model.config import ModelConfig
 from stageserve.device.model.forward_batch import ForwardBatch
 from stageserve.device.model.kv_cache import PagedKVCache
 from stageserve.device.model.linear import Linear
-from stageserve.device.model.rope import apply_rope, rope_tables
+from stageserve.device.model.rope import apply_rope, rope_tables, rotary_row_order
 from stageserve.device.model.weights import expected_shapes, load_weights
 
 
@@ -92,6 +94,16 @@ class DecoderModel:
         )
         amx = self.cpu_kernels and amx_allowed  # decode-sized bf16 linears on AMX where the CPU has it (see Linear)
         self.linear_formats: Counter[str] = Counter()
+
+        order = rotary_row_order(config)
+        if order is not None:  # partial rotary as whole-head RoPE over rearranged q/k rows (see rotary_row_order)
+            weights = dict(weights)
+            rotated = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias")
+            for name in [n for n in weights if n.endswith(rotated)]:
+                t = weights[name]
+                rows = t.blocks if isinstance(t, QuantizedWeight) else t  # a quantized weight's rows are its rows of blocks
+                rows = rows.view(-1, config.head_dim, *rows.shape[1:])[:, order].reshape(rows.shape)
+                weights[name] = QuantizedWeight(t.qtype, rows) if isinstance(t, QuantizedWeight) else rows
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(self.device)
@@ -222,7 +234,8 @@ class DecoderModel:
             decode_rows = kv_cache.block_rows(batch.decode_blocks)  # [2 * kv_heads * Bd * W]
             # Additive mask [kv_heads * Bd, q_per_kv, L] (kv-head-major, as the gathered cache), made once per step for every layer.
             b, length = batch.decode_mask.shape
-            bias = torch.zeros(1, b, 1, length, dtype=self.dtype, device=self.device).masked_fill_(~batch.decode_mask.view(1, b, 1, length), float("-inf"))
+            mask = within_window(batch.decode_mask, batch.positions[:b], c.sliding_window)
+            bias = torch.zeros(1, b, 1, length, dtype=self.dtype, device=self.device).masked_fill_(~mask.view(1, b, 1, length), float("-inf"))
             decode_bias = bias.expand(c.num_kv_heads, b, c.num_heads // c.num_kv_heads, length).reshape(-1, c.num_heads // c.num_kv_heads, length)
         heads, kv_heads, d = c.num_heads, c.num_kv_heads, c.head_dim
         for index, layer in enumerate(self.layers):
@@ -235,7 +248,7 @@ class DecoderModel:
             if batch.num_decode:
                 k_context, v_context = kv_cache.gather_blocks(index, decode_rows)  # [K * Bd * W, block_size, D]
                 decode = decode_attention(qk[: batch.num_decode, :heads], k_context, v_context, decode_bias, self.scale)
-            x = x + layer.o(attention_output(index, decode, qk, v, batch, kv_cache, self.scale))
+            x = x + layer.o(attention_output(index, decode, qk, v, batch, kv_cache, self.scale, c.sliding_window))
             h = F.rms_norm(x, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
             x = x + layer.down(_swiglu(layer.gate_up(h), c.intermediate_size))
         return x
@@ -257,8 +270,10 @@ class DecoderModel:
             v = qkv[:, (heads + kv_heads) * d :].view(-1, kv_heads, d)  # [T, K, D]
             decode = None
             if batch.num_decode:
-                decode = cpu_kernels.paged_decode_attention(qk[: batch.num_decode, :heads], pool, batch.decode_blocks, context_lens, self.scale)
-            h = cpu_kernels.add_rms_norm(x, layer.o(attention_output(index, decode, qk, v, batch, kv_cache, self.scale)), layer.post_norm, eps)
+                decode = cpu_kernels.paged_decode_attention(
+                    qk[: batch.num_decode, :heads], pool, batch.decode_blocks, context_lens, self.scale, c.sliding_window)
+            attention = attention_output(index, decode, qk, v, batch, kv_cache, self.scale, c.sliding_window)
+            h = cpu_kernels.add_rms_norm(x, layer.o(attention), layer.post_norm, eps)
             mlp = layer.down(layer.gate_up.swiglu(h))
             if index + 1 < len(self.layers):
                 h = cpu_kernels.add_rms_norm(x, mlp, self.layers[index + 1].input_norm, eps)

@@ -27,7 +27,9 @@ class Family:
     `ModelConfig` fields (``attention_bias``, ``qk_norm``; what is not named keeps its default);
     from a GGUF file those come from the tensors present. ``gguf_qk_permuted``: llama.cpp's
     converter reorders this family's Q/K rows for its adjacent-pair RoPE (``LlamaModel.permute``
-    in ``convert_hf_to_gguf.py``), so the loader undoes it.
+    in ``convert_hf_to_gguf.py``), so the loader undoes it. ``gguf_partial_rotary``: the GGUF's
+    ``{arch}.rope.dimension_count`` counts only the rotating values of a head (llama.cpp's ``n_rot``,
+    ``Phi3MiniModel``), whose size is then ``key_length`` or hidden / heads.
     """
 
     name: str
@@ -35,6 +37,7 @@ class Family:
     gguf_architectures: tuple[str, ...]
     hf_fields: Callable[[Mapping[str, Any]], dict[str, Any]]
     gguf_qk_permuted: bool = False
+    gguf_partial_rotary: bool = False
 
 
 def register(family: Family) -> Family:

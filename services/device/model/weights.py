@@ -50,7 +50,10 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3's fused projection
 }
+# llama.cpp's LongRoPE factors (Phi-3), into ModelConfig.rope_scaling.
+_GGUF_ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 
 
 def load_weights(path: Path, dtype: torch.dtype, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight]]:
@@ -134,6 +137,31 @@ def _check_shapes(config: ModelConfig, weights: dict[str, torch.Tensor], path: P
             raise ModelLoadError(f"{path}: tensor {name!r} is missing")
         if tuple(weights[name].shape) != shape:
             raise ModelLoadError(f"{path}: tensor {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
+
+
+# Phi-3's fused projections (transformers' ``Phi3Attention.qkv_proj``, ``Phi3MLP.gate_up_proj``: gate
+# rows first; GGUF ``attn_qkv``, ``ffn_up``), split at load into the names every other family uses.
+_FUSED_HF_NAMES = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+def _split_fused(name: str, tensor: torch.Tensor | QuantizedWeight, config: ModelConfig, path: Path) -> list[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """``[(name, tensor)]``, or for a fused projection (``_FUSED_HF_NAMES``) its parts by rows under
+    their own names (a `QuantizedWeight` splits by its rows of blocks). Raises ``ModelLoadError``
+    naming ``path`` for a fused tensor whose rows do not add up."""
+    suffix = next((s for s in _FUSED_HF_NAMES if name.endswith("." + s)), None)
+    if suffix is None:
+        return [(name, tensor)]
+    prefix = name.removesuffix("." + suffix)
+    sizes = (config.q_size, config.kv_size, config.kv_size) if suffix.startswith("self_attn.") else (config.intermediate_size,) * 2
+    rows = tensor.shape[0]
+    if rows != sum(sizes):
+        raise ModelLoadError(f"{path}: tensor {name!r} has {rows} rows, expected {sum(sizes)}")
+    blocks = tensor.blocks if isinstance(tensor, QuantizedWeight) else tensor
+    parts = [QuantizedWeight(tensor.qtype, p) if isinstance(tensor, QuantizedWeight) else p for p in blocks.split(sizes)]
+    return [(f"{prefix}.{part_name}", part) for part_name, part in zip(_FUSED_HF_NAMES[suffix], parts)]
 
 
 # ---- GGUF -------------------------------------------------------------------------------------
@@ -242,7 +270,12 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool) -> tuple[Mo
         if info.name == "rope_freqs.weight":
             config = dataclasses.replace(config, rope_freq_factors=tuple(tensor.tolist()))
             continue
+        if info.name in _GGUF_ROPE_FACTORS and config.rope_scaling:
+            config = dataclasses.replace(config, rope_scaling=config.rope_scaling | {_GGUF_ROPE_FACTORS[info.name]: tensor.tolist()})
+            continue
         hf_name = _hf_name(info.name)
+        if hf_name is not None and hf_name.endswith("mlp.up_proj.weight") and tensor.shape[0] == 2 * config.intermediate_size:
+            hf_name = hf_name.replace("up_proj", "gate_up_proj")  # Phi-3's fused gate and up rows in one ffn_up
         if hf_name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {info.name!r} for architecture {config.architecture!r}")
         if keep_quantized and not kept and info.qtype not in _FLOAT_TYPES:
@@ -250,7 +283,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool) -> tuple[Mo
         if qk_permuted and (".attn_q." in info.name or ".attn_k." in info.name):
             heads = config.num_heads if ".attn_q." in info.name else config.num_kv_heads
             tensor = QuantizedWeight(tensor.qtype, _unpermute_rope_rows(tensor.blocks, heads)) if kept else _unpermute_rope_rows(tensor, heads)
-        weights[hf_name] = tensor if kept else tensor.to(dtype, copy=True)
+        for name, part in _split_fused(hf_name, tensor, config, path):
+            weights[name] = part if kept else part.to(dtype, copy=True)
     if dequantized_blocks:
         log.info("%s: tensors of type %s dequantized to %s at load: no weight-only kernel here takes that block format",
                  path.name, ", ".join(sorted(dequantized_blocks)), str(dtype).removeprefix("torch."))
@@ -318,8 +352,9 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str,
         try:
             with safe_open(file, framework="pt") as handle:
                 for name in handle.keys():
-                    if name in wanted:
-                        weights[name] = handle.get_tensor(name).to(dtype)
+                    if name in wanted or name.endswith(tuple(_FUSED_HF_NAMES)):
+                        for part_name, part in _split_fused(name, handle.get_tensor(name), config, file):
+                            weights[part_name] = part.to(dtype)
         except ModelLoadError:
             raise
         except Exception as exc:  # safetensors raises SafetensorError / OSError on bad headers or sizes

@@ -41,14 +41,15 @@ needs_kernels = pytest.mark.skipif(
 needs_amx = pytest.mark.skipif(not (KERNELS_LOADED and torch.ops.stageserve.has_amx()), reason="amx_linear needs a CPU with AMX-BF16 that Linux grants")
 
 
-def reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Float64 attention of each row over its context, gathered token by token from the pool."""
+def reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+    """Float64 attention of each row over its context (its last ``window`` tokens), gathered token by token from the pool."""
     kv_heads, _, block_size, d = pool.shape[0] // 2, *pool.shape[1:]
     rows, heads = q.shape[:2]
     out = torch.empty(rows, heads * d, dtype=torch.float64)
     for b in range(rows):
         n = int(lens[b])
-        slots = [(int(tables[b, t // block_size]), t % block_size) for t in range(n)]
+        first = 0 if window is None else max(0, n - window)
+        slots = [(int(tables[b, t // block_size]), t % block_size) for t in range(first, n)]
         k = torch.stack([pool[:kv_heads, blk, off] for blk, off in slots], 1).double()  # [K, n, D]
         v = torch.stack([pool[kv_heads:, blk, off] for blk, off in slots], 1).double()
         qb = q[b].double().view(kv_heads, heads // kv_heads, d)  # [K, G, D]
@@ -158,6 +159,31 @@ def test_matches_reference_over_scattered_blocks(dtype, head_dim, group, block_s
     expected = reference(q, pool, tables, lens, scale)
     tolerance = 2e-5 if dtype == torch.float32 else 8e-3
     assert (out.double() - expected).abs().max().item() < tolerance
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 7, 16, 19, 1000])
+def test_a_sliding_window_reads_only_the_rows_last_tokens(dtype, window):
+    """Each row attends to its last ``window`` tokens (transformers' ``q - k < window``): the blocks
+    before its window may name no block of the pool at all (id -1) and are not read; a window as
+    long as the context gives exactly what no window gives."""
+    g = torch.Generator().manual_seed(window)
+    block_size, lens = 16, torch.tensor([1, 15, 16, 17, 40, 100])
+    width = -(-int(lens.max()) // block_size)
+    pool = torch.randn(4, len(lens) * width, block_size, 64, generator=g).to(dtype)  # 2 kv heads
+    tables = torch.randperm(len(lens) * width, generator=g).view(len(lens), width).contiguous()
+    for b, n in enumerate(lens.tolist()):
+        tables[b, : max(0, n - window) // block_size] = -1
+    q = torch.randn(len(lens), 4, 64, generator=g).to(dtype)
+    out = cpu_kernels.paged_decode_attention(q, pool, tables, lens, 0.125, window)
+    tolerance = 2e-5 if dtype == torch.float32 else 8e-3
+    assert (out.double() - reference(q, pool, tables.clamp(min=0), lens, 0.125, window)).abs().max().item() < tolerance
+    if window >= int(lens.max()):
+        assert torch.equal(out, cpu_kernels.paged_decode_attention(q, pool, tables, lens, 0.125))
+    else:  # without the window those blocks would be read: refused
+        with pytest.raises(RuntimeError, match="block id -1 outside the pool"):
+            cpu_kernels.paged_decode_attention(q, pool, tables, lens, 0.125)
 
 
 @needs_kernels

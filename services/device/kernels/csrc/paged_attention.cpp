@@ -4,6 +4,8 @@
 // The algorithm is vLLM's CPU paged attention (csrc/cpu/attention.cpp; Kwon et al. 2023): one task
 // per (row, kv head), in which the group of query heads sharing that kv head computes all its
 // scores, the softmax, then the weighted sum of values; each key/value row is loaded once per group.
+// With a sliding window of W tokens a row attends only to its last W tokens (positions context - W
+// .. context - 1, transformers' sliding_window_overlay): the tokens before are skipped, not masked.
 
 #include "ops.h"
 #include "vec.h"
@@ -114,19 +116,21 @@ struct Bf16Dot {
 };
 #endif
 
-// One (row, kv head): the G query heads q[g * q_head_stride, + D) over the row's `context` tokens,
-// whose keys/values are rows of k_pool/v_pool ([num_blocks, block_size, D]) at the block table's
-// blocks. Writes out[G * D]. `scores` holds G * context floats, `offsets` context entries. Keys go
-// 16 tokens at a time (16 scores per head from one sum_lanes16); the key and value rows
-// kPrefetchAhead tokens on are requested meanwhile, so the values are in cache after the softmax.
+// One (row, kv head): the G query heads q[g * q_head_stride, + D) over the row's tokens [first,
+// end), whose keys/values are rows of k_pool/v_pool ([num_blocks, block_size, D]) at the block
+// table's blocks. Writes out[G * D]. `scores` holds G * (end - first) floats, `offsets` end - first
+// entries. Keys go 16 tokens at a time (16 scores per head from one sum_lanes16); the key and value
+// rows kPrefetchAhead tokens on are requested meanwhile, so the values are in cache after the softmax.
 template <typename T, int D, int G, typename Dot>
 SS_AVX512 void attend(const T* __restrict__ q, int64_t q_head_stride, const T* __restrict__ k_pool,
-                      const T* __restrict__ v_pool, const int64_t* __restrict__ table, int64_t context,
+                      const T* __restrict__ v_pool, const int64_t* __restrict__ table, int64_t first, int64_t end,
                       int64_t block_size, float scale, T* __restrict__ out, float* __restrict__ scores,
                       int64_t* __restrict__ offsets) {
   constexpr int64_t kRowBytes = D * sizeof(T);
-  for (int64_t t0 = 0, j = 0; t0 < context; t0 += block_size, ++j)  // each token's row offset in the pool, once
-    for (int64_t o = 0, base = table[j] * block_size * D; o < std::min(block_size, context - t0); ++o) offsets[t0 + o] = base + o * D;
+  const int64_t context = end - first;  // the tokens attended to; below, token t is the row's token first + t
+  for (int64_t j = first / block_size; j * block_size < end; ++j)  // each token's row offset in the pool, once
+    for (int64_t p = std::max(first, j * block_size), base = table[j] * block_size * D; p < std::min((j + 1) * block_size, end); ++p)
+      offsets[p - first] = base + (p - j * block_size) * D;
   Dot dots[G];
   for (int g = 0; g < G; ++g) dots[g].set(q + g * q_head_stride);
   const __m512 scale_v = _mm512_set1_ps(scale);
@@ -157,8 +161,11 @@ SS_AVX512 void attend(const T* __restrict__ q, int64_t q_head_stride, const T* _
     for (int c = 0; c < C; ++c) store16(out + g * D + 16 * c, acc[g][c]);
 }
 
+// The first token a row of `context` tokens attends to: 0 without a window (window 0).
+SS_INLINE int64_t first_token(int64_t context, int64_t window) { return window > 0 ? std::max<int64_t>(0, context - window) : 0; }
+
 template <typename T>
-using Kernel = void (*)(const T*, int64_t, const T*, const T*, const int64_t*, int64_t, int64_t, float, T*, float*, int64_t*);
+using Kernel = void (*)(const T*, int64_t, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, float, T*, float*, int64_t*);
 
 template <typename T, int D, typename Dot>
 Kernel<T> kernel_for_group(int64_t group) {
@@ -184,7 +191,8 @@ Kernel<T> kernel_for(int64_t group) {
 }
 
 template <typename T>
-void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables, const at::Tensor& lens, double scale, at::Tensor& out) {
+void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window,
+         at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t K = kv.size(0) / 2, N = kv.size(1), block_size = kv.size(2), W = tables.size(1), G = H / K;
   const Kernel<T> kernel = D == 64 ? kernel_for<T, 64>(G) : kernel_for<T, 128>(G);
@@ -193,7 +201,7 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables, co
   const int64_t* tab = tables.const_data_ptr<int64_t>();
   const int64_t* len = lens.const_data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  const int64_t max_context = *std::max_element(len, len + B);
+  const int64_t max_context = window > 0 ? std::min(window, *std::max_element(len, len + B)) : *std::max_element(len, len + B);
   // Tasks are taken one at a time from a shared counter rather than split in equal halves up front:
   // when another process takes a core for a while, the other thread does the remaining tasks
   // instead of waiting for it at the end of the loop.
@@ -206,7 +214,7 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables, co
     for (int64_t i = next.fetch_add(1); i < tasks; i = next.fetch_add(1)) {
       const int64_t b = i / K, h = i % K;
       kernel(qp + b * q.stride(0) + h * G * q.stride(1), q.stride(1), kvp + h * N * block_size * D,
-             kvp + (K + h) * N * block_size * D, tab + b * W, len[b], block_size, static_cast<float>(scale),
+             kvp + (K + h) * N * block_size * D, tab + b * W, first_token(len[b], window), len[b], block_size, static_cast<float>(scale),
              op + b * H * D + h * G * D, scores.get(), offsets.get());
     }
   });
@@ -215,7 +223,7 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables, co
 }  // namespace
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& context_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [rows, heads, head_dim] with contiguous head_dim, got ", q.sizes());
   TORCH_CHECK(kv.dim() == 4 && kv.is_contiguous() && kv.size(0) >= 2 && kv.size(0) % 2 == 0 && kv.size(3) == q.size(2),
               "kv must be a contiguous layer pool [2 * kv_heads, blocks, block_size, head_dim], got ", kv.sizes());
@@ -227,6 +235,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.is_contiguous() &&
                   block_tables.size(0) == q.size(0),
               "block_tables must be contiguous int64 [rows, blocks]");
+  TORCH_CHECK(window >= 0, "window must be a number of tokens, or 0 for none, got ", window);
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.dim() == 1 && context_lens.is_contiguous() &&
                   context_lens.size(0) == q.size(0),
               "context_lens must be contiguous int64 [rows]");
@@ -235,12 +244,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   const int64_t* tab = block_tables.const_data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {  // bounds once here, so the parallel loop cannot read outside the pool
     TORCH_CHECK(len[b] >= 1 && len[b] <= W * block_size, "row ", b, ": context ", len[b], " outside 1..", W * block_size);
-    for (int64_t j = 0; j < (len[b] + block_size - 1) / block_size; ++j)
+    for (int64_t j = first_token(len[b], window) / block_size; j < (len[b] + block_size - 1) / block_size; ++j)  // the blocks read
       TORCH_CHECK(tab[b * W + j] >= 0 && tab[b * W + j] < N, "row ", b, ": block id ", tab[b * W + j], " outside the pool");
   }
   at::Tensor out = at::empty({B, q.size(1) * q.size(2)}, q.options());
   if (B == 0) return out;
-  dispatch_kernel_dtype(q.scalar_type(), [&](auto tag) { run<decltype(tag)>(q, kv, block_tables, context_lens, scale, out); });
+  dispatch_kernel_dtype(q.scalar_type(), [&](auto tag) { run<decltype(tag)>(q, kv, block_tables, context_lens, scale, window, out); });
   return out;
 }
 
