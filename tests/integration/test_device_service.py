@@ -73,6 +73,13 @@ class CompleteStream:
         assert event.WhichOneof("kind") == kind, event
         return getattr(event, kind)
 
+    def next_ticket(self, timeout: float = 60) -> device_pb2.CompletionTicket:
+        """The next ticket, past any outputs of earlier steps: the protocol puts each ticket before
+        its own output, not before the outputs of the steps submitted ahead of it."""
+        while (event := self.events.get(timeout=timeout)).WhichOneof("kind") != "ticket":
+            pass
+        return event.ticket
+
     def release(self, ticket: int) -> None:
         self._releases.put(device_pb2.SlotRelease(ticket=ticket))
 
@@ -283,7 +290,7 @@ def test_slots_held_by_a_vanished_reclaim_are_released(stub, reclaim):
         # Fill both slots; reclaim reads the tickets but vanishes without releasing them.
         for step_id, seq in ((1, 4), (2, 5)):
             assert execute.send(prefill_plan(step_id, seq_index=seq, generation=1, blocks=[10 + seq])).error == ""
-            reclaim.next("ticket")
+            reclaim.next_ticket()  # step 1's output may come before step 2's ticket
         reclaim.reconnect()
         # Without the release on disconnect, this submit would wait for a slot forever (the call times out).
         receipt = execute.send(prefill_plan(3, seq_index=6, generation=1, blocks=[20]))
