@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dense-copy", choices=DENSE_COPY_MODES, default="auto",
                         help="quantized weights: which linears also keep a dense copy for inputs of more rows than the quantized kernel takes "
                              "(8, or 4 on torch's kernels): auto, those where it is faster on this CPU (timed at start-up) within one dense "
-                             "copy of the model in all; all; none (least memory: many-row inputs run on the VNNI kernel, slower)")
+                             "copy of the model in all (AMX copies: all that are faster); all; none (least memory: many-row inputs run on "
+                             "the VNNI kernel, slower) (default: %(default)s)")
     parser.add_argument("--no-dense-copy", dest="dense_copy", action="store_const", const="none", help="the same as --dense-copy none")
     parser.add_argument("--dispatch", choices=("async", "sync"), default="async", help="async: submit without waiting; sync: wait each step before the next (for comparison)")
     spec = parser.add_argument_group("speculative decoding (docs/speculative.md)")

@@ -94,7 +94,8 @@ class CompletionOutbox:
         """
         with self._ready:
             while True:
-                if not self._events and not self._ready.wait(timeout):
+                # wait_for, not wait: a notified consumer may find the event already taken by another
+                if not self._ready.wait_for(lambda: bool(self._events), timeout):
                     return None
                 event = self._events[0]
                 if event.WhichOneof("kind") == "output" and event.output.ticket in self._orphaned:
@@ -102,6 +103,7 @@ class CompletionOutbox:
                     self._orphaned.discard(event.output.ticket)
                     continue
                 if not claim(event):
+                    self._ready.wait(timeout)  # a refusing (detached) stream polls at its pace, not in a spin
                     return None
                 return self._events.popleft()
 

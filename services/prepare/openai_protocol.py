@@ -225,14 +225,14 @@ def _common_fields(body: SamplingFields, max_tokens: int | None) -> prepare_pb2.
     request = prepare_pb2.GenerateRequest(
         top_k=_unsigned("top_k", body.top_k), min_p=body.min_p, ignore_eos=body.ignore_eos,
         min_tokens=_unsigned("min_tokens", body.min_tokens),
-        include_stop_str_in_output=body.include_stop_str_in_output, stop_token_ids=body.stop_token_ids,
+        include_stop_str_in_output=body.include_stop_str_in_output, stop_token_ids=_token_ids("stop_token_ids", body.stop_token_ids),
         stop=[body.stop] if isinstance(body.stop, str) else body.stop,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, user=body.user,
     )
     for key, bias in body.logit_bias.items():
         if not key.lstrip("-").isdigit():
             raise invalid_argument(f"logit_bias: key {key!r} is not a token id; use token ids as keys")
-        request.logit_bias[int(key)] = bias
+        request.logit_bias[_token_ids("logit_bias", [int(key)])[0]] = bias
     for field in ("temperature", "top_p", "repetition_penalty"):
         if (value := getattr(body, field)) is not None:
             setattr(request, field, value)
@@ -345,17 +345,34 @@ def completion_request(body: CompletionRequest) -> prepare_pb2.GenerateRequest:
     if isinstance(prompt, str):
         request.prompt = prompt
     else:
-        request.prompt_token_ids.extend(prompt)
+        request.prompt_token_ids.extend(_token_ids("prompt", prompt))
     if body.logprobs is not None:
         # The sampled token's logprob comes with any top-n; 0 asks for the sampled one alone.
         request.logprobs = max(1, _unsigned("logprobs", body.logprobs))
     return request
 
 
+UINT32_MAX = 2**32 - 1
+INT32_RANGE = (-(2**31), 2**31 - 1)
+
+
 def _unsigned(field: str, value: int) -> int:
+    """``value`` if it fits the wire's uint32, else INVALID_ARGUMENT naming ``field`` (a larger one
+    would make the protobuf assignment raise, a 500)."""
     if value < 0:
         raise invalid_argument(f"{field}: {value} is negative; use a value >= 0")
+    if value > UINT32_MAX:
+        raise invalid_argument(f"{field}: {value} is too large; use a value <= {UINT32_MAX}")
     return value
+
+
+def _token_ids(field: str, ids: list[int]) -> list[int]:
+    """``ids`` if each fits the wire's int32 (the vocabulary check comes later), else INVALID_ARGUMENT naming ``field``."""
+    low, high = INT32_RANGE
+    for token_id in ids:
+        if not low <= token_id <= high:
+            raise invalid_argument(f"{field}: token id {token_id} is out of range; token ids are below the vocabulary size")
+    return ids
 
 
 class TokenizeBody(TolerantModel):

@@ -307,7 +307,7 @@ def test_slots_held_by_a_vanished_reclaim_are_released(stub, reclaim):
 def test_an_unloadable_model_exits_with_code_2_naming_the_file(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"this is not a GGUF file")
-    finished = subprocess.run([sys.executable, "-m", "stageserve", "device", "--model", str(bad), "--port", "0"],
+    finished = subprocess.run([sys.executable, "-m", "stageserve", "device", "--model", str(bad), "--port", "0", "--metrics-port", "off"],
                               capture_output=True, text=True, timeout=120)
     assert finished.returncode == 2
     errors = [line for line in finished.stderr.splitlines() if " ERROR " in line]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from stageserve.device.service import CompletionOutbox
 from stageserve.v1 import device_pb2
 
@@ -29,6 +31,7 @@ def test_an_event_a_detached_stream_refuses_stays_first_for_the_next_stream():
     assert kinds(taken) == [("ticket", 3), ("output", 3)]
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # a consumer's exception fails the test
 def test_two_streams_racing_for_events_never_see_an_output_before_its_ticket():
     # One consumer detaches halfway through and refuses from then on, as a vanished reclaim's
     # generator does while it still polls; the other takes everything it is offered.

@@ -77,6 +77,12 @@ def test_text_response_format_is_no_constraint():
     ({"model": "m", "prompt": "x", "best_of": 2}, "best_of: only 1"),
     ({"model": "m", "prompt": ["a", "b"]}, "prompt: a list of 2 prompts"),
     ({"model": "m", "prompt": "x", "n": -1}, "n: -1 is negative"),
+    # Past the wire's integer widths: refused naming the field (the protobuf assignment would raise, a 500).
+    ({**CHAT, "max_tokens": 5_000_000_000}, "max_tokens: 5000000000 is too large"),
+    ({**CHAT, "top_k": 2**32}, "top_k: 4294967296 is too large"),
+    ({**CHAT, "logit_bias": {"5000000000": 1.0}}, "logit_bias: token id 5000000000 is out of range"),
+    ({**CHAT, "stop_token_ids": [2**31]}, "stop_token_ids: token id 2147483648 is out of range"),
+    ({"model": "m", "prompt": [5_000_000_000]}, "prompt: token id 5000000000 is out of range"),
 ])
 def test_unsupported_values_are_refused_naming_the_field(body, message):
     model, convert = (ChatCompletionRequest, chat_request) if "messages" in body else (CompletionRequest, completion_request)
