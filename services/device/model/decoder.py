@@ -82,7 +82,8 @@ class DecoderModel:
         (``auto``, ``all`` or ``none``): which quantized linears also keep one dense copy (AMX-packed where
         the CPU has AMX, else oneDNN's) for inputs of more rows than their kernel takes: ``auto``
         those where it is faster on this CPU (`dense_copies.choose`), oneDNN's within one dense copy
-        of the model in all, ``all`` every one, ``none`` none.
+        of the model in all (``self.amx_dense_copies``: the copies are AMX-packed, and all those
+        timed faster are kept), ``all`` every one, ``none`` none.
         """
         self.config, self.device = config, torch.device(device)
         self.cpu_kernels_allowed = cpu_kernels_allowed
@@ -124,8 +125,8 @@ class DecoderModel:
         # AMX-packed copies (where the CPU has AMX) ran the many-row inputs 2-4x faster than the
         # kernel (docs/benchmarks.md): there `auto` keeps every copy timed faster, as before; the
         # budget of one dense copy applies to oneDNN's copies (a CPU without AMX).
-        amx_copies = amx and self.dtype == torch.bfloat16 and cpu_kernels.amx_ready(torch.empty(16, 32, dtype=torch.bfloat16))
-        self._keep_dense_copies(dense_copy, budgeted=not amx_copies)
+        self.amx_dense_copies = amx and self.dtype == torch.bfloat16 and cpu_kernels.amx_ready(torch.empty(16, 32, dtype=torch.bfloat16))
+        self._keep_dense_copies(dense_copy, budgeted=not self.amx_dense_copies)
         self.amx_linears = any(getattr(lin, "amx_weight", None) is not None for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.cos, self.signed_sin = rope_tables(config, self.dtype, self.device)
         self.scale = config.head_dim**-0.5

@@ -60,11 +60,13 @@ def test_auto_keeps_the_q4_layers_int4_and_the_q8_head_int8_in_under_half_the_me
     assert quantized.weight_bytes() < 0.5 * dense.weight_bytes() / dense_copies_held
 
 
-def test_auto_with_its_dense_copies_holds_at_most_one_dense_copy_of_the_model():
-    """The default (``--dense-copy auto``): the copies timed faster on this CPU, within the budget."""
+def test_auto_holds_at_most_one_dense_copy_of_the_model_where_its_copies_are_onednns():
+    """The default (``--dense-copy auto``): the copies timed faster on this CPU, within the budget
+    where they are oneDNN's; AMX-packed copies are kept wherever faster (at most every copy: 1.37x)."""
     model = DecoderModel.from_path(embedded_model_path(), torch.bfloat16, "cpu", weight_format="auto")
     assert model.linear_formats == {"int4": 120, "int8": 1}
-    assert model.weight_bytes() <= model.dense_weight_bytes(torch.bfloat16)
+    limit = 1.4 if model.amx_dense_copies else 1.0
+    assert model.weight_bytes() <= limit * model.dense_weight_bytes(torch.bfloat16)
 
 
 @pytest.mark.parametrize("index", range(len(PROMPTS) + 1))
