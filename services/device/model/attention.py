@@ -16,16 +16,34 @@ from stageserve.device.model.forward_batch import ForwardBatch
 from stageserve.device.model.kv_cache import PagedKVCache
 
 
+def prefill_masks(batch: ForwardBatch, window: int | None) -> list[torch.Tensor | None]:
+    """Per prefill segment of ``batch``, the mask its attention takes, made once per step for every
+    layer: a later chunk's ``seg.mask`` [n, context] bool narrowed to the ``window``; a fresh
+    prefill's [n, n] bool causal window where the window is shorter than n, else ``None`` (SDPA's
+    own causal mask)."""
+    masks: list[torch.Tensor | None] = []
+    for seg in batch.prefills:
+        if seg.context_slots is not None:
+            masks.append(within_window(seg.mask, batch.positions[seg.start : seg.start + seg.length], window))
+        elif window is not None and window < seg.length:
+            position = torch.arange(seg.length, device=batch.positions.device)
+            masks.append(within_window(position <= position[:, None], position, window))
+        else:
+            masks.append(None)
+    return masks
+
+
 def attention_output(
     index: int, decode: torch.Tensor | None, qk: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, kv_cache: PagedKVCache, scale: float,
-    window: int | None = None,
+    masks: list[torch.Tensor | None],
 ) -> torch.Tensor:
     """Attention output ``[T, q_size]`` of one layer: the decode rows' ``decode`` ([Bd, q_size], or
     ``None`` without decode rows) followed by each prefill row's causal attention.
 
     ``qk`` [T, H + K, D] are the rotated query and key heads, ``v`` [T, K, D] the values; this
-    step's keys and values are already in ``kv_cache``. Consecutive fresh prefills of one length
-    (a burst of same-length prompts) go through one batched call instead of one call each.
+    step's keys and values are already in ``kv_cache``; ``masks`` are the step's `prefill_masks`.
+    Consecutive fresh prefills of one length (a burst of same-length prompts) go through one
+    batched call instead of one call each.
     """
     heads = qk.shape[1] - v.shape[1]
     outputs = [] if decode is None else [decode]
@@ -37,15 +55,15 @@ def attention_output(
             while j < len(segments) and segments[j].context_slots is None and segments[j].length == seg.length:
                 j += 1
             rows = slice(seg.start, seg.start + (j - i) * seg.length)
-            outputs.append(fresh_prefill_attention(qk[rows], v[rows], j - i, scale, window))
+            outputs.append(fresh_prefill_attention(qk[rows], v[rows], j - i, scale, masks[i]))
             i = j
             continue
         rows = slice(seg.start, seg.start + seg.length)
         k_context, v_context = kv_cache.gather_slots(index, seg.context_slots)  # [K, context, D]
-        mask = within_window(seg.mask, batch.positions[rows], window)
-        outputs.append(prefill_attention(qk[rows, :heads], k_context, v_context, mask, scale))
+        outputs.append(prefill_attention(qk[rows, :heads], k_context, v_context, masks[i], scale))
         i += 1
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
 
 def within_window(mask: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
     """``mask`` [R, L] bool (key ``j`` is the sequence's position ``j``) also false where key ``j`` is at
@@ -73,10 +91,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     out = torch.bmm(scores.softmax(-1), v)  # [K*B, G, D]
     return out.view(kv_heads, b, group * d).transpose(0, 1).reshape(b, -1)
 
-def fresh_prefill_attention(qk: torch.Tensor, v: torch.Tensor, rows: int, scale: float, window: int | None = None) -> torch.Tensor:
+
+def fresh_prefill_attention(qk: torch.Tensor, v: torch.Tensor, rows: int, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal self-attention of ``rows`` fresh prefills of n tokens each, laid end to end:
-    ``qk`` [rows * n, H + K, D] and ``v`` [rows * n, K, D] -> [rows * n, H * D]; with a ``window``
-    shorter than n, each query over its last ``window`` tokens only (an explicit [n, n] mask).
+    ``qk`` [rows * n, H + K, D] and ``v`` [rows * n, K, D] -> [rows * n, H * D]; with ``mask`` [n, n]
+    bool (a sliding window's, `prefill_masks`) instead of the plain causal one.
 
     One 4-D SDPA call over the batch of rows (on CPU only 4-D inputs reach SDPA's flash kernel;
     3-D ones take the math path that materialises the scores, measured 6x slower at 2048 tokens).
@@ -87,13 +106,12 @@ def fresh_prefill_attention(qk: torch.Tensor, v: torch.Tensor, rows: int, scale:
     q = qk[:, :heads].view(rows, n, heads, d).transpose(1, 2)  # [rows, H, n, D]
     k = qk[:, heads:].view(rows, n, kv_heads, d).transpose(1, 2)  # [rows, K, n, D]
     v = v.view(rows, n, kv_heads, d).transpose(1, 2)
-    if window is not None and window < n:
-        position = torch.arange(n, device=qk.device)
-        mask = within_window(position <= position[:, None], position, window)  # [n, n]
+    if mask is not None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     else:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).reshape(rows * n, heads * d)
+
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of one later prefill chunk: ``q`` [n, H, D] over its context ``k``/``v`` [K, context, D]

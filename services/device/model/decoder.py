@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from stageserve.device.kernels import cpu_kernels, dense_copies, quant
 from stageserve.device.kernels.quant import QuantizedWeight
 from stageserve.device.kernels.quant_linear import QuantizedLinear, fits
-from stageserve.device.model.attention import attention_output, decode_attention, within_window
+from stageserve.device.model.attention import attention_output, decode_attention, prefill_masks, within_window
 from stageserve.device.model.config import ModelConfig
 from stageserve.device.model.forward_batch import ForwardBatch
 from stageserve.device.model.kv_cache import PagedKVCache
@@ -239,6 +239,7 @@ class DecoderModel:
             bias = torch.zeros(1, b, 1, length, dtype=self.dtype, device=self.device).masked_fill_(~mask.view(1, b, 1, length), float("-inf"))
             decode_bias = bias.expand(c.num_kv_heads, b, c.num_heads // c.num_kv_heads, length).reshape(-1, c.num_heads // c.num_kv_heads, length)
         heads, kv_heads, d = c.num_heads, c.num_kv_heads, c.head_dim
+        masks = prefill_masks(batch, c.sliding_window)
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (c.hidden_size,), layer.input_norm, c.rms_norm_eps)
             qkv = layer.norm_qk_heads_(layer.qkv(h), heads, kv_heads, c.rms_norm_eps)  # [T, (H + 2K) * D]
@@ -249,7 +250,7 @@ class DecoderModel:
             if batch.num_decode:
                 k_context, v_context = kv_cache.gather_blocks(index, decode_rows)  # [K * Bd * W, block_size, D]
                 decode = decode_attention(qk[: batch.num_decode, :heads], k_context, v_context, decode_bias, self.scale)
-            x = x + layer.o(attention_output(index, decode, qk, v, batch, kv_cache, self.scale, c.sliding_window))
+            x = x + layer.o(attention_output(index, decode, qk, v, batch, kv_cache, self.scale, masks))
             h = F.rms_norm(x, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
             x = x + layer.down(_swiglu(layer.gate_up(h), c.intermediate_size))
         return x
@@ -265,6 +266,7 @@ class DecoderModel:
         heads, kv_heads, d = c.num_heads, c.num_kv_heads, c.head_dim
         context_lens = batch.positions[: batch.num_decode] + 1  # [Bd] tokens each decode row attends to
         h = cpu_kernels.rms_norm(x, self.layers[0].input_norm, eps)
+        masks = prefill_masks(batch, c.sliding_window)
         for index, layer in enumerate(self.layers):
             qkv, pool = layer.norm_qk_heads_(layer.qkv(h), heads, kv_heads, eps), kv_cache.layer(index)  # [T, (H + 2K) * D], [2K, blocks, block_size, D]
             qk = cpu_kernels.rope_and_cache(qkv, self.cos, self.signed_sin, batch.positions, pool, batch.slot_mapping, heads)
@@ -273,7 +275,7 @@ class DecoderModel:
             if batch.num_decode:
                 decode = cpu_kernels.paged_decode_attention(
                     qk[: batch.num_decode, :heads], pool, batch.decode_blocks, context_lens, self.scale, c.sliding_window)
-            attention = attention_output(index, decode, qk, v, batch, kv_cache, self.scale, c.sliding_window)
+            attention = attention_output(index, decode, qk, v, batch, kv_cache, self.scale, masks)
             h = cpu_kernels.add_rms_norm(x, layer.o(attention), layer.post_norm, eps)
             mlp = layer.down(layer.gate_up.swiglu(h))
             if index + 1 < len(self.layers):
