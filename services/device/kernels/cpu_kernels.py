@@ -9,7 +9,7 @@ says which.
 
 The sources (``csrc/``) register ``torch.ops.stageserve.*`` ops. They are compiled with torch's
 own extension builder (``torch.utils.cpp_extension.load``: the C++ compiler, torch's headers and
-flags, ninja) into ``$STAGESERVE_KERNEL_CACHE`` (default ``~/.cache/stageserve/kernels``), in a
+flags, ninja) into ``$STAGESERVE_KERNEL_CACHE`` (default ``$XDG_CACHE_HOME/stageserve/kernels``, ``~/.cache`` without it), in a
 folder named by a hash of the sources, the torch version, the machine type and the flags, so a new
 torch or an edited source builds afresh. Each build runs in its own temporary
 folder and the finished library is renamed into place, so processes starting together never wait
@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from stageserve.cache_dirs import user_cache_dir
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -44,9 +46,10 @@ CFLAGS = ["-O3", "-fopenmp"]  # -fopenmp: at::parallel_for runs on torch's OpenM
 
 
 def cache_dir() -> Path:
-    """Where built kernel libraries live (``$STAGESERVE_KERNEL_CACHE`` or ``~/.cache/stageserve/kernels``)."""
+    """Where built kernel libraries live (``$STAGESERVE_KERNEL_CACHE``, else ``user_cache_dir("kernels")``:
+    ``$XDG_CACHE_HOME/stageserve/kernels``, ``~/.cache`` by default)."""
     configured = os.environ.get("STAGESERVE_KERNEL_CACHE")
-    return Path(configured) if configured else Path.home() / ".cache" / "stageserve" / "kernels"
+    return Path(configured) if configured else user_cache_dir("kernels")
 
 
 def library_path() -> Path:

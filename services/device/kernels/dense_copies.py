@@ -51,9 +51,11 @@ class ShapeTiming:
 
     @property
     def saved_ms_per_byte(self) -> float:
+        """Milliseconds a call on ``ROWS`` rows saves per byte of dense copy (negative: the copy is slower)."""
         return (self.kernel_ms - self.dense_ms) / self.linears[0].dense_copy_bytes()
 
     def describe(self, kept: int) -> str:
+        """One shape's part of the log line: how many of its linears keep a copy, and the two timings."""
         n, k = self.linears[0].shape
         fmt = "int4" if self.linears[0].int4 else "int8"
         return f"{kept} of {len(self.linears)} {n}x{k} {fmt} ({self.kernel_ms:.2f} ms on the kernel, {self.dense_ms:.2f} ms dense)"

@@ -228,7 +228,6 @@ class QuantizedLinear:
         self.bias = bias
         self.kernel = kernel_for(weight, dtype, input_bits, own_kernels)
         self.shape: tuple[int, int] = tuple(weight.q.shape)  # [N, K]
-        self.dtype = dtype
         self._make_dense = make_dense
         self.dense = None
 
@@ -242,6 +241,11 @@ class QuantizedLinear:
             raise ValueError("this QuantizedLinear was built without make_dense: it cannot keep a dense copy")
         if self.dense is None:
             self.dense = self._make_dense(self.kernel.dense_weight())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the kernel's)."""
+        return self.kernel.dtype
 
     def dense_copy_bytes(self) -> int:
         """Bytes a dense copy holds (``N * K`` in the activation dtype; packing pads little)."""
