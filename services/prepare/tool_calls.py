@@ -109,17 +109,46 @@ class NamedReader(ToolCallReader):
 
 
 @dataclass
-class ArrayReader(NamedReader):
-    """``tool_choice: required``: the text is a JSON array of ``{"name", "parameters"}``; sent whole
-    at the end (a cut-off array is sent as content instead)."""
+class ArrayReader(ToolCallReader):
+    """``tool_choice: required``: the text is a JSON array of ``{"name", "parameters"}`` items (the
+    constraint admits nothing else), each sent as a call once it is complete. An array cut off by
+    ``max_tokens`` keeps the calls it completed; the cut item is dropped (it cannot parse, and the
+    choice's ``finish_reason`` is ``length``); when no item completed, the text is sent as content.
+    """
+
+    text: str = ""
+    at: int = 0  # where the next item (or the array's opening bracket) starts in ``text``
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        self.text += text
+        deltas = []
+        decoder = json.JSONDecoder()
+        while True:
+            start = self._skip(self.at, "," if self.calls else "[")
+            if start is None:
+                return "", deltas
+            try:
+                item, end = decoder.raw_decode(self.text, start)
+            except ValueError:  # not complete yet
+                return "", deltas
+            deltas.append(self._add_call(str(item["name"]), json.dumps(item["parameters"], ensure_ascii=False)))
+            self.at = end
 
     def finish(self) -> tuple[str, list[dict]]:
-        whole = "".join(self.text)
-        try:
-            calls = [(str(item["name"]), json.dumps(item["parameters"], ensure_ascii=False)) for item in json.loads(whole)]
-        except (ValueError, KeyError, TypeError):  # cut off by max_tokens (the constraint admits nothing else)
-            return whole, []
-        return "", [self._add_call(name, arguments) for name, arguments in calls]
+        return ("", []) if self.calls else (self.text, [])
+
+    def _skip(self, at: int, separator: str) -> int | None:
+        """Where an item starts after white space and ``separator`` from ``at``; ``None`` when the
+        text ends first or the array closed."""
+        separator_seen = False
+        while at < len(self.text):
+            char = self.text[at]
+            if char == separator and not separator_seen:
+                separator_seen = True
+            elif not char.isspace():
+                return at if separator_seen and char == "{" else None
+            at += 1
+        return None
 
 
 @dataclass

@@ -328,6 +328,19 @@ def test_required_tool_choice_makes_calls_that_match_their_schemas(client, model
     jsonschema.validate(json.loads(calls[0]["arguments"]), schemas[calls[0]["name"]])
 
 
+def test_required_calls_cut_by_max_tokens_keep_the_calls_they_completed(client, model):
+    kwargs = dict(model=model, messages=WEATHER_CHAT, tools=[TOOL, TIME_TOOL], tool_choice="required", temperature=0)
+    whole = client.chat.completions.create(**kwargs, max_tokens=64)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    expected = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+    cut = dict(kwargs, max_tokens=whole.usage.completion_tokens - 1)  # the array's closing bracket is not generated
+    reply = client.chat.completions.create(**cut)
+    assert reply.choices[0].finish_reason == "length" and reply.choices[0].message.content is None
+    assert [(c.function.name, c.function.arguments) for c in reply.choices[0].message.tool_calls] == expected
+    content, calls, finish = _streamed_message(client.chat.completions.create(**cut, stream=True))
+    assert content == "" and finish == "length" and [(c["name"], c["arguments"]) for c in calls.values()] == expected
+
+
 def test_a_tool_result_in_the_history_is_answered(client, model):
     first = client.chat.completions.create(model=model, messages=WEATHER_CHAT, tools=[TOOL], tool_choice="required",
                                            temperature=0, max_tokens=48)

@@ -57,6 +57,18 @@ def test_forced_calls_are_sent_whole_and_a_cut_one_as_content():
     assert json.loads(deltas[1]["function"]["arguments"]) == {"city": "Oslo"}
 
 
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_required_calls_stream_as_each_item_closes_and_a_cut_array_keeps_its_whole_calls(piece):
+    first = '[ {"name": "get_time", "parameters": {"zone": "}, ["}}'
+    reader = ArrayReader()
+    sent = [reader.feed(first[start:start + piece])[1] for start in range(0, len(first), piece)]
+    assert [d["function"]["name"] for deltas in sent for d in deltas] == ["get_time"]  # before the array ends
+    content, deltas = streamed(ArrayReader(), first + ', {"name": "get_weather", "parameters": {"ci', piece)  # max_tokens
+    assert content == "" and [(d["index"], d["function"]["name"]) for d in deltas] == [(0, "get_time")]
+    assert json.loads(deltas[0]["function"]["arguments"]) == {"zone": "}, ["}
+    assert streamed(ArrayReader(), '[{"name": "get_wea', piece) == ('[{"name": "get_wea', [])  # no call completed
+
+
 def test_the_forced_schema_admits_exactly_the_tools_calls():
     schema = json.loads(forced_call_schema([WEATHER, TIME], None, parallel=True))
     jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Rome"}}, {"name": "get_time", "parameters": {}}], schema)
