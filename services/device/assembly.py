@@ -47,7 +47,9 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
         saved_bytes += _log_weight_memory(draft, dtype)
     num_blocks = _num_blocks(args, config, draft and draft.config, dtype, _kv_bytes(args, backend.device, saved_bytes))
     limits = _plan_limits(args, config, draft and draft.config, num_blocks)
-    table = SequenceTable(args.max_num_seqs, config.vocab_size, args.block_size, backend.device)
+    pooling = _pooling(config, model is not None and not limits.num_speculative_tokens)
+    embedding_width = config.hidden_size if pooling else 0
+    table = SequenceTable(args.max_num_seqs, config.vocab_size, args.block_size, backend.device, embedding_width)
     grammar = speculation = None
     if model is None:
         runner = SimStepRunner(args.sim_step_ms / 1e3, args.sim_token_us / 1e6, config.vocab_size, config.eos_token_ids)
@@ -56,7 +58,7 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
         speculation = _speculation(args, limits, draft, dtype, backend.device) if limits.num_speculative_tokens else None
         runner = ModelStepRunner(model, PagedKVCache(config, num_blocks, args.block_size, dtype, backend.device), table, grammar, speculation)
     outbox = CompletionOutbox()
-    executor = _executor(args, backend, runner, outbox, limits, tracer, metrics)
+    executor = _executor(args, backend, runner, outbox, limits, tracer, metrics, embedding_width)
 
     def check_sampling(params) -> None:
         validate_sampling_params(params, config.vocab_size)
@@ -73,6 +75,7 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
     outbox.clear()
     attach_reply = _attach_reply(args, model_path, config, limits, backend.name, dtype_name, step_costs,
                                  speculation is not None and speculation.drops_unproposed)
+    attach_reply.pooling, attach_reply.hidden_size = pooling, embedding_width
     return DeviceCore(attach_reply, limits, table, executor, outbox, check_sampling, grammar)
 
 
@@ -100,10 +103,22 @@ def _plan_limits(args: argparse.Namespace, config, draft_config, num_blocks: int
     )
 
 
-def _executor(args: argparse.Namespace, backend, runner, outbox, limits, tracer, metrics):
+def _pooling(config, can_embed: bool) -> int:
+    """The ``common_pb2.Pooling`` embeddings get: the model's (``config.pooling``), or NONE where the
+    device cannot embed (the sim; a speculating device, whose steps reorder their entries) or the
+    model pools in a way the device lacks (logged)."""
+    from stageserve.v1 import common_pb2
+
+    pooling = {"mean": common_pb2.POOLING_MEAN, "last": common_pb2.POOLING_LAST}.get(config.pooling, common_pb2.POOLING_NONE)
+    if can_embed and not pooling:
+        log.warning("embeddings are not served: the model pools by %r (this device pools by mean or last)", config.pooling)
+    return pooling if can_embed else common_pb2.POOLING_NONE
+
+
+def _executor(args: argparse.Namespace, backend, runner, outbox, limits, tracer, metrics, embedding_width: int):
     """The `StepExecutor` over ``runner`` on ``backend``: its ticket callback pushes each step's ticket
     into ``outbox`` (toward reclaim) at submit, its output callback the step's output at completion;
-    ``metrics`` (or ``None``) sees both."""
+    ``metrics`` (or ``None``) sees both; ``embedding_width``: the hidden size where steps output embeddings."""
     from stageserve.device.executor import StepExecutor
     from stageserve.sampling_rules import MAX_LOGPROBS
 
@@ -113,7 +128,7 @@ def _executor(args: argparse.Namespace, backend, runner, outbox, limits, tracer,
     executor = StepExecutor(
         backend, runner,
         pipeline_depth=args.pipeline_depth, max_rows=args.max_num_seqs * (1 + limits.num_speculative_tokens), max_top_logprobs=MAX_LOGPROBS,
-        dispatch=args.dispatch, on_ticket=on_ticket, on_output=on_output, tracer=tracer,
+        embedding_width=embedding_width, dispatch=args.dispatch, on_ticket=on_ticket, on_output=on_output, tracer=tracer,
     )
     if metrics is not None:
         metrics.watch_in_flight(executor.in_flight)

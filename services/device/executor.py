@@ -74,6 +74,7 @@ class StepExecutor:
         max_rows: sampling entries one step may have (the sequence table size; times 1 + K with
             speculative decoding, each decode row sampling after its pending token and every draft).
         max_top_logprobs: top-n alternatives a row may ask for, at most.
+        embedding_width: the model's hidden size where steps output embeddings (0: none do).
         dispatch: ``async`` or ``sync`` (wait each step inside ``submit``).
         on_ticket: called in ``submit`` with each new ticket, before its output can be delivered.
         on_output: called on the completion thread with ``(ticket, result, error)`` (exactly one of the two set),
@@ -94,6 +95,7 @@ class StepExecutor:
         pipeline_depth: int,
         max_rows: int,
         max_top_logprobs: int,
+        embedding_width: int = 0,
         dispatch: str = "async",
         on_ticket: Callable[[StepTicket], None] = lambda ticket: None,
         on_output: Callable[[StepTicket, StepResult | None, BaseException | None], None] = lambda *a: None,
@@ -107,7 +109,7 @@ class StepExecutor:
         self.pipeline_depth = pipeline_depth
         self._on_ticket, self._on_output = on_ticket, on_output
         self._tracer = tracer or Tracer("device")
-        self._slot_buffers = [_make_slot_buffers(backend, max_rows, max(1, max_top_logprobs)) for _ in range(pipeline_depth)]
+        self._slot_buffers = [_make_slot_buffers(backend, max_rows, max(1, max_top_logprobs), embedding_width) for _ in range(pipeline_depth)]
         self._lock = threading.Condition()
         self._free_slots = list(range(pipeline_depth))
         self._unreleased: dict[int, _SlotHold] = {}  # ticket id -> its slot's state
@@ -241,7 +243,7 @@ class _SlotHold:
     release_requested: bool = False
 
 
-def _make_slot_buffers(backend: Backend, max_rows: int, max_top: int) -> SlotBuffers:
+def _make_slot_buffers(backend: Backend, max_rows: int, max_top: int, embedding_width: int) -> SlotBuffers:
     return SlotBuffers(
         token_ids=backend.host_buffer((max_rows,), torch.int64),
         logprobs=backend.host_buffer((max_rows,), torch.float32),
@@ -249,4 +251,5 @@ def _make_slot_buffers(backend: Backend, max_rows: int, max_top: int) -> SlotBuf
         top_logprobs=backend.host_buffer((max_rows, max_top), torch.float32),
         num_tokens=backend.host_buffer((max_rows,), torch.int64),
         num_drafted=backend.host_buffer((max_rows,), torch.int64),
+        embeddings=backend.host_buffer((max_rows, embedding_width), torch.float32) if embedding_width else None,
     )

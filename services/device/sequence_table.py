@@ -18,7 +18,8 @@ in the same plan's ``finished`` counts as free (prepare hands it on in that plan
 - Device tensors, written only inside a step's device work (stream order, or the CPU compute
   thread), so a write never races a step still in flight: the last sampled token per sequence,
   the sampling parameters packed as ``[fields, N]`` tensors (a step's `SamplingTensors` is one
-  gather per dtype), and the repetition-penalty presence mask.
+  gather per dtype), the repetition-penalty presence mask, and each embedding sequence's pooled
+  hidden state so far (its prompt may span several prefill chunks).
 
 A new prepare stream calls `reset`: only host metadata is cleared; device values of a sequence
 are never read before that sequence's `SequenceStart` (and, for the last token, its first
@@ -35,8 +36,9 @@ import torch
 
 from stageserve.device.backends import to_device
 from stageserve.device.sampler import SamplingTensors
-from stageserve.device.step_plan import AdmittedStep, PlanError, StartedSequence, Step
+from stageserve.device.step_plan import AdmittedStep, PlanError, RowPooling, StartedSequence, Step
 from stageserve.sampling_rules import is_greedy, seed_as_int64
+from stageserve.v1 import common_pb2
 
 # Per-sequence sampling stage bits; OR-ed over a step's sampling rows into its host flags.
 _SAMPLED = 1  # not greedy
@@ -46,6 +48,8 @@ _MIN_P = 8  # not greedy and min_p > 0
 _PENALTY = 16  # repetition_penalty != 1
 _ADDITIVE = 32  # presence_penalty or frequency_penalty != 0 (needs the output counts)
 _BIAS = 64  # a logit_bias
+
+_POOLINGS = (common_pb2.POOLING_MEAN, common_pb2.POOLING_LAST)  # what `ModelStepRunner` pools by
 
 
 @dataclass
@@ -81,9 +85,10 @@ class SequenceTable:
         vocab_size: V, width of the presence mask.
         block_size: tokens per KV block (for the block-table capacity check).
         device: where the device tensors live.
+        hidden_size: the model's hidden size, the width of ``pooled`` (0: the device does not embed).
     """
 
-    def __init__(self, max_num_seqs: int, vocab_size: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, max_num_seqs: int, vocab_size: int, block_size: int, device: torch.device, hidden_size: int = 0) -> None:
         n = max_num_seqs
         self.max_num_seqs, self.vocab_size, self.block_size, self.device = n, vocab_size, block_size, device
         self.last_token = torch.zeros(n, dtype=torch.int64, device=device)  # [N]
@@ -93,6 +98,8 @@ class SequenceTable:
         # OpenAI's penalties and logit bias; float32 so that sampling reads them without a cast.
         self.output_counts = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)  # [N, V]
         self.logit_bias = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)  # [N, V]
+        # Embeddings: the weighted sum of each embedding sequence's final-normed hidden states so far.
+        self.pooled = torch.zeros(n, hidden_size, dtype=torch.float32, device=device) if hidden_size else None  # [N, hidden]
         self.reset()
 
     def reset(self) -> None:
@@ -106,6 +113,9 @@ class SequenceTable:
         self._num_sampled = [0] * n
         self._flags = [0] * n
         self._top_logprobs = [0] * n
+        self._pooling = [common_pb2.POOLING_NONE] * n
+        self._prompt_len = [0] * n
+        self._num_pooling = 0  # live embedding sequences: a step without any skips their bookkeeping
 
     def active_count(self) -> int:
         """Sequences started and not finished."""
@@ -131,9 +141,12 @@ class SequenceTable:
 
     def _check(self, step: Step) -> None:
         started = {s.seq_index: s for s in step.started}
-        for seq in started:
+        for seq, start in started.items():
             if self._active[seq]:
                 raise PlanError(f"step {step.step_id}: started[seq_index={seq}]: the sequence is live; list it in finished first")
+            if start.pooling != common_pb2.POOLING_NONE and (self.pooled is None or start.pooling not in _POOLINGS):
+                raise PlanError(f"step {step.step_id}: started[seq_index={seq}]: pooling {start.pooling} is not served here"
+                                f" (this device pools with {', '.join(common_pb2.Pooling.Name(p) for p in _POOLINGS) if self.pooled is not None else 'none'})")
         token_ids, num_tokens, num_new_blocks = step.token_ids, step.num_tokens, step.num_new_blocks
         offset = 0
         for row, (seq, generation) in enumerate(zip(step.seq_index, step.generation)):
@@ -205,6 +218,7 @@ class SequenceTable:
             sampled_top_logprobs=[self._top_logprobs[seq] for seq in sampled],
             sampled_step_index=[self._num_sampled[seq] for seq in sampled],
             sampling_flags=reduce(or_, [self._flags[seq] for seq in sampled], 0),
+            pooling=self._row_pooling(step) if self._num_pooling else (),
         )
         for seq in sampled:
             self._has_token[seq] = True
@@ -216,12 +230,24 @@ class SequenceTable:
                         del holders[block]
                     else:
                         holders[block] -= 1
+                self._num_pooling -= self._pooling[seq] != common_pb2.POOLING_NONE
             self._active[seq] = False
             tables[seq] = []  # a new list: rows of this step keep the old one
         return admitted
 
+    def _row_pooling(self, step: Step) -> tuple[RowPooling, ...]:
+        """The step's rows of embedding sequences (`AdmittedStep.pooling`)."""
+        rows, output = [], 0
+        for row, (seq, sample) in enumerate(zip(step.seq_index, step.sample)):
+            if self._pooling[seq] != common_pb2.POOLING_NONE:
+                rows.append(RowPooling(row, self._pooling[seq], self._prompt_len[seq], output if sample else None))
+            output += sample
+        return tuple(rows)
+
     def _start(self, start: StartedSequence) -> None:
         seq, params = start.seq_index, start.sampling
+        self._pooling[seq], self._prompt_len[seq] = start.pooling, len(start.prompt_token_ids)
+        self._num_pooling += start.pooling != common_pb2.POOLING_NONE
         self._generation[seq] = start.generation
         self._active[seq] = True
         self._has_token[seq] = False
@@ -281,6 +307,8 @@ class SequenceTable:
             self.presence[staged.presence_rows, staged.presence_tokens] = True
         self.output_counts[staged.seq_index] = 0.0
         self.logit_bias[staged.seq_index] = 0.0
+        if self.pooled is not None:
+            self.pooled[staged.seq_index] = 0.0
         if staged.bias_rows is not None:
             self.logit_bias[staged.bias_rows, staged.bias_tokens] = staged.bias_values
 

@@ -83,6 +83,8 @@ class CompletionOutbox:
                 )
             output.completed_unix_ns = result.completed_unix_ns
             output.row_errors.update(result.row_errors)
+            for row, values in result.embeddings.items():
+                output.embeddings[row].values.extend(values)
         self.push(device_pb2.CompletionEvent(output=output))
 
     def pop(self, timeout: float, claim: Callable[[device_pb2.CompletionEvent], bool] = lambda event: True) -> device_pb2.CompletionEvent | None:

@@ -52,6 +52,7 @@ class StartedSequence:
     prompt_token_ids: list[int]
     constraint: common_pb2.Constraint | None = None  # structured output; None = free text
     request_id: str = ""
+    pooling: int = common_pb2.POOLING_NONE  # an embedding's pooling (`common_pb2.Pooling`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +108,7 @@ class AdmittedStep:
         sampled_top_logprobs: per sampling row, top-n logprobs asked.
         sampled_step_index: per sampling row, index of the token it samples in its sequence's output.
         sampling_flags: sampling stages the step's rows need (bits of `sequence_table`).
+        pooling: the rows of embedding sequences, in row order (empty when none).
     """
 
     step: Step
@@ -114,6 +116,25 @@ class AdmittedStep:
     sampled_top_logprobs: list[int]
     sampled_step_index: list[int]
     sampling_flags: int
+    pooling: tuple[RowPooling, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RowPooling:
+    """A step's row of an embedding sequence.
+
+    Attributes:
+        row: its index among the step's rows.
+        kind: the sequence's pooling (``common_pb2.POOLING_MEAN`` or ``POOLING_LAST``).
+        prompt_len: the sequence's prompt tokens (a mean's divisor).
+        output: the row's index among the step's sampling rows when it is the prompt's last chunk
+            (its embedding is an output of the step), else ``None``.
+    """
+
+    row: int
+    kind: int
+    prompt_len: int
+    output: int | None
 
 
 def decode_plan(
@@ -218,4 +239,4 @@ def _decode_start(
     if prompt and (min(prompt) < 0 or max(prompt) >= limits.vocab_size):
         raise PlanError(f"{where}: prompt_token_ids must be in [0, {limits.vocab_size})")
     constraint = start.constraint if start.HasField("constraint") else None
-    return StartedSequence(start.seq_index, start.generation, start.sampling, prompt, constraint, start.request_id)
+    return StartedSequence(start.seq_index, start.generation, start.sampling, prompt, constraint, start.request_id, start.pooling)

@@ -6,6 +6,9 @@ rows, the new sequences' parameters. ``run`` (backend compute context, in submis
 1. write the step's new sequences into the sequence table;
 2. resolve placeholders on the device: ``ids = where(ids == -1, last_token[seq_index], ids)``;
 3. forward pass (fills the KV cache, logits ``[S, vocab]`` of the sampling rows);
+3a. embedding rows only: add their tokens' final-normed hidden states, weighted, to their
+   sequences' pooled sums (`SequenceTable.pooled`; the mean's weight is 1 / prompt length, the
+   last token's 1), and copy the L2-normalised sum of each prompt that ends here into the slot;
 3b. constrained rows only (structured output): mask their logits to what their grammar allows
    (`grammar.GrammarTable.mask_logits`, which waits for just those rows' previous tokens);
 4. sample, gathering the rows' parameters from the sequence table;
@@ -28,17 +31,19 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
+import torch.nn.functional as F
 
 from stageserve.device.backends import to_device
 from stageserve.device.step_ticket import SlotBuffers, StepResult
 from stageserve.device.model.kv_cache import PagedKVCache
-from stageserve.device.model.forward_batch import ForwardBatch, build_forward_batch
+from stageserve.device.model.forward_batch import ForwardBatch, build_forward_batch, row_token_starts
 from stageserve.device.grammar import GrammarRows, GrammarTable
 from stageserve.device.model.decoder import DecoderModel
 from stageserve.device.sampler import SampleResult, sample
 from stageserve.device.sequence_table import SequenceTable, StagedStarts
 from stageserve.device.speculation.verification import Speculation, StagedSpeculation
 from stageserve.device.step_plan import AdmittedStep
+from stageserve.v1 import common_pb2
 
 
 @dataclass
@@ -55,6 +60,7 @@ class StagedStep:
         grammar: the constrained sampling rows; ``None`` when no row is constrained.
         speculation: the step's speculative bookkeeping (a speculating device), else ``None``.
         history_starts: the new sequences' prompts for the speculative token history, else ``None``.
+        pooling: the embedding rows' pooling inputs, else ``None``.
     """
 
     admitted: AdmittedStep
@@ -65,6 +71,25 @@ class StagedStep:
     grammar: GrammarRows | None = None
     speculation: StagedSpeculation | None = None
     history_starts: tuple | None = None
+    pooling: StagedPooling | None = None
+
+
+@dataclass
+class StagedPooling:
+    """What a step's embedding rows add to their sequences' pooled sums (step 3a).
+
+    Attributes:
+        token_index: ``[P]`` int64 tokens of the forward batch that are pooled.
+        token_seq: ``[P]`` int64 the seq_index each belongs to.
+        token_weight: ``[P]`` float32 its weight (1 / prompt length for a mean, 1 for the last token).
+        output_seq: ``[E]`` int64 the sequences whose prompt ends in this step, in sampling-row
+            order (their embeddings are the step's outputs); ``None`` when none ends.
+    """
+
+    token_index: torch.Tensor
+    token_seq: torch.Tensor
+    token_weight: torch.Tensor
+    output_seq: torch.Tensor | None
 
 
 class ModelStepRunner:
@@ -97,7 +122,27 @@ class ModelStepRunner:
             sampled = to_device([step.sampled_seq_index, admitted.sampled_step_index], torch.int64, self.device)
         if step.started:
             starts = self.table.stage_starts(step.started)
-        return StagedStep(admitted, batch, sampled, placeholder_seq, starts, self._stage_grammar(step))
+        pooling = self._stage_pooling(admitted) if admitted.pooling else None
+        return StagedStep(admitted, batch, sampled, placeholder_seq, starts, self._stage_grammar(step), pooling=pooling)
+
+    def _stage_pooling(self, admitted: AdmittedStep) -> StagedPooling:
+        step, index, seqs, weights, outputs = admitted.step, [], [], [], []
+        starts = row_token_starts(step.num_tokens)
+        for pooling in admitted.pooling:
+            seq, start, n = step.seq_index[pooling.row], starts[pooling.row], step.num_tokens[pooling.row]
+            if pooling.kind == common_pb2.POOLING_MEAN:
+                index += range(start, start + n)
+                weights += [1.0 / pooling.prompt_len] * n
+                seqs += [seq] * n
+            elif pooling.output is not None:  # the last token: that of the prompt's last chunk
+                index.append(start + n - 1)
+                weights.append(1.0)
+                seqs.append(seq)
+            if pooling.output is not None:
+                outputs.append(seq)
+        device = self.device
+        return StagedPooling(to_device(index, torch.int64, device), to_device(seqs, torch.int64, device),
+                             to_device(weights, torch.float32, device), to_device(outputs, torch.int64, device) if outputs else None)
 
     def _stage_grammar(self, step) -> GrammarRows | None:
         return self.grammar.stage(step) if self.grammar is not None else None
@@ -129,7 +174,12 @@ class ModelStepRunner:
         if staged.placeholder_seq is not None:
             ids = batch.input_ids[: batch.num_decode]  # [Bd]
             ids.copy_(torch.where(ids < 0, table.last_token[staged.placeholder_seq], ids))
-        logits = self.model.forward(batch, self.kv_cache)  # [S, vocab], the activation dtype
+        if staged.pooling is None:
+            logits = self.model.forward(batch, self.kv_cache)  # [S, vocab], the activation dtype
+        else:
+            hidden = self.model.hidden_states(batch, self.kv_cache)  # [T, hidden]
+            logits = self.model.logits(hidden[batch.sample_indices])
+            self._pool(staged.pooling, hidden, out)
         if staged.sampled is None:
             return
         if staged.grammar is not None:
@@ -141,6 +191,14 @@ class ModelStepRunner:
         count = rows.shape[0]
         out.token_ids[:count].copy_(result.token_ids, non_blocking=True)
         _copy_logprobs(result, tensors.max_logprobs, count, out)
+
+    def _pool(self, pooling: StagedPooling, hidden: torch.Tensor, out: SlotBuffers) -> None:
+        """Step 3a: add the pooled tokens to their sums; copy the embeddings that are complete out."""
+        pooled = self.table.pooled
+        normed = self.model.final_norm(hidden[pooling.token_index]).float()  # [P, hidden]
+        pooled.index_add_(0, pooling.token_seq, normed * pooling.token_weight[:, None])
+        if pooling.output_seq is not None:
+            out.embeddings[: pooling.output_seq.shape[0]].copy_(F.normalize(pooled[pooling.output_seq], dim=-1), non_blocking=True)
 
     def observe(self, staged: StagedStep, result: StepResult | None) -> dict[int, str]:
         """Advance the constrained rows' matchers by each row's first token (`GrammarTable.observe`,

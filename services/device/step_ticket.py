@@ -38,6 +38,8 @@ class SlotBuffers:
         top_logprobs: ``[max_rows, max_top_logprobs]`` float32.
         num_tokens, num_drafted: ``[max_rows]`` int64, speculative decoding only: per sampling row,
             tokens it emits (its first entries) and drafts the proposer made for it.
+        embeddings: ``[max_rows, hidden]`` float32, the step's embeddings in sampling-row order
+            (`AdmittedStep.pooling`); ``None`` on a device that does not embed.
     """
 
     token_ids: torch.Tensor
@@ -46,6 +48,7 @@ class SlotBuffers:
     top_logprobs: torch.Tensor
     num_tokens: torch.Tensor
     num_drafted: torch.Tensor
+    embeddings: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,8 @@ class StepResult:
         num_tokens, num_drafted: per sampling row, tokens emitted and drafts proposed, on a
             speculating device; else ``None``.
         row_errors: sampling row -> why that row's request fails (the runner's `StepRunner.observe`).
+        embeddings: sampling row -> the embedding it outputs (``hidden`` floats), for embedding
+            sequences whose prompt ended in the step.
     """
 
     token_ids: list[int]
@@ -78,6 +83,7 @@ class StepResult:
     num_tokens: list[int] | None = None
     num_drafted: list[int] | None = None
     row_errors: dict[int, str] = field(default_factory=dict)
+    embeddings: dict[int, list[float]] = field(default_factory=dict)
 
     def first_tokens(self) -> list[int]:
         """Each sampling row's first token (speculative decoding: the one after its pending token)."""
@@ -211,4 +217,6 @@ class StepTicket:
                 SampledLogprob(token_ids[e], lp[e], top_ids[e][: top_n[owner[e]]], top_lp[e][: top_n[owner[e]]]) if top_n[owner[e]] else None
                 for e in kept
             ]
-        return StepResult([token_ids[e] for e in kept], logprobs, time.time_ns(), num_tokens, num_drafted)
+        outputs = [pooling.output for pooling in self.admitted.pooling if pooling.output is not None]
+        embeddings = dict(zip(outputs, buffers.embeddings[: len(outputs)].tolist())) if outputs else {}
+        return StepResult([token_ids[e] for e in kept], logprobs, time.time_ns(), num_tokens, num_drafted, embeddings=embeddings)

@@ -22,7 +22,10 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
 
+import grpc
+
 from stageserve.logs import REQUEST_ID
+from stageserve.prepare.embeddings import embedding_requests
 from stageserve.prepare.errors import RequestError
 from stageserve.prepare.request_handle import LoopWaker, RequestHandle
 from stageserve.prepare.router import DeviceRouter
@@ -166,24 +169,62 @@ class GenerationFrontend:
         scoped_id = scoped_request_id(owner, request_id)
         try:
             validated, n = await asyncio.get_running_loop().run_in_executor(None, self._validate, request, scoped_id)
-            # On the loop, with no await until the caller holds the submission: a task cancelled
-            # in between would leave choices running for no one.
-            handles: list[RequestHandle] = []
-            try:
-                for choice in choice_requests(validated, n):
-                    handles.append(self.router.submit(choice, caller, abort_key=scoped_id))
-            except RequestError:
-                for handle in handles:
-                    self.router.cancel(handle)
-                raise
+            handles = self._place(choice_requests(validated, n), caller, scoped_id)
         except RequestError as error:
-            self.router.metrics.request_refused(error.code.name)
-            shown_id = request_id[:256] if request_id.isprintable() else ascii(request_id[:256])  # the client's text, maybe invalid
-            log.debug("refused with %s: %s", error.code.name, error.message, extra={REQUEST_ID: shown_id})
+            self._refused(error, request_id)
             raise
         log.debug("accepted: %d prompt tokens, max_tokens %d, n %d", validated.num_prompt_tokens, validated.max_tokens, n,
                   extra={REQUEST_ID: request_id})
         return Submission(request_id, handles, self.router)
+
+    async def embed(self, request: prepare_pb2.EmbedRequest, request_id: str, caller: str = "", owner: str = "") -> prepare_pb2.EmbedResponse:
+        """Embed ``request``'s inputs (``embeddings.py``); ``caller`` and ``owner`` as in :meth:`submit`.
+
+        Raises:
+            RequestError: the refusal (``FAILED_PRECONDITION``: the device does not embed;
+                ``INVALID_ARGUMENT``, ``ALREADY_EXISTS``, ``RESOURCE_EXHAUSTED``, ``UNAVAILABLE``), a
+                failed input's status, or ``ABORTED`` when an input was aborted; the others are aborted then.
+        """
+        scoped_id = scoped_request_id(owner, request_id)
+        try:
+            requests = await asyncio.get_running_loop().run_in_executor(None, self._validate_embedding, request, scoped_id)
+            submission = Submission(request_id, self._place(requests, caller, scoped_id), self.router)
+        except RequestError as error:
+            self._refused(error, request_id)
+            raise
+        vectors: list[list[float] | None] = [None] * len(requests)
+        try:
+            async with aclosing(submission.events(self.waker)) as events:
+                async for index, event in events:
+                    if event.embedding:
+                        vectors[index] = list(event.embedding)
+        finally:
+            submission.cancel()
+        if any(vector is None for vector in vectors):
+            raise RequestError(grpc.StatusCode.ABORTED, f"request {request_id!r} was aborted before its embeddings were made")
+        return prepare_pb2.EmbedResponse(request_id=request_id, data=[common_pb2.Embedding(values=v) for v in vectors],
+                                         prompt_tokens=sum(r.num_prompt_tokens for r in requests))
+
+    def _place(self, requests: list[GenerationRequest], caller: str, scoped_id: str) -> list[RequestHandle]:
+        """Submit ``requests`` (one request's choices or inputs) to the router; all or none (RequestError).
+
+        On the loop, with no await until the caller holds the handles: a task cancelled in between
+        would leave requests running for no one.
+        """
+        handles: list[RequestHandle] = []
+        try:
+            for request in requests:
+                handles.append(self.router.submit(request, caller, abort_key=scoped_id))
+        except RequestError:
+            for handle in handles:
+                self.router.cancel(handle)
+            raise
+        return handles
+
+    def _refused(self, error: RequestError, request_id: str) -> None:
+        self.router.metrics.request_refused(error.code.name)
+        shown_id = request_id[:256] if request_id.isprintable() else ascii(request_id[:256])  # the client's text, maybe invalid
+        log.debug("refused with %s: %s", error.code.name, error.message, extra={REQUEST_ID: shown_id})
 
     def abort(self, request_id: str, caller: str = "", owner: str = "") -> bool:
         """Abort the running request ``request_id`` of ``owner`` (all its choices); ``False`` if none
@@ -196,3 +237,8 @@ class GenerationFrontend:
         n = validate_choices(request)
         request = with_defaults(request, self.sampling_defaults)
         return validate_generate_request(request, request_id, self.tokenizer, self.router.model_limits()), n
+
+    def _validate_embedding(self, request: prepare_pb2.EmbedRequest, request_id: str) -> list[GenerationRequest]:
+        """The embedding's scheduler requests (in the executor). Raises RequestError when refused."""
+        limits = self.router.model_limits()
+        return embedding_requests(request, request_id, self.tokenizer, limits, self.router.load()[0].attach.pooling)

@@ -55,6 +55,8 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256
 MAX_CHOICES = 16
 MAX_USER_CHARS = 256
+MAX_EMBEDDING_INPUTS = 2048
+"""Inputs of one embeddings request (OpenAI's limit); each is one scheduler request."""
 
 
 def check_generate_bounds(request: prepare_pb2.GenerateRequest) -> None:

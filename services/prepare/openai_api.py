@@ -28,7 +28,9 @@ before it is parsed. With ``--tls-cert``/``--tls-key`` uvicorn serves HTTPS.
 
 from __future__ import annotations
 
+import array
 import asyncio
+import base64
 import json
 import re
 import socket
@@ -48,7 +50,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from stageserve.prepare.errors import RequestError, invalid_argument
 from stageserve.prepare.frontend import GenerationFrontend, Submission
 from stageserve.prepare.limits import MAX_PROMPT_TOKEN_IDS, MAX_REQUEST_BYTES, at_most, check_tokenize_bounds
-from stageserve.prepare.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody, chat_request,
+from stageserve.prepare.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeBody, EmbeddingsBody, TokenizeBody, chat_request,
                                                 completion_request)
 from stageserve.prepare.openai_responses import ResponseBuilder, sse
 from stageserve.prepare.reasoning import constrain_after_reasoning, reasoning_reader
@@ -68,6 +70,8 @@ _HTTP_STATUS = {
     grpc.StatusCode.PERMISSION_DENIED: (403, "invalid_request_error"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
     grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.ABORTED: (409, "invalid_request_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
@@ -179,6 +183,19 @@ def create_app(frontend: GenerationFrontend, policy: AccessPolicy | None = None,
                                **readers(chat, grpc_request), whole=lambda completion: response_object(completion, shell),
                                streamed=ResponseEvents(shell, stream_error_body).events)
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> JSONResponse:
+        owner = _owner(policy, request)
+        body = _parse(EmbeddingsBody, await _json(request))
+        name, request_id = _check_model(frontend, body.model), _request_id(request)
+        width = frontend.router.load()[0].attach.hidden_size
+        if body.dimensions is not None and body.dimensions != width:
+            raise invalid_argument(f"dimensions: {body.dimensions} is not supported; this model's embeddings have {width} (leave it unset)")
+        reply = await frontend.embed(body.grpc(request_id), request_id, owner=owner)
+        return JSONResponse({"object": "list", "model": name, "data": [
+            {"object": "embedding", "index": i, "embedding": _encoded(vector.values, body.encoding_format)} for i, vector in enumerate(reply.data)],
+            "usage": {"prompt_tokens": reply.prompt_tokens, "total_tokens": reply.prompt_tokens}})
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
         _owner(policy, request)
@@ -232,6 +249,11 @@ def _check_model(frontend: GenerationFrontend, requested: str, optional: bool = 
     if not (optional and not requested) and requested not in (served, *frontend.served_names):
         raise RequestError(grpc.StatusCode.NOT_FOUND, f"model: {requested!r} is not served here; use {served!r} (see /v1/models)")
     return served
+
+
+def _encoded(values, encoding_format: str) -> list[float] | str:
+    """An embedding as OpenAI sends it: floats, or base64 of its float32 little-endian bytes."""
+    return list(values) if encoding_format == "float" else base64.b64encode(array.array("f", values).tobytes()).decode()
 
 
 def _tokenize(tokenizer, body: TokenizeBody) -> list[int]:

@@ -390,3 +390,24 @@ class DetokenizeBody(TolerantModel):
 
     model: str = ""
     tokens: list[int]
+
+
+class EmbeddingsBody(TolerantModel):
+    """OpenAI's ``POST /v1/embeddings``: ``input`` a text, texts, token ids or lists of token ids.
+
+    ``dimensions`` other than the model's hidden size is refused (the vectors are not truncated:
+    that suits only Matryoshka-trained models); ``encoding_format`` base64 is the float32
+    little-endian bytes of each vector, what the ``openai`` SDK asks for by default.
+    """
+
+    model: str = ""
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+
+    def grpc(self, request_id: str) -> prepare_pb2.EmbedRequest:
+        """The gRPC ``EmbedRequest`` of this body."""
+        inputs = [self.input] if isinstance(self.input, str) or (self.input and isinstance(self.input[0], int)) else self.input
+        if inputs and isinstance(inputs[0], str):
+            return prepare_pb2.EmbedRequest(request_id=request_id, input=inputs)
+        return prepare_pb2.EmbedRequest(request_id=request_id, input_token_ids=[prepare_pb2.TokenIds(token_ids=ids) for ids in inputs])

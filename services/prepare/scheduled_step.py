@@ -139,6 +139,7 @@ def build_step_plan(step: ScheduledStep) -> device_pb2.StepPlan:
                 stop=seq.request.stop,
                 prompt_token_ids=seq.request.prompt_token_ids,
                 constraint=seq.request.constraint,
+                pooling=seq.request.pooling,
             )
             for seq in step.started
         ],

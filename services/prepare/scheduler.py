@@ -65,7 +65,7 @@ from stageserve.prepare.prefix_cache import BlockHash, cache_namespace, chain_ha
 from stageserve.prepare.scheduled_step import ScheduledStep, SequenceState
 from stageserve.prepare.scheduler_config import SchedulerConfig
 from stageserve.prepare.validation import GenerationRequest
-from stageserve.v1 import reclaim_pb2
+from stageserve.v1 import common_pb2, reclaim_pb2
 
 
 class AbortOutcome(enum.Enum):
@@ -175,8 +175,9 @@ class Scheduler:
         self._block_hashes[request] = self.block_hashes(request)
 
     def block_hashes(self, request: GenerationRequest) -> list[BlockHash]:
-        """The hash chain of ``request``'s full prompt blocks (none with prefix caching off)."""
-        if not self.config.enable_prefix_caching:
+        """The hash chain of ``request``'s full prompt blocks (none with prefix caching off, nor for a
+        mean-pooled embedding: it needs every prompt token's hidden state, so it starts from no hit)."""
+        if not self.config.enable_prefix_caching or request.pooling == common_pb2.POOLING_MEAN:
             return []
         namespace = cache_namespace(self.config.model_identity, request.cache_salt)
         return chain_hashes(request.prompt_token_ids, self.config.kv_block_size, namespace)

@@ -140,6 +140,17 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         except RequestError as error:
             await abort_rpc(context, error)
 
+    async def Embed(self, request: prepare_pb2.EmbedRequest, context: grpc.aio.ServicerContext) -> prepare_pb2.EmbedResponse:
+        """One L2-normalised vector per input (``embeddings.py``). Errors (gRPC status): INVALID_ARGUMENT,
+        FAILED_PRECONDITION (the device does not embed), ALREADY_EXISTS, RESOURCE_EXHAUSTED,
+        UNAVAILABLE at admission; UNAVAILABLE, INTERNAL, ABORTED later."""
+        request_id = request.request_id or dict(context.invocation_metadata()).get(REQUEST_ID_HEADER, "") or uuid.uuid4().hex
+        try:
+            await context.send_initial_metadata(((REQUEST_ID_HEADER, validate_request_id(request_id)),))
+            return await self._frontend.embed(request, request_id, caller_of(context), _owner())
+        except RequestError as error:
+            await abort_rpc(context, error)
+
     async def GetModelInfo(self, request: prepare_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> prepare_pb2.ModelInfo:
         """Model facts and load, summed over attached devices plus per device. While none is attached,
         only the devices (``attached: false``), so a client can see which one is down."""
@@ -164,6 +175,8 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
             waiting_requests=load.waiting,
             max_num_seqs=attach.max_num_seqs,
             devices=[device_status(device) for device in devices],
+            pooling=attach.pooling,
+            hidden_size=attach.hidden_size,
         )
 
     async def _accept(self, request: prepare_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> Submission:

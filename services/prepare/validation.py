@@ -65,6 +65,7 @@ class GenerationRequest:
         stop: stop conditions for reclaim (``max_tokens`` and ``prompt_tokens`` filled in).
         cache_salt: prefix-cache blocks are shared only between requests of the same salt.
         constraint: the structured-output constraint, checked (it parses); ``None`` = free text.
+        pooling: an embedding's pooling (``common_pb2.Pooling``, ``embeddings.py``); NONE = a generation.
     """
 
     request_id: str
@@ -74,6 +75,7 @@ class GenerationRequest:
     stop: common_pb2.StopParams
     cache_salt: str = ""
     constraint: common_pb2.Constraint | None = None
+    pooling: int = common_pb2.POOLING_NONE
 
     @property
     def num_prompt_tokens(self) -> int:

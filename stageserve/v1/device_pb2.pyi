@@ -14,7 +14,7 @@ class AttachRequest(_message.Message):
     def __init__(self, peer: _Optional[str] = ...) -> None: ...
 
 class AttachReply(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "max_model_len", "kv_block_size", "kv_num_blocks", "max_num_seqs", "max_step_tokens", "pipeline_depth", "backend", "dtype", "dispatch", "instance_id", "num_speculative_tokens", "speculative_method", "step_costs", "drops_unproposed_drafts")
+    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "max_model_len", "kv_block_size", "kv_num_blocks", "max_num_seqs", "max_step_tokens", "pipeline_depth", "backend", "dtype", "dispatch", "instance_id", "num_speculative_tokens", "speculative_method", "step_costs", "drops_unproposed_drafts", "pooling", "hidden_size")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,8 @@ class AttachReply(_message.Message):
     SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
     STEP_COSTS_FIELD_NUMBER: _ClassVar[int]
     DROPS_UNPROPOSED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -49,7 +51,9 @@ class AttachReply(_message.Message):
     speculative_method: str
     step_costs: _containers.RepeatedCompositeFieldContainer[StepCost]
     drops_unproposed_drafts: bool
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., pipeline_depth: _Optional[int] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., dispatch: _Optional[str] = ..., instance_id: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., speculative_method: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., drops_unproposed_drafts: _Optional[bool] = ...) -> None: ...
+    pooling: _common_pb2.Pooling
+    hidden_size: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., pipeline_depth: _Optional[int] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., dispatch: _Optional[str] = ..., instance_id: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., speculative_method: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., drops_unproposed_drafts: _Optional[bool] = ..., pooling: _Optional[_Union[_common_pb2.Pooling, str]] = ..., hidden_size: _Optional[int] = ...) -> None: ...
 
 class StepCost(_message.Message):
     __slots__ = ("rows", "drafts", "seconds", "context_tokens")
@@ -128,7 +132,7 @@ class CompletionTicket(_message.Message):
     def __init__(self, ticket: _Optional[int] = ..., step_id: _Optional[int] = ..., slot: _Optional[int] = ..., started: _Optional[_Iterable[_Union[_common_pb2.SequenceStart, _Mapping]]] = ..., seq_index: _Optional[_Iterable[int]] = ..., generation: _Optional[_Iterable[int]] = ..., aborted: _Optional[_Iterable[str]] = ..., submitted_unix_ns: _Optional[int] = ...) -> None: ...
 
 class StepOutput(_message.Message):
-    __slots__ = ("ticket", "step_id", "token_ids", "logprobs", "error", "completed_unix_ns", "num_tokens", "num_drafted", "row_errors")
+    __slots__ = ("ticket", "step_id", "token_ids", "logprobs", "error", "completed_unix_ns", "num_tokens", "num_drafted", "row_errors", "embeddings")
     class RowErrorsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +140,13 @@ class StepOutput(_message.Message):
         key: int
         value: str
         def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    class EmbeddingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: _common_pb2.Embedding
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[_common_pb2.Embedding, _Mapping]] = ...) -> None: ...
     TICKET_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +156,7 @@ class StepOutput(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ROW_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     ticket: int
     step_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -154,7 +166,8 @@ class StepOutput(_message.Message):
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_drafted: _containers.RepeatedScalarFieldContainer[int]
     row_errors: _containers.ScalarMap[int, str]
-    def __init__(self, ticket: _Optional[int] = ..., step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., error: _Optional[str] = ..., completed_unix_ns: _Optional[int] = ..., num_tokens: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[_Iterable[int]] = ..., row_errors: _Optional[_Mapping[int, str]] = ...) -> None: ...
+    embeddings: _containers.MessageMap[int, _common_pb2.Embedding]
+    def __init__(self, ticket: _Optional[int] = ..., step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., error: _Optional[str] = ..., completed_unix_ns: _Optional[int] = ..., num_tokens: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[_Iterable[int]] = ..., row_errors: _Optional[_Mapping[int, str]] = ..., embeddings: _Optional[_Mapping[int, _common_pb2.Embedding]] = ...) -> None: ...
 
 class CompletionEvent(_message.Message):
     __slots__ = ("ticket", "output")

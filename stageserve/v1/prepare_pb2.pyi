@@ -192,12 +192,38 @@ class TokenizeResponse(_message.Message):
     count: int
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[str]] = ..., count: _Optional[int] = ...) -> None: ...
 
+class EmbedRequest(_message.Message):
+    __slots__ = ("request_id", "input", "input_token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    input: _containers.RepeatedScalarFieldContainer[str]
+    input_token_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    def __init__(self, request_id: _Optional[str] = ..., input: _Optional[_Iterable[str]] = ..., input_token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("request_id", "data", "prompt_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    data: _containers.RepeatedCompositeFieldContainer[_common_pb2.Embedding]
+    prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., data: _Optional[_Iterable[_Union[_common_pb2.Embedding, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_model_len", "eos_token_ids", "backend", "dtype", "dispatch", "pipeline_depth", "kv_block_size", "kv_blocks_total", "kv_blocks_free", "running_requests", "waiting_requests", "max_num_seqs", "devices")
+    __slots__ = ("model_name", "vocab_size", "max_model_len", "eos_token_ids", "backend", "dtype", "dispatch", "pipeline_depth", "kv_block_size", "kv_blocks_total", "kv_blocks_free", "running_requests", "waiting_requests", "max_num_seqs", "devices", "pooling", "hidden_size")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +239,8 @@ class ModelInfo(_message.Message):
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_model_len: int
@@ -228,7 +256,9 @@ class ModelInfo(_message.Message):
     waiting_requests: int
     max_num_seqs: int
     devices: _containers.RepeatedCompositeFieldContainer[DeviceStatus]
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., dispatch: _Optional[str] = ..., pipeline_depth: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ...) -> None: ...
+    pooling: _common_pb2.Pooling
+    hidden_size: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., dispatch: _Optional[str] = ..., pipeline_depth: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ..., pooling: _Optional[_Union[_common_pb2.Pooling, str]] = ..., hidden_size: _Optional[int] = ...) -> None: ...
 
 class DeviceStatus(_message.Message):
     __slots__ = ("address", "instance_id", "attached", "accepting", "kv_blocks_total", "kv_blocks_free", "running_requests", "waiting_requests", "stalled", "kv_blocks_cached")

@@ -59,6 +59,11 @@ class GenerationStub:
                 request_serializer=stageserve_dot_v1_dot_prepare__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=stageserve_dot_v1_dot_prepare__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/stageserve.v1.Generation/Embed',
+                request_serializer=stageserve_dot_v1_dot_prepare__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=stageserve_dot_v1_dot_prepare__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -100,6 +105,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embed texts or token ids: one L2-normalised vector per input, pooled as the model pools
+        (ModelInfo.pooling). Each input is one prefill through the same pipeline as Generate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +140,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=stageserve_dot_v1_dot_prepare__pb2.GetModelInfoRequest.FromString,
                     response_serializer=stageserve_dot_v1_dot_prepare__pb2.ModelInfo.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=stageserve_dot_v1_dot_prepare__pb2.EmbedRequest.FromString,
+                    response_serializer=stageserve_dot_v1_dot_prepare__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +282,33 @@ class Generation:
             '/stageserve.v1.Generation/GetModelInfo',
             stageserve_dot_v1_dot_prepare__pb2.GetModelInfoRequest.SerializeToString,
             stageserve_dot_v1_dot_prepare__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stageserve.v1.Generation/Embed',
+            stageserve_dot_v1_dot_prepare__pb2.EmbedRequest.SerializeToString,
+            stageserve_dot_v1_dot_prepare__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,9 +1,12 @@
 """The families added through ``services/device/model/README.md`` served through the three services:
 Qwen3, and Mistral with a sliding window shorter than the prompts (one pipeline each; Phi-3 differs
-only in what the model does at load and in its RoPE tables, checked in the unit tests)."""
+only in what the model does at load and in its RoPE tables, checked in the unit tests). The same
+pipelines embed while they generate: Qwen3 by its last token (a plain checkpoint), the Mistral
+directory as a sentence-transformers model that mean-pools, its prompts prefilled in chunks of 5."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -12,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from stageserve.tokenizer import load_tokenizer
-from stageserve.v1 import prepare_pb2, prepare_pb2_grpc
+from stageserve.v1 import common_pb2, prepare_pb2, prepare_pb2_grpc
 from tests.integration.conftest import launch
 from tests.tiny_checkpoint import write_tiny_checkpoint
 from tests.unit.device.test_model_reference import hf_greedy
@@ -20,6 +23,22 @@ from tests.unit.device.test_model_reference import hf_greedy
 PROMPTS = ("Hello, world", "abcabcabc")  # 12 and 9 tokens: longer than Mistral's window of 8
 MAX_TOKENS = 16
 CHECKPOINTS = {"qwen3": {"family": "qwen3"}, "mistral-window": {"family": "mistral", "sliding_window": 8}}
+MEAN_POOLED = {"mistral-window"}  # written as sentence-transformers directories that mean-pool
+EMBEDDED = ("The quick brown fox", "x", "Hello, world")
+
+
+def _as_mean_pooling_sentence_transformer(directory) -> None:
+    (directory / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (directory / "1_Pooling").mkdir()
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True}))
+
+
+def _hf_embedding(hf, ids: list[int], mean: bool) -> torch.Tensor:
+    with torch.no_grad():
+        hidden = hf.model(torch.tensor([ids])).last_hidden_state[0]  # [L, hidden], after the final norm
+    return torch.nn.functional.normalize(hidden.mean(0) if mean else hidden[-1], dim=-1)
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
@@ -27,17 +46,29 @@ def test_a_tiny_checkpoint_through_the_services_gives_transformers_greedy_tokens
     """Two concurrent greedy requests (float32, continuous batching) on a tiny random checkpoint of
     each family give the tokens transformers' greedy ``generate`` gives for the same prompt ids."""
     checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp(name), **CHECKPOINTS[name])
+    mean = name in MEAN_POOLED
+    if mean:
+        _as_mean_pooling_sentence_transformer(checkpoint)
     model = ["--model", str(checkpoint)]
-    pipeline = launch(tmp_path_factory, f"{name}-pipeline", device_args=model, prepare_args=model, reclaim_args=model)
+    pipeline = launch(tmp_path_factory, f"{name}-pipeline", device_args=model, reclaim_args=model,
+                      prepare_args=model + (["--max-prefill-chunk", "5"] if mean else []))
     try:
         with grpc.insecure_channel(pipeline.prepare.address) as channel:
             stub = prepare_pb2_grpc.GenerationStub(channel)
             requests = [prepare_pb2.GenerateRequest(prompt=p, max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0) for p in PROMPTS]
-            with ThreadPoolExecutor(len(requests)) as pool:
+            with ThreadPoolExecutor(len(requests) + 1) as pool:
+                embedded = pool.submit(stub.Embed, prepare_pb2.EmbedRequest(input=EMBEDDED), timeout=120)
                 served = [list(r.token_ids) for r in pool.map(lambda r: stub.Generate(r, timeout=120), requests)]
+                embedding = embedded.result()
+            info = stub.GetModelInfo(prepare_pb2.GetModelInfoRequest())
     finally:
         pipeline.stop()
     tokenizer = load_tokenizer(checkpoint)
     hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
     expected = [hf_greedy(hf, list(tokenizer.encode(p, add_special_tokens=True)), MAX_TOKENS)[0] for p in PROMPTS]
     assert served == expected
+    assert info.pooling == (common_pb2.POOLING_MEAN if mean else common_pb2.POOLING_LAST) and info.hidden_size == 64
+    ids = [list(tokenizer.encode(text, add_special_tokens=True)) for text in EMBEDDED]
+    assert embedding.prompt_tokens == sum(map(len, ids))
+    for vector, prompt in zip(embedding.data, ids):
+        torch.testing.assert_close(torch.tensor(list(vector.values)), _hf_embedding(hf, prompt, mean), atol=2e-5, rtol=1e-4)

@@ -13,6 +13,7 @@ import jsonschema
 import langchain_openai
 import openai
 import pytest
+import torch
 
 from stageserve.v1 import prepare_pb2, prepare_pb2_grpc
 
@@ -241,9 +242,10 @@ def test_grpc_n_returns_every_choice(generation):
 def test_health_and_bad_json(served, client, model):
     base = f"http://127.0.0.1:{served.prepare.http_port}"
     assert httpx.get(f"{base}/health").json() == {"status": "ok"}
-    with pytest.raises(openai.NotFoundError) as unserved:  # not served yet: a 404 in OpenAI's shape, naming what is served
-        client.embeddings.create(model=model, input="hi")
-    assert "POST /v1/embeddings: not served here" in unserved.value.body["message"] and "POST /v1/responses" in unserved.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as unserved:  # a 404 in OpenAI's shape, naming what is served
+        client.post("/images/generations", body={"model": model, "prompt": "hi"}, cast_to=dict)
+    assert "POST /v1/images/generations: not served here" in unserved.value.body["message"]
+    assert "POST /v1/embeddings" in unserved.value.body["message"]
     refused = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "body"
 
@@ -339,6 +341,29 @@ def test_required_calls_cut_by_max_tokens_keep_the_calls_they_completed(client, 
     assert [(c.function.name, c.function.arguments) for c in reply.choices[0].message.tool_calls] == expected
     content, calls, finish = _streamed_message(client.chat.completions.create(**cut, stream=True))
     assert content == "" and finish == "length" and [(c["name"], c["arguments"]) for c in calls.values()] == expected
+
+
+def test_embeddings_by_the_sdk_in_base64_and_in_floats(client, model, tokenizer):
+    texts = ["The capital of France is Paris.", "Paris is the capital city of France.", "Bananas are a yellow fruit."]
+    sdk = client.embeddings.create(model=model, input=texts)  # the SDK asks for base64 and decodes it
+    floats = client.embeddings.create(model=model, input=texts, encoding_format="float")
+    vectors = torch.tensor([item.embedding for item in sdk.data])  # [3, hidden]
+    assert [item.index for item in sdk.data] == [0, 1, 2] and vectors.shape == (3, 576)
+    torch.testing.assert_close(vectors.norm(dim=1), torch.ones(3), atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor([item.embedding for item in floats.data]), vectors, atol=0.02, rtol=0)
+    similarity = vectors @ vectors.T
+    assert similarity[0, 1] > similarity[0, 2] and similarity[0, 1] > similarity[1, 2]  # meaning, not length
+    assert sdk.usage.prompt_tokens == sdk.usage.total_tokens == sum(len(tokenizer.encode(text)) for text in texts)
+    one = client.embeddings.create(model=model, input=[1, 9690, 198], encoding_format="float")  # token ids
+    assert len(one.data) == 1 and one.usage.prompt_tokens == 3
+
+
+@pytest.mark.parametrize("body, param", [({"input": "Hi", "dimensions": 8}, "dimensions"), ({"input": ""}, "input"),
+                                         ({"input": []}, "input"), ({"input": [[1], [10**9]]}, "input")])
+def test_bad_embeddings_requests_name_the_field(client, model, body, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.post("/embeddings", body={"model": model, **body}, cast_to=dict)
+    assert refused.value.body["param"] == param, refused.value.body
 
 
 def test_a_tool_result_in_the_history_is_answered(client, model):

@@ -21,6 +21,35 @@ class ModelLoadError(ValueError):
     """A model file or directory cannot be loaded; the message names the file and what is wrong."""
 
 
+GGUF_POOLING = {0: "last", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+"""llama.cpp's ``{arch}.pooling_type`` (``enum llama_pooling_type``) -> pooling; NONE (a generative
+model) embeds by its last token, as a missing key does (vLLM's default for a causal LM)."""
+_ST_POOLING_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last", "pooling_mode_cls_token": "cls",
+                     "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
+                     "pooling_mode_weightedmean_tokens": "weightedmean"}
+
+
+def pooling_of_hf(directory: Path) -> str:
+    """The pooling a sentence-transformers directory names (``modules.json``'s
+    ``sentence_transformers.models.Pooling`` module, its ``config.json``: the first mode set); ``last``
+    for a plain transformers checkpoint. Raises ``ModelLoadError`` for unreadable JSON."""
+    import json
+
+    def read(path: Path) -> Any:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"{path}: unreadable ({exc})") from None
+
+    if not (directory / "modules.json").is_file():
+        return "last"
+    for module in read(directory / "modules.json"):
+        if module.get("type", "").endswith(".Pooling") and (directory / module.get("path", "") / "config.json").is_file():
+            modes = read(directory / module["path"] / "config.json")
+            return next((name for key, name in _ST_POOLING_MODES.items() if modes.get(key)), "last")
+    return "last"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of a decoder-only transformer of one of the registered families.
@@ -36,6 +65,8 @@ class ModelConfig:
     the window counts the current token), ``None`` for full causal attention (Mistral, Phi-3).
     ``rotary_dim``: RoPE rotates only the first ``rotary_dim`` values of each head
     (``partial_rotary_factor * head_dim``, Phi-3/Phi-4-mini), ``None`` for the whole head.
+    ``pooling``: how an embedding pools the last hidden states: ``mean`` or ``last`` (`pooling_of_hf`,
+    `GGUF_POOLING`); another mode's name where the model's files ask for one the device lacks.
     """
 
     architecture: str
@@ -58,6 +89,7 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     rotary_dim: int | None = None
+    pooling: str = "last"
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -129,6 +161,7 @@ def config_from_gguf(fields: Mapping[str, Any], tensor_shapes: Mapping[str, tupl
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
         rope_scaling=_gguf_rope_scaling(fields, arch, "rope_factors_long.weight" in tensor_shapes, path),
         rotary_dim=rotary_dim,
+        pooling=GGUF_POOLING.get(int(fields.get(f"{arch}.pooling_type", 0)), "last"),
     )
 
 
@@ -218,6 +251,7 @@ def config_from_hf(raw: Mapping[str, Any], eos_extra: list[int], path: Path) -> 
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos_ids)),
             rope_scaling=None if rope_type == "default" else rope,
             rotary_dim=None if rotary_dim == head_dim else rotary_dim,
+            pooling=pooling_of_hf(path.parent),
             **{"attention_bias": False, **family.hf_fields(raw)},  # the family's own fields (attention_bias has no dataclass default)
         )
     except KeyError as exc:

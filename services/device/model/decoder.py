@@ -219,11 +219,23 @@ class DecoderModel:
         ``batch`` must already be on this model's device. Rows read only the cache slots their
         block tables name.
         """
-        c = self.config
+        return self.logits(self.hidden_states(batch, kv_cache)[batch.sample_indices])
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        """The decoder layers of one step (K/V written as in `forward`): ``[T, hidden]`` in the
+        activation dtype, before the final norm."""
         x = self.embed.embedding(batch.input_ids) if isinstance(self.embed, QuantizedLinear) else F.embedding(batch.input_ids, self.embed)  # [T, hidden]
-        x = self._layers_fused(x, batch, kv_cache) if self.cpu_kernels else self._layers_torch(x, batch, kv_cache)
-        x = F.rms_norm(x[batch.sample_indices], (c.hidden_size,), self.norm, c.rms_norm_eps)  # [S, hidden]
-        return self.lm_head(x)
+        return self._layers_fused(x, batch, kv_cache) if self.cpu_kernels else self._layers_torch(x, batch, kv_cache)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm of hidden states ``[R, hidden]`` (what transformers' ``last_hidden_state`` holds)."""
+        return F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``[S, vocab]`` of hidden states ``[S, hidden]`` (before the final norm)."""
+        return self.lm_head(self.final_norm(x))
 
     def _layers_torch(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """All decoder layers in plain torch ops (any device): ``x`` [T, hidden] -> [T, hidden]."""

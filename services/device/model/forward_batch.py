@@ -115,7 +115,7 @@ def build_forward_batch(rows: list[BatchRow] | list[tuple], block_size: int, dev
             raise ValueError(f"row {i} has no new tokens")
         if len(row.block_table) * block_size < row.start_pos + len(row.token_ids):
             raise ValueError(f"row {i}: block table of {len(row.block_table)} blocks cannot hold {row.start_pos + len(row.token_ids)} tokens")
-    order = [i for i, r in enumerate(rows) if len(r.token_ids) == 1] + [i for i, r in enumerate(rows) if len(r.token_ids) > 1]
+    order = batch_order([len(r.token_ids) for r in rows])
     num_decode = sum(len(r.token_ids) == 1 for r in rows)
 
     input_ids: list[int] = []
@@ -159,6 +159,20 @@ def build_forward_batch(rows: list[BatchRow] | list[tuple], block_size: int, dev
         sample_indices=torch.tensor([last_token[i] for i, r in enumerate(rows) if r.sample], dtype=torch.int64),
     )
     return batch if torch.device(device).type == "cpu" else batch.to(device)
+
+
+def batch_order(num_tokens: list[int]) -> list[int]:
+    """The rows in the order their tokens sit in a ``ForwardBatch``: single-token rows first, then
+    the longer ones, each group in row order (``num_tokens``: new tokens per row)."""
+    return [i for i, n in enumerate(num_tokens) if n == 1] + [i for i, n in enumerate(num_tokens) if n > 1]
+
+
+def row_token_starts(num_tokens: list[int]) -> list[int]:
+    """Where each row's first token sits among a ``ForwardBatch``'s tokens (see `batch_order`)."""
+    starts, at = [0] * len(num_tokens), 0
+    for row in batch_order(num_tokens):
+        starts[row], at = at, at + num_tokens[row]
+    return starts
 
 
 def decode_slots_and_masks(blocks: torch.Tensor, positions: torch.Tensor, block_size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:

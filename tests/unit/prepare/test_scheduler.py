@@ -383,3 +383,13 @@ def test_waiting_kv_blocks_follow_the_queue():
     assert scheduler.num_waiting_kv_blocks == -(-4 // block) + -(-32 // block)
     assert scheduler.abort(third) is AbortOutcome.REMOVED_WAITING
     assert scheduler.num_waiting_kv_blocks == -(-4 // block)
+
+
+def test_a_mean_pooled_embedding_never_starts_from_the_prefix_cache():
+    """Its mean needs every prompt token's hidden state; a last-token embedding may start from a hit."""
+    from dataclasses import replace
+
+    scheduler = make_scheduler()
+    base = make_request("a", 40, max_tokens=1)
+    assert scheduler.block_hashes(base) and scheduler.block_hashes(replace(base, pooling=common_pb2.POOLING_LAST))
+    assert scheduler.block_hashes(replace(base, pooling=common_pb2.POOLING_MEAN)) == []

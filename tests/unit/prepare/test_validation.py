@@ -201,3 +201,31 @@ def test_tools_tool_history_and_template_kwargs_reach_the_chat_template(tokenize
 ])
 def test_bad_tools_or_template_kwargs_are_refused(tokenizer, fields, message):
     assert message in refused(tokenizer, **fields)
+
+
+def test_embedding_inputs_become_one_pooled_prefill_each(tokenizer):
+    from stageserve.prepare.embeddings import embedding_requests
+
+    texts = embedding_requests(prepare_pb2.EmbedRequest(input=["Hello", "a b c"]), "e", tokenizer, LIMITS, common_pb2.POOLING_MEAN)
+    assert [r.request_id for r in texts] == ["e#0", "e#1"] and [r.prompt_token_ids for r in texts] == [tokenizer.encode("Hello"), tokenizer.encode("a b c")]
+    assert all(r.pooling == common_pb2.POOLING_MEAN and r.max_tokens == 1 and r.sampling.temperature == 0 for r in texts)
+    ids = embedding_requests(prepare_pb2.EmbedRequest(input_token_ids=[prepare_pb2.TokenIds(token_ids=[5, 6])]), "e", tokenizer, LIMITS,
+                             common_pb2.POOLING_LAST)
+    assert ids[0].prompt_token_ids == [5, 6] and ids[0].pooling == common_pb2.POOLING_LAST
+
+
+@pytest.mark.parametrize("request_fields, code, words", [
+    ({"input": ["x"]}, grpc.StatusCode.FAILED_PRECONDITION, "does not serve embeddings"),  # pooling NONE, below
+    ({}, grpc.StatusCode.INVALID_ARGUMENT, "input: set exactly one"),
+    ({"input": ["x"], "input_token_ids": [prepare_pb2.TokenIds(token_ids=[1])]}, grpc.StatusCode.INVALID_ARGUMENT, "input: set exactly one"),
+    ({"input": ["ok", ""]}, grpc.StatusCode.INVALID_ARGUMENT, "input[1]: empty"),
+    ({"input_token_ids": [prepare_pb2.TokenIds(token_ids=[1] * 512)]}, grpc.StatusCode.INVALID_ARGUMENT, "input[0]: prompt: 512 tokens"),
+    ({"input": ["x"] * 2049}, grpc.StatusCode.INVALID_ARGUMENT, "at most 2048"),
+])
+def test_bad_embedding_requests_say_what_to_change(tokenizer, request_fields, code, words):
+    from stageserve.prepare.embeddings import embedding_requests
+
+    pooling = common_pb2.POOLING_NONE if code == grpc.StatusCode.FAILED_PRECONDITION else common_pb2.POOLING_MEAN
+    with pytest.raises(RequestError) as error:
+        embedding_requests(prepare_pb2.EmbedRequest(**request_fields), "e", tokenizer, LIMITS, pooling)
+    assert error.value.code == code and words in error.value.message, error.value.message
