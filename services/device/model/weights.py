@@ -11,9 +11,7 @@ import json
 import logging
 import math
 import mmap
-import struct
 from pathlib import Path
-from typing import Any
 
 import gguf
 import numpy as np
@@ -24,6 +22,7 @@ from safetensors import safe_open
 from stageserve.device.model.config import ModelConfig, ModelLoadError, config_from_gguf, config_from_hf
 from stageserve.device.model.family import family_named
 from stageserve.device.kernels.quant import KEPT_TYPES, QuantizedWeight, from_gguf_bytes
+from stageserve.gguf_header import GGUFHeaderError, GGUFTensor, read_gguf_header
 
 log = logging.getLogger(__name__)
 
@@ -95,13 +94,7 @@ def load_config(path: Path) -> ModelConfig:
     if not path.is_file() or path.stat().st_size == 0:
         raise ModelLoadError(f"{path}: no such file, or empty")
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
-        try:
-            fields, infos = _read_gguf_header(buffer, path)
-        except ModelLoadError:
-            raise
-        except (struct.error, ValueError, KeyError, UnicodeDecodeError) as exc:
-            raise ModelLoadError(f"{path}: corrupt or truncated GGUF header ({type(exc).__name__}: {exc})") from exc
-    return config_from_gguf(fields, {t.name: t.shape for t in infos}, path)
+        return _gguf_config(buffer, path)[0]
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -165,85 +158,17 @@ def _split_fused(name: str, tensor: torch.Tensor | QuantizedWeight, config: Mode
 
 
 # ---- GGUF -------------------------------------------------------------------------------------
-# The header is parsed here rather than with gguf.GGUFReader: the reader decodes every tokenizer
-# string through numpy memmap slicing (~2 s for a 49k-token vocabulary); skipping those arrays with
-# struct takes ~30 ms. Type codes, block sizes and the K-quant dequantizers still come from `gguf`.
-
-_SCALAR_FORMATS = {
-    gguf.GGUFValueType.UINT8: "<B", gguf.GGUFValueType.INT8: "<b", gguf.GGUFValueType.UINT16: "<H",
-    gguf.GGUFValueType.INT16: "<h", gguf.GGUFValueType.UINT32: "<I", gguf.GGUFValueType.INT32: "<i",
-    gguf.GGUFValueType.FLOAT32: "<f", gguf.GGUFValueType.BOOL: "<?", gguf.GGUFValueType.UINT64: "<Q",
-    gguf.GGUFValueType.INT64: "<q", gguf.GGUFValueType.FLOAT64: "<d",
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class _GGUFTensor:
-    name: str
-    shape: tuple[int, ...]  # row-major (GGML lists dimensions innermost first)
-    qtype: gguf.GGMLQuantizationType
-    offset: int  # absolute byte offset in the file
-    nbytes: int
-
-
-class _HeaderReader:
-    """Sequential little-endian reader over a GGUF header (spec: ggml/docs/gguf.md)."""
-
-    def __init__(self, buffer: mmap.mmap) -> None:
-        self.buffer, self.pos = buffer, 0
-
-    def scalar(self, fmt: str) -> Any:
-        (value,) = struct.unpack_from(fmt, self.buffer, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return value
-
-    def string(self) -> str:
-        length = self.scalar("<Q")
-        self.pos += length
-        return self.buffer[self.pos - length : self.pos].decode("utf-8")
-
-    def value(self, vtype: int) -> Any:
-        """Decode one value; arrays are skipped (returned as None) since no config key needs one."""
-        if vtype == gguf.GGUFValueType.STRING:
-            return self.string()
-        if vtype == gguf.GGUFValueType.ARRAY:
-            etype, count = self.scalar("<I"), self.scalar("<Q")
-            if etype in _SCALAR_FORMATS:
-                self.pos += count * struct.calcsize(_SCALAR_FORMATS[etype])
-            else:
-                for _ in range(count):
-                    self.value(etype)
-            return None
-        return self.scalar(_SCALAR_FORMATS[gguf.GGUFValueType(vtype)])
-
-
-def _read_gguf_header(buffer: mmap.mmap, path: Path) -> tuple[dict[str, Any], list[_GGUFTensor]]:
-    """Parse metadata (arrays skipped) and tensor infos; check every tensor lies inside the file."""
-    reader = _HeaderReader(buffer)
-    if len(buffer) < 24 or reader.scalar("<I") != gguf.GGUF_MAGIC:
-        raise ModelLoadError(f"{path}: not a GGUF file (bad magic)")
-    version = reader.scalar("<I")
-    if version not in (2, 3):
-        raise ModelLoadError(f"{path}: unsupported GGUF version {version}")
-    tensor_count, kv_count = reader.scalar("<Q"), reader.scalar("<Q")
-    fields = {}
-    for _ in range(kv_count):
-        key = reader.string()
-        fields[key] = reader.value(reader.scalar("<I"))
-    infos = []
-    for _ in range(tensor_count):
-        name = reader.string()
-        dims = [reader.scalar("<Q") for _ in range(reader.scalar("<I"))]
-        qtype, offset = gguf.GGMLQuantizationType(reader.scalar("<I")), reader.scalar("<Q")
-        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-        infos.append(_GGUFTensor(name, tuple(reversed(dims)), qtype, offset, math.prod(dims) // block * block_bytes))
-    alignment = int(fields.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
-    data_start = -(-reader.pos // alignment) * alignment
-    infos = [dataclasses.replace(t, offset=data_start + t.offset) for t in infos]
-    for t in infos:
-        if t.offset + t.nbytes > len(buffer):
-            raise ModelLoadError(f"{path}: truncated: tensor {t.name!r} needs bytes up to {t.offset + t.nbytes}, file has {len(buffer)}")
-    return fields, infos
+def _gguf_config(buffer: mmap.mmap, path: Path) -> tuple[ModelConfig, list[GGUFTensor]]:
+    """The config and tensor infos of the GGUF file in ``buffer``. Raises ModelLoadError naming ``path``."""
+    try:
+        fields, infos = read_gguf_header(buffer, path)
+        return config_from_gguf(fields, {t.name: t.shape for t in infos}, path), infos
+    except ModelLoadError:
+        raise
+    except GGUFHeaderError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    except (ValueError, KeyError) as exc:
+        raise ModelLoadError(f"{path}: corrupt or truncated GGUF header ({type(exc).__name__}: {exc})") from exc
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight]]:
@@ -253,13 +178,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool) -> tuple[Mo
         # Copy-on-write so torch.frombuffer gets a writable buffer; the mapping is released once
         # the last tensor viewing it is gone (every returned tensor is a copy).
         buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
-    try:
-        fields, infos = _read_gguf_header(buffer, path)
-        config = config_from_gguf(fields, {t.name: t.shape for t in infos}, path)
-    except ModelLoadError:
-        raise
-    except (struct.error, ValueError, KeyError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(f"{path}: corrupt or truncated GGUF header ({type(exc).__name__}: {exc})") from exc
+    config, infos = _gguf_config(buffer, path)
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     dequantized_blocks: set[str] = set()
     qk_permuted = family_named(config.architecture).gguf_qk_permuted
@@ -294,7 +213,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool) -> tuple[Mo
 _FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
 
 
-def _dequantize(raw: torch.Tensor, info: _GGUFTensor, path: Path) -> torch.Tensor:
+def _dequantize(raw: torch.Tensor, info: GGUFTensor, path: Path) -> torch.Tensor:
     """GGUF tensor bytes (uint8 [nbytes]) -> float tensor of ``info.shape``.
 
     Q8_0/Q4_0/Q4_1 decode vectorised in torch (multi-threaded, ``QuantizedWeight.dequantize``);

@@ -28,3 +28,22 @@ def test_no_config_or_a_greedy_one_sets_nothing(tmp_path):
     (tmp_path / "generation_config.json").write_text("[1]")
     with pytest.raises(ValueError, match="not a JSON object"):
         load_sampling_defaults(tmp_path)
+
+
+def test_a_gguf_files_sampling_keys_fill_what_the_request_leaves_unset(tmp_path):
+    import gguf
+
+    from stageserve.model_files import embedded_model_path
+
+    writer = gguf.GGUFWriter(tmp_path / "m.gguf", "llama")
+    writer.add_float32("general.sampling.temp", 0.7)  # the keys llama.cpp's converter writes
+    writer.add_int32("general.sampling.top_k", 40)
+    writer.add_float32("general.sampling.penalty_repeat", 1.1)
+    writer.add_array("tokenizer.ggml.tokens", ["a"] * 1000)  # skipped, not decoded
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    defaults = load_sampling_defaults(tmp_path / "m.gguf")
+    assert (defaults.temperature, defaults.top_k, defaults.repetition_penalty) == (pytest.approx(0.7), 40, pytest.approx(1.1))
+    assert not defaults.HasField("top_p")
+    assert load_sampling_defaults(embedded_model_path()).ByteSize() == 0  # it has none
