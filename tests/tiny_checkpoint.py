@@ -64,3 +64,51 @@ def write_tiny_checkpoint(directory: Path, seed: int = 0, num_layers: int = 2, f
         model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=1, **shape))
     model.save_pretrained(directory)
     return directory
+
+
+THINK_TOKENS = ("<think>", "</think>")
+
+
+def write_scripted_checkpoint(directory: Path, script: list[str], seed: int = 0) -> Path:
+    """Write a tiny Llama whose greedy answer to any chat is ``script``'s tokens, then EOS.
+
+    ``script``: distinct tokens, each a byte or one of ``THINK_TOKENS`` (added to the byte-level
+    tokenizer as Qwen3 adds them: not special, so they decode as text). The chat template renders the
+    messages' contents and, as its generation prompt, ``":"``. The model is a bigram table: every
+    layer's output projections are zero (the layers add nothing to the residual), so the logits
+    depend on the last token only, and the untied LM head makes each of ``":"`` and the script's
+    tokens predict the next one. For what a real model cannot be relied on to write (reasoning tags).
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    directory.mkdir(parents=True, exist_ok=True)
+    byte_symbols = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {symbol: index for index, symbol in enumerate(sorted(byte_symbols))}
+    vocab[EOS] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in THINK_TOKENS])
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}:{% endif %}"
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=EOS, chat_template=template)
+    fast.save_pretrained(directory)
+
+    ids = [fast.convert_tokens_to_ids(t) if t in THINK_TOKENS else fast.encode(t)[0] for t in [":", *script]] + [vocab[EOS]]
+    assert len(set(ids)) == len(ids), "the script's tokens must be distinct (a bigram table)"
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=None,
+                         eos_token_id=vocab[EOS], pad_token_id=vocab[EOS])
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed = torch.nn.functional.normalize(torch.randn(config.vocab_size, config.hidden_size), dim=-1)
+        model.model.embed_tokens.weight.copy_(embed)
+        model.lm_head.weight.zero_()
+        for current, following in zip(ids, ids[1:]):
+            model.lm_head.weight[following] += 50.0 * embed[current]
+    model.save_pretrained(directory)
+    return directory

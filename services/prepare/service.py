@@ -29,9 +29,10 @@ import grpc
 
 from stageserve.prepare.early_aborts import caller_of
 from stageserve.prepare.error_details import abort_rpc
-from stageserve.prepare.errors import RequestError
+from stageserve.prepare.errors import RequestError, invalid_argument
 from stageserve.prepare.frontend import GenerationFrontend, Submission
 from stageserve.prepare.limits import check_tokenize_bounds
+from stageserve.prepare.reasoning import ReasoningReader, constrain_after_reasoning, reasoning_reader
 from stageserve.prepare.router import DeviceFigures
 from stageserve.prepare.validation import tokenize_prompt, validate_request_id
 from stageserve.security.guard import current_principal
@@ -64,6 +65,18 @@ def stream_chunk(request_id: str, event: reclaim_pb2.SequenceEvent, index: int =
     return chunk
 
 
+def _split_reasoning(chunk: prepare_pb2.GenerateStreamResponse, thinker: ReasoningReader | None) -> None:
+    """Move ``chunk``'s reasoning from ``text`` to ``reasoning_text`` (the last chunk flushes what was
+    held back); nothing without a reader."""
+    if thinker is None:
+        return
+    reasoning, answer = thinker.feed(chunk.text)
+    if chunk.finish_reason:
+        rest = thinker.finish()
+        reasoning, answer = reasoning + rest[0], answer + rest[1]
+    chunk.text, chunk.reasoning_text = answer, reasoning
+
+
 def device_status(device: DeviceFigures) -> prepare_pb2.DeviceStatus:
     """One device's ``DeviceStatus`` (load figures 0 while detached)."""
     status = prepare_pb2.DeviceStatus(address=device.address, instance_id=device.instance_id, attached=device.attached,
@@ -86,38 +99,46 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
     ``grpc.aio`` server's loop's). ``Tokenize`` runs in the loop's default executor, so that a long
     prompt (milliseconds of chat template and tokenizer) does not hold up every other stream's chunks."""
 
-    def __init__(self, frontend: GenerationFrontend) -> None:
+    def __init__(self, frontend: GenerationFrontend, reasoning_parser: str | None = None) -> None:
         self._frontend = frontend
         self._router = frontend.router
         self._tokenizer = frontend.tokenizer
+        self._reasoning_parser = reasoning_parser  # ``separate_reasoning``'s (``reasoning.REASONING_PARSERS``); None: refused
 
     async def GenerateStream(self, request: prepare_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         """Stream the completion: one chunk per published step with new text or ids; the last has
         finish_reason and usage. Errors (gRPC status): INVALID_ARGUMENT, ALREADY_EXISTS,
         RESOURCE_EXHAUSTED at admission; UNAVAILABLE, INTERNAL, CANCELLED, DEADLINE_EXCEEDED later."""
         submission = await self._accept(request, context)
+        thinkers = self._thinkers(request, submission)
         async with aclosing(self._events(submission, context)) as events:  # its finally runs now, not at GC
             async for index, event in events:
                 if (chunk := stream_chunk(submission.request_id, event, index, submission.handles[index].cached_tokens)) is not None:
+                    _split_reasoning(chunk, thinkers and thinkers[index])
                     await context.write(chunk)
 
     async def Generate(self, request: prepare_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> prepare_pb2.GenerateResponse:
         """The whole completion at once: the stream's chunks joined per choice (choice 0 in the
         top-level fields, all in ``choices`` when n > 1); same errors as GenerateStream."""
         submission = await self._accept(request, context)
+        thinkers = self._thinkers(request, submission)
         choices = [prepare_pb2.GenerateStreamResponse(request_id=submission.request_id, index=i) for i in range(len(submission.handles))]
         texts: list[list[str]] = [[] for _ in choices]
+        reasonings: list[list[str]] = [[] for _ in choices]
         async with aclosing(self._events(submission, context)) as events:
             async for index, event in events:
                 if (chunk := stream_chunk(submission.request_id, event, index, submission.handles[index].cached_tokens)) is not None:
+                    _split_reasoning(chunk, thinkers and thinkers[index])
                     texts[index].append(chunk.text)
+                    reasonings[index].append(chunk.reasoning_text)
                     choices[index].MergeFrom(chunk)  # appends the ids and logprobs; the last chunk sets the finish fields
-        for choice, text in zip(choices, texts):
-            choice.text = "".join(text)
+        for choice, text, reasoning in zip(choices, texts, reasonings):
+            choice.text, choice.reasoning_text = "".join(text), "".join(reasoning)
         first = choices[0]
         response = prepare_pb2.GenerateResponse(
             request_id=submission.request_id, text=first.text, token_ids=first.token_ids, logprobs=first.logprobs,
             finish_reason=first.finish_reason, stop_string=first.stop_string, choices=choices if len(choices) > 1 else [],
+            reasoning_text=first.reasoning_text,
         )
         if first.HasField("stop_token_id"):
             response.stop_token_id = first.stop_token_id
@@ -185,6 +206,8 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         request_id = request.request_id or header_id or uuid.uuid4().hex
         try:
             await context.send_initial_metadata(((REQUEST_ID_HEADER, validate_request_id(request_id)),))
+            if request.separate_reasoning:
+                self._reason_first(request)
             submission = await self._frontend.submit(request, request_id, caller_of(context), _owner())
         except RequestError as error:
             await abort_rpc(context, error)
@@ -192,6 +215,21 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         # the engine's, and the call only wakes a handler that no longer waits).
         context.add_done_callback(lambda _: submission.cancel())
         return submission
+
+    def _reason_first(self, request: prepare_pb2.GenerateRequest) -> None:
+        """``separate_reasoning``: put the reasoning before ``request``'s constraint. Raises RequestError
+        (INVALID_ARGUMENT) when this server has no reasoning parser, or the combined grammar is too long."""
+        if self._reasoning_parser is None:
+            raise invalid_argument("separate_reasoning: this server has no --reasoning-parser; leave it false, or start prepare with"
+                                   " --reasoning-parser deepseek_r1 or qwen3")
+        if request.HasField("constraint"):
+            request.constraint.CopyFrom(constrain_after_reasoning(request.constraint, self._reasoning_parser))
+
+    def _thinkers(self, request: prepare_pb2.GenerateRequest, submission: Submission) -> list[ReasoningReader] | None:
+        """One reasoning reader per choice when the request separates its reasoning, else ``None``."""
+        if not request.separate_reasoning:
+            return None
+        return [reasoning_reader(self._reasoning_parser) for _ in submission.handles]
 
     def _tokenize(self, request: prepare_pb2.TokenizeRequest) -> prepare_pb2.TokenizeResponse:
         """``Tokenize``'s answer (in the executor). Raises RequestError (INVALID_ARGUMENT) for a bad input."""

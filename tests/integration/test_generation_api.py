@@ -161,6 +161,7 @@ def test_context_limits(generation):
         (dict(prompt_token_ids=[1, 10**6]), "prompt_token_ids"),
         (dict(messages=[prepare_pb2.ChatMessage(role="wizard", content="hi")]), "role"),
         (dict(prompt="hi", max_tokens=0), "max_tokens"),
+        (dict(prompt="hi", separate_reasoning=True), "--reasoning-parser"),  # this prepare runs without one
     ],
 )
 def test_bad_input_is_invalid_argument(generation, fields, field_name):
