@@ -255,6 +255,9 @@ def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 # ---- Hugging Face directory -----------------------------------------------------------------
 
 
+_BASE_MODEL_PARTS = ("embed_tokens", "layers", "norm")
+
+
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     config_file = path / "config.json"
     raw = _read_json(config_file)
@@ -270,9 +273,12 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str,
     for file in files:
         try:
             with safe_open(file, framework="pt") as handle:
-                for name in handle.keys():
+                for stored in handle.keys():
+                    # A base model's checkpoint (a sentence-transformers embedding model such as
+                    # Qwen3-Embedding: Qwen3Model) names the decoder's tensors without "model.".
+                    name = f"model.{stored}" if stored.partition(".")[0] in _BASE_MODEL_PARTS else stored
                     if name in wanted or name.endswith(tuple(_FUSED_HF_NAMES)):
-                        for part_name, part in _split_fused(name, handle.get_tensor(name), config, file):
+                        for part_name, part in _split_fused(name, handle.get_tensor(stored), config, file):
                             weights[part_name] = part.to(dtype)
         except ModelLoadError:
             raise

@@ -177,3 +177,20 @@ def test_hf_directory_errors_name_the_file(tmp_path):
     shutil.rmtree(directory)
     with pytest.raises(ModelLoadError, match="no such file or directory"):
         load_weights(directory, torch.float32)
+
+
+def test_a_base_models_checkpoint_loads_as_its_causal_lm(tmp_path):
+    """An embedding model saved as the base model (sentence-transformers' Qwen3-Embedding: Qwen3Model,
+    tensors without "model.") loads with the same weights as the causal LM it came from."""
+    from transformers import AutoModel
+
+    from tests.tiny_checkpoint import write_tiny_checkpoint
+
+    causal = write_tiny_checkpoint(tmp_path / "causal", family="qwen3")
+    base = tmp_path / "base"
+    AutoModel.from_pretrained(causal).save_pretrained(base)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(causal / name, base / name)
+    _, expected = load_weights(causal, torch.float32)
+    _, loaded = load_weights(base, torch.float32)
+    assert loaded.keys() == expected.keys() and all(torch.equal(loaded[name], expected[name]) for name in expected)
