@@ -168,6 +168,11 @@ class ServiceServer:
             self.health_server.stop(None)
         self.server.stop(grace_s).wait()
 
+    @property
+    def stop_requested(self) -> bool:
+        """Whether a stop was asked for (a lock-free read: any thread)."""
+        return self._stop_requested.requested
+
     def request_stop(self) -> None:
         """Ask :meth:`run_until_stopped` to drain and return (what SIGTERM/SIGINT/SIGHUP do)."""
         self._stop_requested.request()

@@ -87,7 +87,7 @@ def _serve_apis(args: argparse.Namespace, server, tokenizer, sampling_defaults, 
         refresh_s=args.device_refresh_s,
         tls=security.tls,
     )
-    router = DeviceRouter(connector.sessions, metrics)
+    router = DeviceRouter(connector.sessions, metrics, lambda: server.stop_requested)
     metrics.watch_engine(router.current_load)
     frontend = GenerationFrontend(router, tokenizer, LoopWaker(server.loop), tuple(args.served_model_name), sampling_defaults)
     server.add_servicer(prepare_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(frontend, args.reasoning_parser))

@@ -62,18 +62,23 @@ class DeviceRouter:
         sessions: returns the current device sessions (the connector's
             :meth:`~stageserve.prepare.connector.PipelineConnector.sessions`).
         metrics: prepare's metrics (the API counts refused requests there).
+        stop_requested: whether the process was asked to stop (SIGTERM): from then on it refuses
+            like a drain, before :meth:`drain` is called (the signal's waiter sees it only within
+            its poll, and a request admitted meanwhile would run into the drain).
     """
 
-    def __init__(self, sessions: Callable[[], Sequence[DeviceSession]], metrics: PrepareMetrics) -> None:
+    def __init__(self, sessions: Callable[[], Sequence[DeviceSession]], metrics: PrepareMetrics,
+                 stop_requested: Callable[[], bool] = lambda: False) -> None:
         self._sessions = sessions
         self._metrics = metrics
+        self._stop_requested = stop_requested
         self._lock = threading.Lock()
         self._draining = False
         self._early_aborts = EarlyAborts()
 
     @property
     def draining(self) -> bool:
-        return self._draining
+        return self._draining or self._stop_requested()
 
     @property
     def metrics(self) -> PrepareMetrics:
@@ -86,7 +91,7 @@ class DeviceRouter:
         Raises:
             RequestError: ``UNAVAILABLE`` while draining or while no device is attached.
         """
-        if self._draining:
+        if self.draining:
             raise unavailable(DRAINING, reason="DRAINING", retry_after_s=DRAINING_RETRY_S)
         sessions = self._sessions()
         loads = [load for session in sessions if session.accepting and (load := session.engine.current_load()) is not None]
@@ -105,7 +110,7 @@ class DeviceRouter:
                 queue full or the request can never fit a KV pool).
         """
         with self._lock:
-            if self._draining:
+            if self.draining:
                 raise unavailable(DRAINING, reason="DRAINING", retry_after_s=DRAINING_RETRY_S)
             sessions = self._sessions()
             if any(session.engine.has_request(request.request_id) for session in sessions):

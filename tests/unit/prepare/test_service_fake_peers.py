@@ -9,7 +9,9 @@ import time
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
 from prometheus_client import CollectorRegistry
 
 from stageserve.device_endpoints import parse_device_endpoints
@@ -52,7 +54,7 @@ class Prepare:
             on_ready=lambda up: self.server.set_ready(up and not self.router.draining), step_timeout_s=10, refresh_s=0.05,
             resolver=resolver,
         )
-        self.router = DeviceRouter(self.connector.sessions, metrics)
+        self.router = DeviceRouter(self.connector.sessions, metrics, lambda: self.server.stop_requested)
         self.server.add_servicer(prepare_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(GenerationFrontend(self.router, tokenizer, LoopWaker(self.server.loop))))
         self.server.start([SERVICE_NAME])
         self.connector.start()
@@ -308,6 +310,28 @@ def test_drain_lets_streams_finish_and_refuses_new_requests(tokenizer):
         assert chunks[-1].finish_reason == LENGTH and sum(len(c.token_ids) for c in chunks) == 40
         drainer.join(5)
         assert not drainer.is_alive()
+    finally:
+        service.stop()
+        peers.stop()
+
+
+def test_a_stop_request_refuses_new_requests_before_the_drain_begins(tokenizer):
+    """SIGTERM's flag is read by every admission: nothing is accepted in the window before the
+    signal's waiter calls the drain (here: never), and what runs goes on."""
+    peers = FakePeers(step_delay_s=0.01)
+    service = Prepare(peers, tokenizer)
+    try:
+        stream = service.stub.GenerateStream(chat("a", max_tokens=20))
+        first = next(stream)
+        service.server.request_stop()  # what the signal handler does; no drain() is called
+        with pytest.raises(grpc.RpcError) as refused:
+            service.stub.Generate(chat("b", max_tokens=2))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
+        status = rpc_status.from_call(refused.value)
+        retry = [d for d in status.details if d.Is(error_details_pb2.RetryInfo.DESCRIPTOR)]
+        assert len(retry) == 1
+        chunks = [first, *stream]
+        assert chunks[-1].finish_reason == LENGTH and sum(len(c.token_ids) for c in chunks) == 20
     finally:
         service.stop()
         peers.stop()
