@@ -32,9 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a step not published by reclaim within this time ends that device's session: its requests fail "
                              "with UNAVAILABLE (default: %(default)s)")
     parser.add_argument("--stall-timeout", type=float, default=10.0, metavar="SECONDS",
-                        help="a step not published within this time marks its device stalled: no new requests go to it "
+                        help="a step not published within this time, from a device that does not answer a health Check "
+                             "within it either (a slow device answers), marks the device stalled: no new requests go to it "
                              "(UNAVAILABLE naming it when no other device accepts; readiness NOT_SERVING) until it completes "
-                             "steps again (default: %(default)s)")
+                             "steps again or answers (default: %(default)s)")
     parser.add_argument("--max-workers", type=_positive_int, default=16,
                         help="threads for work kept off the gRPC event loop: prompt validation and tokenization, "
                              "the Admin RPCs; streams need none (default: %(default)s)")

@@ -13,8 +13,12 @@ that keeps them up, reconnecting with
 3. watch until the ``Execute`` stream breaks, reclaim is lost, a sent step is not published within
    ``--step-timeout``, or the session no longer accepts (the device turned NOT_SERVING: it drains;
    or its address left the DNS answer) and no request is left on it. Meanwhile a sent step not
-   published within ``--stall-timeout`` (shorter) marks the device *stalled*: it takes no new
-   requests (prepare's readiness drops when no other device accepts) until its steps complete again;
+   published within ``--stall-timeout`` (shorter), from a device that does not answer a health
+   Check within that time either, marks the device *stalled*: it takes no new requests (prepare's
+   readiness drops when no other device accepts) until its steps complete again or it answers. A
+   device that is only slow (a long prefill, a busy CPU) answers, since its compute releases the
+   GIL to the gRPC threads: it is not stalled (sglang#22511 is what a fixed timeout does to a loaded pod);
+   a stopped or hung process does not;
 4. detach: requests still on the device fail with ``UNAVAILABLE`` (none when it was let go idle);
    then dial again (1.), unless the address left the DNS answer: then the thread ends and the
    connector drops the session.
@@ -35,7 +39,7 @@ import grpc
 
 from stageserve.backoff import Backoff
 from stageserve.prepare.engine import Engine
-from stageserve.prepare.streams import DeviceReadiness, ExecuteStream
+from stageserve.prepare.streams import HEALTH_CHECK_TIMEOUT_S, DeviceReadiness, ExecuteStream
 from stageserve.security.tls import TlsFiles, dial
 from stageserve.server import GRPC_OPTIONS
 
@@ -63,8 +67,9 @@ class DeviceSession:
         reclaim_up: set while prepare is subscribed to reclaim.
         on_change: called (no arguments) when the session attaches, detaches, or its readiness flips.
         step_timeout_s: a sent step not published within this time ends the attachment.
-        stall_timeout_s: a sent step not published within this time marks the device stalled
-            (default: never, before ``step_timeout_s`` ends the attachment).
+        stall_timeout_s: a sent step not published within this time, from a device that does not
+            answer a health Check within it either, marks the device stalled (default: never, before
+            ``step_timeout_s`` ends the attachment).
         tls: the TLS files the device is dialled with (``None``: plaintext).
     """
 
@@ -146,7 +151,7 @@ class DeviceSession:
                 continue
             # 3. watch; 4. detach
             attached_at = time.monotonic()
-            reason = self._watch()
+            reason = self._watch(streams[1])
             if reason is not None:
                 self.engine.detach(reason)
             self._detach(streams)
@@ -188,7 +193,7 @@ class DeviceSession:
         self._on_change()
         return stream, readiness
 
-    def _watch(self) -> str | None:
+    def _watch(self, readiness: DeviceReadiness) -> str | None:
         """Wait for the end of the attachment; the reason to fail its requests, or ``None`` when the
         device was let go with no request left (the engine is already detached)."""
         while True:
@@ -200,26 +205,35 @@ class DeviceSession:
             overdue = self.engine.oldest_unpublished_step()
             if overdue is not None and overdue[1] > self._step_timeout_s:
                 return f"reclaim published no events for step {overdue[0]} of device {self.address} within {self._step_timeout_s:g} s"
-            self._note_stall(overdue)
+            self._note_stall(overdue, readiness)
             if not (self._device_ready and self._listed):
                 why = "left the DNS answer" if not self._listed else "is draining"
                 if self.engine.detach_if_idle(f"device {self.address} {why}; no request was left on it"):
                     return None
 
-    def _note_stall(self, overdue: tuple[int, float] | None) -> None:
+    def _note_stall(self, overdue: tuple[int, float] | None, readiness: DeviceReadiness) -> None:
         """Mark the device stalled while its oldest unpublished step is older than the stall
-        timeout, and not once it is not (its steps complete again); log and notify each change."""
-        stalled = overdue is not None and overdue[1] > self._stall_timeout_s
+        timeout and it does not answer a health Check within that time, and not once either
+        changes (its steps complete again, or it answers); log and notify each change."""
+        stalled = overdue is not None and overdue[1] > self._stall_timeout_s and not self._answers(readiness)
         if stalled == bool(self.stalled):
             return
         if stalled:
             self.stalled = (f"device {self.address} is stalled: step {overdue[0]} sent {overdue[1]:.1f} s ago is not completed"
-                            f" (--stall-timeout {self._stall_timeout_s:g} s)")
+                            f" and the device does not answer health Checks (--stall-timeout {self._stall_timeout_s:g} s)")
             log.warning("%s; no new requests go to it until it completes steps again", self.stalled)
         else:
             self.stalled = ""
             log.warning("device %s completes steps again; it takes new requests", self.address)
         self._on_change()
+
+    def _answers(self, readiness: DeviceReadiness) -> bool:
+        """Whether the device answers a health Check within the stall timeout (whatever its status)."""
+        try:
+            readiness.check(min(HEALTH_CHECK_TIMEOUT_S, self._stall_timeout_s))
+        except grpc.RpcError:
+            return False
+        return True
 
     def _detach(self, streams: tuple[ExecuteStream, DeviceReadiness]) -> None:
         for stream in streams:

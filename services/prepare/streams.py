@@ -114,14 +114,14 @@ class DeviceReadiness(_ReadStream):
                          lambda _reason: on_change(False), "", "")
         self._stub = health_pb2_grpc.HealthStub(channel)
 
-    def check(self) -> bool:
+    def check(self, timeout_s: float = HEALTH_CHECK_TIMEOUT_S) -> bool:
         """Whether the device is ready now (SERVING: warmed up and not draining).
 
         Raises:
-            grpc.RpcError: the device did not answer.
+            grpc.RpcError: the device did not answer within ``timeout_s`` seconds.
         """
         request = health_pb2.HealthCheckRequest(service=DEVICE_SERVICE_NAME)
-        return self._stub.Check(request, timeout=HEALTH_CHECK_TIMEOUT_S).status == health_pb2.HealthCheckResponse.SERVING
+        return self._stub.Check(request, timeout=timeout_s).status == health_pb2.HealthCheckResponse.SERVING
 
     def watch(self) -> None:
         """Start watching: every status change goes to ``on_change``."""

@@ -9,6 +9,7 @@ import queue
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -181,35 +182,59 @@ def wait_status(statuses: queue.Queue, wanted: int, timeout_s: float) -> None:
     assert status == wanted
 
 
-def test_a_stopped_device_is_noticed_and_used_again_once_continued(tmp_path_factory):
-    pipe = launch(tmp_path_factory, "stall", device_args=SIM_DEVICE, prepare_args=["--stall-timeout", "1"])
-    device_address = pipe.device.address
+@pytest.fixture(scope="module")
+def stall_pipeline(tmp_path_factory):
+    """A sim device whose steps cost 20 ms + 1 ms per token (a 1,024-token prefill step: 1 s), behind
+    a prepare with --stall-timeout 1."""
+    pipe = launch(tmp_path_factory, "stall", device_args=[*SIM_DEVICE, "--sim-token-us", "1000", "--max-model-len", "2048"],
+                  prepare_args=["--stall-timeout", "1"])
     try:
-        with grpc.insecure_channel(pipe.prepare.address) as channel:
-            stub = prepare_pb2_grpc.GenerationStub(channel)
-            statuses, watch = watch_readiness(channel)
-            wait_status(statuses, SERVING, 10)
-            traffic = [stub.GenerateStream(prompt(200)) for _ in range(4)]
-            for stream in traffic:
-                next(stream)
-            os.kill(pipe.device.pid, signal.SIGSTOP)
-            try:
-                wait_status(statuses, NOT_SERVING, 10)  # --stall-timeout 1 s, watched 4 times a second
-                info = stub.GetModelInfo(prepare_pb2.GetModelInfoRequest())
-                assert [(d.stalled, d.accepting) for d in info.devices] == [(True, False)]
-                started = time.monotonic()
-                with pytest.raises(grpc.RpcError) as refused:
-                    stub.Generate(prompt(4), timeout=30)
-                assert time.monotonic() - started < 1.0  # fails fast, not at the client's deadline
-                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-                assert f"device {device_address} is stalled" in refused.value.details()
-                assert details(refused.value)["ErrorInfo"].reason == "DEVICE_STALLED"
-            finally:
-                os.kill(pipe.device.pid, signal.SIGCONT)
-            wait_status(statuses, SERVING, 10)
-            assert stub.Generate(prompt(4)).finish_reason == LENGTH
-            assert [list(stream)[-1].finish_reason for stream in traffic] == [LENGTH] * 4  # they went on
-            assert not stub.GetModelInfo(prepare_pb2.GetModelInfoRequest()).devices[0].stalled
-            watch.cancel()
+        yield pipe
     finally:
         pipe.stop()
+
+
+def test_a_device_slowed_by_long_prefills_stays_ready(stall_pipeline):
+    """16 prompts of 1,500 tokens (steps of up to a second and more, queued behind each other past the
+    stall timeout): every readiness Check every 200 ms answers SERVING and every request ends OK."""
+    with grpc.insecure_channel(stall_pipeline.prepare.address) as channel:
+        stub, health = prepare_pb2_grpc.GenerationStub(channel), health_pb2_grpc.HealthStub(channel)
+        request = prepare_pb2.GenerateRequest(prompt_token_ids=[100] * 1500, max_tokens=4, ignore_eos=True)
+        with ThreadPoolExecutor(16) as pool:
+            replies = [pool.submit(stub.Generate, request, timeout=120) for _ in range(16)]
+            checks = []
+            while not all(reply.done() for reply in replies):
+                checks.append(health.Check(health_pb2.HealthCheckRequest(service="stageserve.v1.Generation")).status)
+                time.sleep(0.2)
+            assert [reply.result().finish_reason for reply in replies] == [LENGTH] * 16
+        assert len(checks) > 10 and set(checks) == {SERVING}, checks
+
+
+def test_a_stopped_device_is_noticed_and_used_again_once_continued(stall_pipeline):
+    pipe, device_address = stall_pipeline, stall_pipeline.device.address
+    with grpc.insecure_channel(pipe.prepare.address) as channel:
+        stub = prepare_pb2_grpc.GenerationStub(channel)
+        statuses, watch = watch_readiness(channel)
+        wait_status(statuses, SERVING, 10)
+        traffic = [stub.GenerateStream(prompt(200)) for _ in range(4)]
+        for stream in traffic:
+            next(stream)
+        os.kill(pipe.device.pid, signal.SIGSTOP)
+        try:
+            wait_status(statuses, NOT_SERVING, 10)  # --stall-timeout 1 s, watched 4 times a second
+            info = stub.GetModelInfo(prepare_pb2.GetModelInfoRequest())
+            assert [(d.stalled, d.accepting) for d in info.devices] == [(True, False)]
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Generate(prompt(4), timeout=30)
+            assert time.monotonic() - started < 1.0  # fails fast, not at the client's deadline
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert f"device {device_address} is stalled" in refused.value.details()
+            assert details(refused.value)["ErrorInfo"].reason == "DEVICE_STALLED"
+        finally:
+            os.kill(pipe.device.pid, signal.SIGCONT)
+        wait_status(statuses, SERVING, 10)
+        assert stub.Generate(prompt(4)).finish_reason == LENGTH
+        assert [list(stream)[-1].finish_reason for stream in traffic] == [LENGTH] * 4  # they went on
+        assert not stub.GetModelInfo(prepare_pb2.GetModelInfoRequest()).devices[0].stalled
+        watch.cancel()
