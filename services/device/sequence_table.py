@@ -65,6 +65,8 @@ class StagedStarts:
             with a repetition penalty; ``None`` when there are none.
         bias_rows, bias_tokens, bias_values: ``[B]`` int64, int64, float32 entries of the
             sequences' logit biases; ``None`` when there are none.
+        count_rows, count_tokens: ``[C]`` int64 coordinates of the earlier output of resumed
+            sequences with a presence or frequency penalty (counted as output); ``None`` when none.
     """
 
     seq_index: torch.Tensor
@@ -75,6 +77,8 @@ class StagedStarts:
     bias_rows: torch.Tensor | None
     bias_tokens: torch.Tensor | None
     bias_values: torch.Tensor | None
+    count_rows: torch.Tensor | None = None
+    count_tokens: torch.Tensor | None = None
 
 
 class SequenceTable:
@@ -252,7 +256,7 @@ class SequenceTable:
         self._active[seq] = True
         self._has_token[seq] = False
         self._block_tables[seq] = []  # the index was free (`_check`): its old table's blocks are released
-        self._num_sampled[seq] = 0
+        self._num_sampled[seq] = start.output_offset  # a resumed sequence's draws go on where they were
         self._top_logprobs[seq] = params.logprobs
         greedy = is_greedy(params.temperature, params.top_k)
         flags = _PENALTY if params.repetition_penalty != 1.0 else 0
@@ -270,7 +274,7 @@ class SequenceTable:
     def stage_starts(self, started: list[StartedSequence]) -> StagedStarts:
         """Upload the parameters and prompt presence of ``started`` (non-empty) to the device."""
         floats, ints, rows, tokens = [[] for _ in range(6)], [[], []], [], []
-        bias_rows, bias_tokens, bias_values = [], [], []
+        bias_rows, bias_tokens, bias_values, count_rows, count_tokens = [], [], [], [], []
         for start in started:
             p = start.sampling
             greedy = is_greedy(p.temperature, p.top_k)
@@ -286,6 +290,9 @@ class SequenceTable:
             if p.repetition_penalty != 1.0 and start.prompt_token_ids:
                 rows += [start.seq_index] * len(start.prompt_token_ids)
                 tokens += start.prompt_token_ids
+            if start.output_offset and (p.presence_penalty or p.frequency_penalty):
+                count_rows += [start.seq_index] * start.output_offset
+                count_tokens += start.prompt_token_ids[-start.output_offset:]
         device = self.device
         return StagedStarts(
             seq_index=to_device([s.seq_index for s in started], torch.int64, device),
@@ -296,6 +303,8 @@ class SequenceTable:
             bias_rows=to_device(bias_rows, torch.int64, device) if bias_rows else None,
             bias_tokens=to_device(bias_tokens, torch.int64, device) if bias_rows else None,
             bias_values=to_device(bias_values, torch.float32, device) if bias_rows else None,
+            count_rows=to_device(count_rows, torch.int64, device) if count_rows else None,
+            count_tokens=to_device(count_tokens, torch.int64, device) if count_rows else None,
         )
 
     def apply_starts(self, staged: StagedStarts) -> None:
@@ -306,6 +315,9 @@ class SequenceTable:
         if staged.presence_rows is not None:
             self.presence[staged.presence_rows, staged.presence_tokens] = True
         self.output_counts[staged.seq_index] = 0.0
+        if staged.count_rows is not None:
+            self.output_counts.index_put_((staged.count_rows, staged.count_tokens), torch.ones_like(staged.count_rows, dtype=torch.float32),
+                                          accumulate=True)
         self.logit_bias[staged.seq_index] = 0.0
         if self.pooled is not None:
             self.pooled[staged.seq_index] = 0.0

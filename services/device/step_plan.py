@@ -53,6 +53,7 @@ class StartedSequence:
     constraint: common_pb2.Constraint | None = None  # structured output; None = free text
     request_id: str = ""
     pooling: int = common_pb2.POOLING_NONE  # an embedding's pooling (`common_pb2.Pooling`)
+    output_offset: int = 0  # a resumed sequence: its prompt's last tokens that are its own output
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,5 +239,8 @@ def _decode_start(
     prompt = list(start.prompt_token_ids)
     if prompt and (min(prompt) < 0 or max(prompt) >= limits.vocab_size):
         raise PlanError(f"{where}: prompt_token_ids must be in [0, {limits.vocab_size})")
+    if start.output_offset > len(prompt):
+        raise PlanError(f"{where}: output_offset {start.output_offset} is more than the prompt's {len(prompt)} tokens")
     constraint = start.constraint if start.HasField("constraint") else None
-    return StartedSequence(start.seq_index, start.generation, start.sampling, prompt, constraint, start.request_id, start.pooling)
+    return StartedSequence(start.seq_index, start.generation, start.sampling, prompt, constraint, start.request_id, start.pooling,
+                           start.output_offset)

@@ -18,8 +18,9 @@ who calls what (everything shares one lock and condition):
 
 An *attachment* is one attached device (while prepare is subscribed to reclaim); it has a fresh
 :class:`~stageserve.prepare.scheduler.Scheduler` and ``pipeline_depth`` credits (a plan takes one;
-its publication or its refusal returns it). When it ends every request in it fails with
-``UNAVAILABLE``. Step ids keep increasing from one attachment to the next, so a late receipt or
+its publication or its refusal returns it). When it ends, its requests go to ``resume`` (the
+router places them again: ``resumption.py``), or fail with ``UNAVAILABLE`` when there is none or
+prepare is stopping. Step ids keep increasing from one attachment to the next, so a late receipt or
 ``StepEvents`` of an earlier attachment matches no step sent and is dropped.
 
 Every accepted request ends with exactly one terminal item on its ``RequestHandle``: its event
@@ -87,11 +88,14 @@ class Engine:
         tracer: prepare's tracer (default: one that never records).
         metrics: prepare's metrics (default: on a private registry nobody scrapes).
         enable_prefix_caching: share cached prompt blocks between requests (``--no-prefix-caching`` turns it off).
+        resume: takes the requests of an attachment that ended, with the reason, to place them again
+            (called without the engine's lock); ``None``: they fail.
     """
 
     def __init__(self, max_prefill_chunk: int, max_waiting: int, tracer: Tracer | None = None, metrics: PrepareMetrics | None = None,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, resume: Callable[[list[RequestHandle], str], None] | None = None) -> None:
         self._max_prefill_chunk = max_prefill_chunk
+        self._resume = resume
         self._enable_prefix_caching = enable_prefix_caching
         self._max_waiting = max_waiting
         self._tracer = tracer or Tracer("prepare")
@@ -194,8 +198,10 @@ class Engine:
             self._attachment = _Attachment(reply, scheduler, send_plan, credits=max(1, reply.pipeline_depth))
             self._cond.notify_all()
 
-    def detach(self, reason: str) -> None:
-        """End the attachment, if any: every request in it fails with ``UNAVAILABLE`` naming ``reason``."""
+    def detach(self, reason: str, resume: bool = False) -> None:
+        """End the attachment, if any: with ``resume`` (and a ``resume`` callback) its requests go to
+        be placed again, else they fail with ``UNAVAILABLE`` naming ``reason``."""
+        orphans: list[RequestHandle] = []
         with self._cond:
             current = self._attachment
             if current is None:
@@ -206,8 +212,15 @@ class Engine:
             self._attachment = None
             error = unavailable(f"{reason}; the request did not finish, retry it")
             for handle in list(self._active.values()):
-                self._end(handle, error)
+                if resume and self._resume is not None:
+                    del self._active[handle.request.request_id]  # no terminal: it goes on elsewhere
+                    orphans.append(handle)
+                else:
+                    self._end(handle, error)
+            self._cond.notify_all()
             log.warning("device %s detached (%s)", current.attach.instance_id, reason)
+        if orphans:
+            self._resume(orphans, reason)
 
     def detach_if_idle(self, reason: str) -> bool:
         """:meth:`detach` if no request is active (a draining device is let go); whether it did.
@@ -294,6 +307,21 @@ class Engine:
                     self._tracer.begin_async(name, request.request_id, prompt_tokens=request.num_prompt_tokens)
             self._cond.notify_all()
             return handle
+
+    def adopt(self, request: GenerationRequest, handle: RequestHandle) -> None:
+        """Accept ``request``, which resumes ``handle``'s request (its device failed), onto that handle.
+
+        Raises:
+            RequestError: as :meth:`submit`.
+        """
+        with self._cond:
+            current = self._require_attachment()
+            if request.request_id in self._active:
+                raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already running; use another id")
+            current.scheduler.add_request(request)
+            handle.request = request  # its queue time and first schedule were observed on the first device
+            self._active[request.request_id] = handle
+            self._cond.notify_all()
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` is active here."""

@@ -72,7 +72,7 @@ class Submission:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return self.handles[0].request.num_prompt_tokens
+        return self.handles[0].prompt_tokens
 
     def cancel(self) -> None:
         """The client's call ended (however): abort the choices still running, free their KV."""

@@ -19,6 +19,7 @@ from typing import Callable, Iterator
 
 from stageserve.prepare.errors import RequestError
 from stageserve.prepare.metrics import RequestObserver
+from stageserve.prepare.resumption import Resumption
 from stageserve.prepare.validation import GenerationRequest
 from stageserve.v1 import reclaim_pb2
 
@@ -67,11 +68,14 @@ class RequestHandle:
     only when it waits, and several items that arrive meanwhile are taken in one go.
 
     Attributes:
-        request: the validated request.
+        request: the validated request (after a device failure: the one that resumes it).
         observer: its metrics and ``request.*`` trace events, fed by the RPC handler.
         accepted_ns: ``clock_ns()`` at acceptance.
         queued: no row of it has been scheduled yet (engine lock).
         cached_tokens: prompt tokens served from the prefix cache (set when first scheduled).
+        prompt_tokens: the accepted request's prompt tokens (what usage reports, however resumed).
+        resumption: what it published, to resume it elsewhere (``resumption.py``); every event
+            put passes through it.
     """
 
     def __init__(self, request: GenerationRequest, observer: RequestObserver, accepted_ns: int) -> None:
@@ -80,12 +84,22 @@ class RequestHandle:
         self.accepted_ns = accepted_ns
         self.queued = True
         self.cached_tokens = 0
+        self.prompt_tokens = request.num_prompt_tokens
+        self.resumption = Resumption(request)
         self._lock = threading.Lock()
         self._items: deque = deque()
         self._wake: Callable[[], None] | None = None  # armed by a waiting consumer, fired by the next put
 
     def put(self, item: reclaim_pb2.SequenceEvent | RequestError) -> None:
-        """Deliver ``item`` (an event, or the terminal error) and wake the consumer if it waits; any thread."""
+        """Deliver ``item`` (an event, or the terminal error) and wake the consumer if it waits; any thread
+        (one at a time: the engine's lock, or the router's for a request between devices)."""
+        if isinstance(item, reclaim_pb2.SequenceEvent):
+            try:
+                item = self.resumption.translate(item)
+            except RequestError as error:
+                item = error
+            if item is None:
+                return
         with self._lock:
             self._items.append(item)
             wake, self._wake = self._wake, None

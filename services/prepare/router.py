@@ -6,13 +6,16 @@ the request by :func:`~stageserve.prepare.placement.placement_order` over the lo
 sessions that accept requests and the prefix of the request each one's cache holds (trying the
 next one when an engine refuses it: queue full, pool too small, or it just detached), forwards
 Abort and client cancels to the engine that holds the request (an Abort for an id no engine holds
-yet is remembered: :mod:`~stageserve.prepare.early_aborts`), sums the figures, and drains on
-shutdown: it alone refuses new requests then. Lock order: router, then an engine (an engine never
-calls the router).
+yet is remembered: :mod:`~stageserve.prepare.early_aborts`), places again the requests of a device
+that failed (:meth:`DeviceRouter.resume`, ``resumption.py``: on another device, or the same one
+once it is back, within ``RESUME_TIMEOUT_S``), sums the figures, and drains on shutdown: it alone
+refuses new requests then. Lock order: router, then an engine (an engine calls the router only
+without its lock: :meth:`DeviceRouter.resume`).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -20,18 +23,24 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from stageserve.logs import REQUEST_ID
 from stageserve.prepare.early_aborts import EarlyAborts
+from stageserve.prepare.engine import local_abort_event
 from stageserve.prepare.errors import RequestError, unavailable
 from stageserve.prepare.metrics import PrepareMetrics
 from stageserve.prepare.placement import DeviceLoad, placement_order, sum_loads
 from stageserve.prepare.request_handle import RequestHandle
+from stageserve.prepare.resumption import RESUME_TIMEOUT_S
 from stageserve.prepare.session import DeviceSession
 from stageserve.prepare.validation import GenerationRequest, ModelLimits, client_request_id
+
+log = logging.getLogger(__name__)
 
 NOT_CONNECTED = "prepare is not connected to a ready device and to reclaim; retry shortly"
 DRAINING = "server is draining; retry on another replica"
 NO_DEVICE_RETRY_S = 1.0  # RetryInfo while no device accepts: a reconnect or a stalled device's recovery takes about that
 DRAINING_RETRY_S = 0.5  # RetryInfo: another replica takes it now; this one is gone soon
+RESUME_POLL_S = 0.1  # how often requests waiting to be resumed look for a device that accepts
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,8 @@ class DeviceRouter:
         self._lock = threading.Lock()
         self._draining = False
         self._early_aborts = EarlyAborts()
+        self._resuming: dict[RequestHandle, float] = {}  # requests no device took back yet -> their deadline (monotonic)
+        self._resumer: threading.Thread | None = None
 
     @property
     def draining(self) -> bool:
@@ -113,7 +124,8 @@ class DeviceRouter:
             if self.draining:
                 raise unavailable(DRAINING, reason="DRAINING", retry_after_s=DRAINING_RETRY_S)
             sessions = self._sessions()
-            if any(session.engine.has_request(request.request_id) for session in sessions):
+            if (any(session.engine.has_request(request.request_id) for session in sessions)
+                    or any(handle.request.request_id == request.request_id for handle in self._resuming)):
                 shown = client_request_id(request.request_id)
                 raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {shown!r} is already running; use another id")
             candidates = [(session, load) for session in sessions if session.accepting and (load := session.engine.current_load()) is not None]
@@ -139,18 +151,82 @@ class DeviceRouter:
         with self._lock:
             sessions = self._sessions()
             aborted = [session.engine.abort(request_id) for request_id in request_ids for session in sessions]  # a list: abort every one
-            if any(aborted):
+            waiting = [handle for handle in self._resuming if handle.request.request_id in request_ids]
+            for handle in waiting:
+                del self._resuming[handle]
+                handle.put(local_abort_event(handle.request))
+            if any(aborted) or waiting:
                 return True
             self._early_aborts.remember(caller, request_ids[0])
             return False
 
     def cancel(self, handle: RequestHandle) -> None:
         """The RPC of ``handle`` ended: abort the request on its device if it still runs; stop its handler waiting."""
+        with self._lock:
+            self._resuming.pop(handle, None)
         for session in self._sessions():
             if session.engine.owns(handle):
                 session.engine.cancel(handle)
                 return
         handle.client_gone()
+
+    # ---- recovery -----------------------------------------------------------------------------------
+    def resume(self, handles: list[RequestHandle], reason: str) -> None:
+        """Place again the requests of a device whose session ended for ``reason`` (``resumption.py``):
+        each goes on on an accepting device now, or as soon as one accepts, within
+        ``RESUME_TIMEOUT_S``; one that cannot be resumed (or times out, or meets a drain) fails
+        with ``UNAVAILABLE`` naming ``reason``. An engine calls this without its lock."""
+        deadline = time.monotonic() + RESUME_TIMEOUT_S
+        with self._lock:
+            for handle in handles:
+                if not handle.resumption.resumable:
+                    handle.put(unavailable(f"{reason}; a structured-output request cannot be resumed once it has published"
+                                           " tokens (its grammar's state was on that device): retry it"))
+                elif self.draining:
+                    handle.put(unavailable(f"{reason}; the server is draining, so the request was not resumed: retry it",
+                                           reason="DRAINING", retry_after_s=DRAINING_RETRY_S))
+                else:
+                    self._resuming[handle] = deadline
+            self._place_resuming(reason)
+            if self._resuming and (self._resumer is None or not self._resumer.is_alive()):
+                self._resumer = threading.Thread(target=self._keep_resuming, args=(reason,), name="prepare-resumer", daemon=True)
+                self._resumer.start()
+
+    def _keep_resuming(self, reason: str) -> None:
+        """Place the waiting resumed requests as devices come to accept; fail those past their deadline."""
+        while True:
+            time.sleep(RESUME_POLL_S)
+            with self._lock:
+                now = time.monotonic()
+                for handle, deadline in list(self._resuming.items()):
+                    if now > deadline or self.draining:
+                        del self._resuming[handle]
+                        handle.put(unavailable(f"{reason}; no device took the request back within {RESUME_TIMEOUT_S:g} s: retry it",
+                                               retry_after_s=NO_DEVICE_RETRY_S))
+                self._place_resuming(reason)
+                if not self._resuming:
+                    return
+
+    def _place_resuming(self, reason: str) -> None:
+        """Place each waiting resumed request on the accepting device placement prefers (router lock)."""
+        candidates = [session for session in self._sessions() if session.accepting]
+        if not candidates:
+            return
+        for handle in list(self._resuming):
+            resumption = handle.resumption
+            request = resumption.resumed_request()
+            loads = [load for session in candidates if (load := session.engine.current_load()) is not None]
+            for index in placement_order(loads, []):
+                session = candidates[index]
+                try:
+                    session.engine.adopt(request, handle)
+                except RequestError:
+                    continue
+                del self._resuming[handle]
+                log.info("resumed on device %s after: %s (%d output tokens kept, %d regenerated; %d prompt tokens to prefill)",
+                         session.address, reason, resumption.settled, len(resumption.generated) - resumption.settled,
+                         request.num_prompt_tokens, extra={REQUEST_ID: request.request_id})
+                break
 
     # ---- figures and shutdown -----------------------------------------------------------------------
     def devices(self) -> list[DeviceFigures]:

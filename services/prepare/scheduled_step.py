@@ -140,6 +140,7 @@ def build_step_plan(step: ScheduledStep) -> device_pb2.StepPlan:
                 prompt_token_ids=seq.request.prompt_token_ids,
                 constraint=seq.request.constraint,
                 pooling=seq.request.pooling,
+                output_offset=seq.request.output_offset,
             )
             for seq in step.started
         ],

@@ -153,7 +153,7 @@ class DeviceSession:
             attached_at = time.monotonic()
             reason = self._watch(streams[1])
             if reason is not None:
-                self.engine.detach(reason)
+                self.engine.detach(reason, resume=not self._stop.is_set())  # its requests go on elsewhere
             self._detach(streams)
             # An attachment lost at once (the device takes Attach but drops the stream) is a refusal
             # too: retried with backoff, not in a tight loop.

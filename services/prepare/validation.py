@@ -66,6 +66,7 @@ class GenerationRequest:
         cache_salt: prefix-cache blocks are shared only between requests of the same salt.
         constraint: the structured-output constraint, checked (it parses); ``None`` = free text.
         pooling: an embedding's pooling (``common_pb2.Pooling``, ``embeddings.py``); NONE = a generation.
+        output_offset: a resumed request (``resumption.py``): its prompt's last tokens that are its own output.
     """
 
     request_id: str
@@ -76,6 +77,7 @@ class GenerationRequest:
     cache_salt: str = ""
     constraint: common_pb2.Constraint | None = None
     pooling: int = common_pb2.POOLING_NONE
+    output_offset: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

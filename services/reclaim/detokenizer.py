@@ -45,6 +45,11 @@ class DetokenizerState:
     prefix_offset: int = 0
     read_offset: int = 0
 
+    @property
+    def pending(self) -> bool:
+        """Whether tokens wait for the rest of a character (their text is not emitted yet)."""
+        return self.read_offset < len(self.ids)
+
 
 def decoder_for(tokenizer: PreTrainedTokenizerBase) -> Decode:
     """The fastest exact ``ids -> str`` decode of ``tokenizer``, skipping special tokens.

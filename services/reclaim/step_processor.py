@@ -175,6 +175,8 @@ class StepProcessor:
             event.draft_tokens, event.accepted_tokens = state.draft_tokens, state.accepted_tokens
             if finished:
                 self._remove(state)
+            else:  # whether prepare could resume the sequence from here with the text exact
+                event.settled = not state.stops.holding and not state.detok.pending
         return step
 
     def fail_step(self, ticket: device_pb2.CompletionTicket, code: int, message: str) -> reclaim_pb2.StepEvents:

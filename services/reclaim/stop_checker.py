@@ -77,6 +77,11 @@ class StopChecker:
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep], None
 
+    @property
+    def holding(self) -> bool:
+        """Whether text is held back (it could still become a stop string)."""
+        return bool(self._held)
+
     def release(self, text: str = "") -> str:
         """Held-back tail plus ``text``, for a sequence finishing for another reason than a stop string."""
         held, self._held = self._held, ""

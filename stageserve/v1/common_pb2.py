@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astageserve/v1/common.proto\x12\rstageserve.v1\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xb7\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x10\n\x08logprobs\x18\x07 \x01(\r\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12@\n\nlogit_bias\x18\n \x03(\x0b\x32,.stageserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\xa9\x01\n\nStopParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\x05\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\"\x96\x02\n\rSequenceStart\x12\x11\n\tseq_index\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\r\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.stageserve.v1.SamplingParams\x12\'\n\x04stop\x18\x05 \x01(\x0b\x32\x19.stageserve.v1.StopParams\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12-\n\nconstraint\x18\x07 \x01(\x0b\x32\x19.stageserve.v1.Constraint\x12\'\n\x07pooling\x18\x08 \x01(\x0e\x32\x16.stageserve.v1.Pooling\"\x8f\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x15.stageserve.v1.ChoiceH\x00\x42\x06\n\x04kind\"\x19\n\x06\x43hoice\x12\x0f\n\x07options\x18\x01 \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*?\n\x07Pooling\x12\x10\n\x0cPOOLING_NONE\x10\x00\x12\x10\n\x0cPOOLING_MEAN\x10\x01\x12\x10\n\x0cPOOLING_LAST\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astageserve/v1/common.proto\x12\rstageserve.v1\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xb7\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x10\n\x08logprobs\x18\x07 \x01(\r\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12@\n\nlogit_bias\x18\n \x03(\x0b\x32,.stageserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\xa9\x01\n\nStopParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\x05\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\"\xad\x02\n\rSequenceStart\x12\x11\n\tseq_index\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\r\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.stageserve.v1.SamplingParams\x12\'\n\x04stop\x18\x05 \x01(\x0b\x32\x19.stageserve.v1.StopParams\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12-\n\nconstraint\x18\x07 \x01(\x0b\x32\x19.stageserve.v1.Constraint\x12\'\n\x07pooling\x18\x08 \x01(\x0e\x32\x16.stageserve.v1.Pooling\x12\x15\n\routput_offset\x18\t \x01(\r\"\x8f\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x15.stageserve.v1.ChoiceH\x00\x42\x06\n\x04kind\"\x19\n\x06\x43hoice\x12\x0f\n\x07options\x18\x01 \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*?\n\x07Pooling\x12\x10\n\x0cPOOLING_NONE\x10\x00\x12\x10\n\x0cPOOLING_MEAN\x10\x01\x12\x10\n\x0cPOOLING_LAST\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1110
-  _globals['_FINISHREASON']._serialized_end=1230
-  _globals['_POOLING']._serialized_start=1232
-  _globals['_POOLING']._serialized_end=1295
+  _globals['_FINISHREASON']._serialized_start=1133
+  _globals['_FINISHREASON']._serialized_end=1253
+  _globals['_POOLING']._serialized_start=1255
+  _globals['_POOLING']._serialized_end=1318
   _globals['_EMBEDDING']._serialized_start=45
   _globals['_EMBEDDING']._serialized_end=72
   _globals['_TOKENLOGPROB']._serialized_start=74
@@ -48,9 +48,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPPARAMS']._serialized_start=485
   _globals['_STOPPARAMS']._serialized_end=654
   _globals['_SEQUENCESTART']._serialized_start=657
-  _globals['_SEQUENCESTART']._serialized_end=935
-  _globals['_CONSTRAINT']._serialized_start=938
-  _globals['_CONSTRAINT']._serialized_end=1081
-  _globals['_CHOICE']._serialized_start=1083
-  _globals['_CHOICE']._serialized_end=1108
+  _globals['_SEQUENCESTART']._serialized_end=958
+  _globals['_CONSTRAINT']._serialized_start=961
+  _globals['_CONSTRAINT']._serialized_end=1104
+  _globals['_CHOICE']._serialized_start=1106
+  _globals['_CHOICE']._serialized_end=1131
 # @@protoc_insertion_point(module_scope)

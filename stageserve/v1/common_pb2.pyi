@@ -95,7 +95,7 @@ class StopParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class SequenceStart(_message.Message):
-    __slots__ = ("seq_index", "generation", "request_id", "sampling", "stop", "prompt_token_ids", "constraint", "pooling")
+    __slots__ = ("seq_index", "generation", "request_id", "sampling", "stop", "prompt_token_ids", "constraint", "pooling", "output_offset")
     SEQ_INDEX_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class SequenceStart(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     seq_index: int
     generation: int
     request_id: str
@@ -112,7 +113,8 @@ class SequenceStart(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     constraint: Constraint
     pooling: Pooling
-    def __init__(self, seq_index: _Optional[int] = ..., generation: _Optional[int] = ..., request_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopParams, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., pooling: _Optional[_Union[Pooling, str]] = ...) -> None: ...
+    output_offset: int
+    def __init__(self, seq_index: _Optional[int] = ..., generation: _Optional[int] = ..., request_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopParams, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., output_offset: _Optional[int] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "grammar", "choice")

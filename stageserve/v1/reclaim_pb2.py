@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from stageserve.v1 import common_pb2 as stageserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bstageserve/v1/reclaim.proto\x12\rstageserve.v1\x1a\x1astageserve/v1/common.proto\" \n\x10SubscribeRequest\x12\x0c\n\x04peer\x18\x01 \x01(\t\"\xa2\x01\n\nStepEvents\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0e\n\x06ticket\x18\x02 \x01(\x04\x12,\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x1c.stageserve.v1.SequenceEvent\x12\x1a\n\x12\x64\x65vice_instance_id\x18\x04 \x01(\t\x12\x12\n\nerror_code\x18\x05 \x01(\r\x12\x15\n\rerror_message\x18\x06 \x01(\t\"\xb0\x03\n\rSequenceEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tseq_index\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x0c\n\x04text\x18\x05 \x01(\t\x12-\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1b.stageserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x1b.stageserve.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x08 \x01(\t\x12\x1a\n\rstop_token_id\x18\t \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\n \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x0b \x01(\r\x12\x12\n\nerror_code\x18\x0c \x01(\r\x12\x15\n\rerror_message\x18\r \x01(\t\x12\x14\n\x0c\x64raft_tokens\x18\x0e \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x0f \x01(\r\x12\x11\n\tembedding\x18\x10 \x03(\x02\x42\x10\n\x0e_stop_token_id2T\n\x07Reclaim\x12I\n\tSubscribe\x12\x1f.stageserve.v1.SubscribeRequest\x1a\x19.stageserve.v1.StepEvents0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bstageserve/v1/reclaim.proto\x12\rstageserve.v1\x1a\x1astageserve/v1/common.proto\" \n\x10SubscribeRequest\x12\x0c\n\x04peer\x18\x01 \x01(\t\"\xa2\x01\n\nStepEvents\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0e\n\x06ticket\x18\x02 \x01(\x04\x12,\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x1c.stageserve.v1.SequenceEvent\x12\x1a\n\x12\x64\x65vice_instance_id\x18\x04 \x01(\t\x12\x12\n\nerror_code\x18\x05 \x01(\r\x12\x15\n\rerror_message\x18\x06 \x01(\t\"\xc1\x03\n\rSequenceEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tseq_index\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x0c\n\x04text\x18\x05 \x01(\t\x12-\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1b.stageserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x1b.stageserve.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x08 \x01(\t\x12\x1a\n\rstop_token_id\x18\t \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\n \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x0b \x01(\r\x12\x12\n\nerror_code\x18\x0c \x01(\r\x12\x15\n\rerror_message\x18\r \x01(\t\x12\x14\n\x0c\x64raft_tokens\x18\x0e \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x0f \x01(\r\x12\x11\n\tembedding\x18\x10 \x03(\x02\x12\x0f\n\x07settled\x18\x11 \x01(\x08\x42\x10\n\x0e_stop_token_id2T\n\x07Reclaim\x12I\n\tSubscribe\x12\x1f.stageserve.v1.SubscribeRequest\x1a\x19.stageserve.v1.StepEvents0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,7 +37,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPEVENTS']._serialized_start=109
   _globals['_STEPEVENTS']._serialized_end=271
   _globals['_SEQUENCEEVENT']._serialized_start=274
-  _globals['_SEQUENCEEVENT']._serialized_end=706
-  _globals['_RECLAIM']._serialized_start=708
-  _globals['_RECLAIM']._serialized_end=792
+  _globals['_SEQUENCEEVENT']._serialized_end=723
+  _globals['_RECLAIM']._serialized_start=725
+  _globals['_RECLAIM']._serialized_end=809
 # @@protoc_insertion_point(module_scope)

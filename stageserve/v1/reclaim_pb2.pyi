@@ -30,7 +30,7 @@ class StepEvents(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., ticket: _Optional[int] = ..., events: _Optional[_Iterable[_Union[SequenceEvent, _Mapping]]] = ..., device_instance_id: _Optional[str] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class SequenceEvent(_message.Message):
-    __slots__ = ("request_id", "seq_index", "generation", "token_ids", "text", "logprobs", "finish_reason", "stop_string", "stop_token_id", "prompt_tokens", "completion_tokens", "error_code", "error_message", "draft_tokens", "accepted_tokens", "embedding")
+    __slots__ = ("request_id", "seq_index", "generation", "token_ids", "text", "logprobs", "finish_reason", "stop_string", "stop_token_id", "prompt_tokens", "completion_tokens", "error_code", "error_message", "draft_tokens", "accepted_tokens", "embedding", "settled")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_INDEX_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class SequenceEvent(_message.Message):
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq_index: int
     generation: int
@@ -63,4 +64,5 @@ class SequenceEvent(_message.Message):
     draft_tokens: int
     accepted_tokens: int
     embedding: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[str] = ..., seq_index: _Optional[int] = ..., generation: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., embedding: _Optional[_Iterable[float]] = ...) -> None: ...
+    settled: bool
+    def __init__(self, request_id: _Optional[str] = ..., seq_index: _Optional[int] = ..., generation: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., embedding: _Optional[_Iterable[float]] = ..., settled: _Optional[bool] = ...) -> None: ...

@@ -12,6 +12,7 @@ import pytest
 
 from stageserve.prepare.request_handle import LoopWaker, RequestHandle
 from stageserve.prepare.errors import RequestError
+from stageserve.prepare.validation import GenerationRequest
 from stageserve.v1 import common_pb2, reclaim_pb2
 
 STREAMS, STEPS = 32, 20
@@ -22,7 +23,8 @@ def event(token: int, finish: bool = False) -> reclaim_pb2.SequenceEvent:
 
 
 def new_handle() -> RequestHandle:
-    return RequestHandle(request=None, observer=None, accepted_ns=0)  # the handle's queue does not look at either
+    request = GenerationRequest("r", [1, 2], 64, common_pb2.SamplingParams(), common_pb2.StopParams(max_tokens=64))
+    return RequestHandle(request=request, observer=None, accepted_ns=0)  # the handle's queue does not look at the observer
 
 
 def in_thread(fn) -> None:
