@@ -280,3 +280,24 @@ def test_rolling_update_drains_a_device_without_failing_requests(cluster, refere
         c, n = map(int, rid.split("-")[1:])
         assert text == references[(c + n) % len(PROMPTS)], rid
     assert cluster.devices_status()[survivor.address].accepting
+
+
+def test_killing_reclaim_resumes_every_stream_once_it_is_back(cluster, references):
+    """SIGKILL of reclaim under 8 streams, restarted at once on its port: prepare resumes each from
+    its last published token (what was in flight is recomputed): 8 of 8 end OK with the reference texts."""
+    survivor = cluster.devices[1]
+    batch: dict = {}
+    runner = threading.Thread(target=lambda: batch.update(run_concurrently(cluster.stub, [request(i, f"reclaim-{i}") for i in range(8)])))
+    runner.start()
+    deadline = time.monotonic() + 60
+    while cluster.devices_status()[survivor.address].running_requests < 8:
+        assert time.monotonic() < deadline, "the batch never ran"
+        time.sleep(0.02)
+    time.sleep(0.3)  # some tokens published
+    old = cluster.reclaim
+    old.process.send_signal(signal.SIGKILL)
+    old.process.wait(10)
+    endpoints = ",".join(device.address for device in cluster.devices)
+    cluster.reclaim = cluster._start("reclaim", "reclaim-restarted", ["--device", endpoints], port=old.port)
+    runner.join(180)
+    assert batch == {f"reclaim-{i}": (references[i % len(PROMPTS)], None) for i in range(8)}
