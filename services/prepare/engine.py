@@ -258,7 +258,11 @@ class Engine:
             self._cond.notify_all()
 
     def on_step_events(self, step_events: reclaim_pb2.StepEvents) -> None:
-        """One step published by reclaim: update the scheduler, route its events, return the credit."""
+        """One step published by reclaim: update the scheduler, route its events, return the credit.
+        A sequence reclaim fails with ``UNAVAILABLE`` (its device's stream is gone, or its step's
+        output never came) goes to ``resume`` like those of a detached device."""
+        orphans: list[RequestHandle] = []
+        reason = ""
         with self._cond:
             current = self._attachment
             if current is None or step_events.device_instance_id not in ("", current.attach.instance_id):
@@ -266,7 +270,13 @@ class Engine:
             if current.sent_at.pop(step_events.step_id, None) is None:
                 return  # not a step of this attachment (another subscriber's, or an earlier attachment's)
             for request, event in current.scheduler.update_from_output(step_events):
-                if event.error_code:
+                if event.error_code == grpc.StatusCode.UNAVAILABLE.value[0] and self._resume is not None:
+                    handle = self._active.get(request.request_id)
+                    if handle is not None and handle.request is request:
+                        del self._active[request.request_id]  # no terminal: it goes on elsewhere
+                        orphans.append(handle)
+                        reason = reason or event.error_message
+                elif event.error_code:
                     self._end_request(request, RequestError.from_wire(event.error_code, event.error_message))
                 elif event.finish_reason:
                     self._end_request(request, event)
@@ -274,6 +284,8 @@ class Engine:
                     handle.put(event)
             current.credits += 1
             self._cond.notify_all()
+        if orphans:
+            self._resume(orphans, reason)
 
     # ---- requests (RPC handlers) -------------------------------------------------------------------
     def model_limits(self) -> ModelLimits:
