@@ -1,5 +1,6 @@
-"""Issue 20 against the real services: a stopped device is noticed and used again, no abort is
-lost, a burst is admitted, edge sampling values stay finite, errors carry google.rpc details."""
+"""Issues 20 and 33 against the real services: a stopped device is noticed and used again, a slow one
+is not taken for stopped, a killed one's streams resume once it is back, no abort is lost, a burst
+is admitted, edge sampling values stay finite, errors carry google.rpc details."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
+from stageserve.launcher import ServiceProcess
 from stageserve.v1 import common_pb2, prepare_pb2, prepare_pb2_grpc
 
-from .conftest import launch
+from .conftest import DEVICE_ARGS, launch
 
 LENGTH = common_pb2.FINISH_REASON_LENGTH
 ABORT = common_pb2.FINISH_REASON_ABORT
@@ -238,3 +240,29 @@ def test_a_stopped_device_is_noticed_and_used_again_once_continued(stall_pipelin
         assert [list(stream)[-1].finish_reason for stream in traffic] == [LENGTH] * 4  # they went on
         assert not stub.GetModelInfo(prepare_pb2.GetModelInfoRequest()).devices[0].stalled
         watch.cancel()
+
+
+# ---- a pipeline of its own: its only device killed and started again on its port ----------------------
+def test_streams_of_a_killed_device_resume_once_it_is_back(tmp_path_factory):
+    """One device, 4 greedy streams; SIGKILL, then a new device process on the same port: the streams
+    wait for it (prepare resumes within 30 s) and end with the tokens of the run without the fault."""
+    pipe = launch(tmp_path_factory, "device-restart")
+    restarted = None
+    try:
+        with grpc.insecure_channel(pipe.prepare.address) as channel:
+            stub = prepare_pb2_grpc.GenerationStub(channel)
+            requests = [prepare_pb2.GenerateRequest(prompt=f"Tell me about the number {i}.", max_tokens=48, ignore_eos=True,
+                                                    temperature=0.0) for i in range(4)]
+            expected = [list(stub.Generate(r, timeout=60).token_ids) for r in requests]
+            streams = [stub.GenerateStream(r, timeout=120) for r in requests]
+            firsts = [next(stream) for stream in streams]
+            os.kill(pipe.device.pid, signal.SIGKILL)
+            pipe.device.process.wait(10)
+            folder = tmp_path_factory.mktemp("device-restarted")
+            restarted = ServiceProcess("device", DEVICE_ARGS, folder, pipe.device.port, folder / "device.log").start()
+            got = [list(first.token_ids) + [t for chunk in stream for t in chunk.token_ids] for first, stream in zip(firsts, streams)]
+            assert got == expected
+    finally:
+        pipe.stop()
+        if restarted is not None:
+            restarted.stop()
