@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from stageserve.device.flags import SPECULATIVE_POLICIES
+from stageserve.device.flags import DENSE_COPY_MODES, SPECULATIVE_POLICIES, WEIGHT_FORMATS, parse_bytes
 from stageserve.metrics_http import metrics_port_file
 from stageserve.prepare.openai_flags import add_openai_arguments, openai_argv
 from stageserve.security.tls import TlsFiles, dial
@@ -258,6 +258,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "npu"])
     parser.add_argument("--dispatch", default="async", choices=["async", "sync"])
     parser.add_argument("--pipeline-depth", type=int, default=2)
+    parser.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS, help="the device's weight format (stageserve device --help)")
+    parser.add_argument("--dense-copy", default="auto", choices=DENSE_COPY_MODES,
+                        help="the device's dense copies of quantized linears (stageserve device --help)")
+    parser.add_argument("--no-dense-copy", dest="dense_copy", action="store_const", const="none", help="the same as --dense-copy none")
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES",
+                        help="the device's KV pool, e.g. 256MiB (default: the device's)")
     parser.add_argument("--speculative-method", default="none", choices=["none", "ngram", "draft"], help="the device's speculative decoding (docs/speculative.md)")
     parser.add_argument("--draft-model", default="", metavar="PATH",
                         help="with --speculative-method draft: GGUF file or Hugging Face directory of a smaller model sharing --model's tokenizer")
@@ -305,7 +311,8 @@ def _service_args(args: argparse.Namespace) -> tuple[list[str], list[str], list[
               *(["--model", args.model] if args.model else []), *(["--trace-dir", str(args.trace_dir)] if args.trace_dir else [])]
     prepare_metrics, device_metrics, reclaim_metrics = _metrics_ports(args.metrics_port_base)
     device = [*common, "--metrics-port", device_metrics, "--dtype", args.dtype, "--backend", args.backend, "--dispatch", args.dispatch,
-              "--pipeline-depth", str(args.pipeline_depth), "--speculative-method", args.speculative_method,
+              "--pipeline-depth", str(args.pipeline_depth), "--weights", args.weights, "--dense-copy", args.dense_copy,
+              *(["--kv-cache-memory", str(args.kv_cache_memory)] if args.kv_cache_memory else []), "--speculative-method", args.speculative_method,
               "--num-speculative-tokens", str(args.num_speculative_tokens), "--speculative-policy", args.speculative_policy,
               *(["--draft-model", args.draft_model] if args.draft_model else [])]
     keys = ["--api-keys-file", str(args.api_keys_file)] if args.api_keys_file else []
