@@ -10,6 +10,10 @@ model's 49,152-token vocabulary and merges, in each of the three services at eve
 first load saves it in Hugging Face's format under ``$XDG_CACHE_HOME/stageserve/tokenizers/``, keyed
 by the file (path, size, modification time) and the transformers version, and later loads read that
 (~0.2 s). Where the cache cannot be written, every load builds from the file.
+
+reclaim only decodes: :func:`load_fast_tokenizer` gives it the Rust ``tokenizers.Tokenizer`` of the
+``tokenizer.json`` there, without transformers' tokenizer classes, whose imports take torch (about
+200 MiB of a service that never runs a tensor).
 """
 
 from __future__ import annotations
@@ -21,13 +25,33 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import transformers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
+
+import transformers  # the package alone: its tokenizer classes are imported where used (they import torch)
+from tokenizers import Tokenizer
 
 from stageserve.cache_dirs import user_cache_dir
 from stageserve.model_files import transformers_source
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 log = logging.getLogger(__name__)
+
+
+def load_fast_tokenizer(model_path: Path) -> Tokenizer:
+    """The Rust tokenizer of a GGUF file or a Hugging Face model directory: its ``tokenizer.json``
+    (a GGUF's: the cached one, made by :func:`load_tokenizer` first if need be), else the backend of
+    :func:`load_tokenizer`'s. Raises ValueError as :func:`load_tokenizer`."""
+    folder = _cache_dir(model_path) if model_path.is_file() else model_path
+    if not (folder / "tokenizer.json").is_file():
+        backend = getattr(load_tokenizer(model_path), "backend_tokenizer", None)  # a GGUF's cache is written now
+        if backend is not None and not (folder / "tokenizer.json").is_file():
+            return backend
+    try:
+        return Tokenizer.from_file(str(folder / "tokenizer.json"))
+    except Exception as exc:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise ValueError(f"cannot load a tokenizer from {folder / 'tokenizer.json'}: {exc}") from exc
 
 
 def load_tokenizer(model_path: Path) -> PreTrainedTokenizerBase:
@@ -39,6 +63,8 @@ def load_tokenizer(model_path: Path) -> PreTrainedTokenizerBase:
     Raises:
         ValueError: the path holds no tokenizer transformers can read; the message names the path.
     """
+    from transformers import AutoTokenizer
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cached = _cache_dir(model_path) if model_path.is_file() else None
     if cached is not None and cached.is_dir():

@@ -21,7 +21,7 @@ from stageserve.reclaim.publisher import Publisher
 from stageserve.reclaim.service import SERVICE_NAME, ReclaimServicer
 from stageserve.security.config import ServiceSecurity
 from stageserve.server import ServiceServer, profile_dir
-from stageserve.tokenizer import load_tokenizer
+from stageserve.tokenizer import load_fast_tokenizer
 from stageserve.tracing import Tracer
 from stageserve.v1 import reclaim_pb2_grpc
 
@@ -63,7 +63,7 @@ def attach_devices(args: argparse.Namespace, model_path: Path, reclaim: ReclaimS
 
     Readiness is SERVING while at least one device is attached and ``draining`` is not set.
     """
-    detokenizer = IncrementalDetokenizer(decoder_for(load_tokenizer(model_path)))
+    detokenizer = IncrementalDetokenizer(decoder_for(load_fast_tokenizer(model_path)))
     log.info("tokenizer loaded from %s", model_path.name)
     links = CompletionLinks(
         args.device, args.device_refresh_s,

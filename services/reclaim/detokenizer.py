@@ -21,6 +21,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from tokenizers import Tokenizer
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -51,14 +53,15 @@ class DetokenizerState:
         return self.read_offset < len(self.ids)
 
 
-def decoder_for(tokenizer: PreTrainedTokenizerBase) -> Decode:
-    """The fastest exact ``ids -> str`` decode of ``tokenizer``, skipping special tokens.
+def decoder_for(tokenizer: PreTrainedTokenizerBase | Tokenizer) -> Decode:
+    """The fastest exact ``ids -> str`` decode of ``tokenizer`` (a transformers tokenizer, or the Rust
+    ``tokenizers.Tokenizer`` reclaim loads: ``stageserve.tokenizer.load_fast_tokenizer``), skipping special tokens.
 
     Uses the Rust ``tokenizers`` backend directly when the tokenizer has one (about 3x faster than
     ``tokenizer.decode``, which adds Python layers per call), else ``tokenizer.decode``. Both give
     the text of ``tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)``.
     """
-    backend = getattr(tokenizer, "backend_tokenizer", None)
+    backend = tokenizer if isinstance(tokenizer, Tokenizer) else getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         return functools.partial(backend.decode, skip_special_tokens=True)
     return functools.partial(tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)

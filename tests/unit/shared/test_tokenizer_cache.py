@@ -34,3 +34,26 @@ def test_an_unwritable_cache_still_loads_from_the_file(tmp_path, monkeypatch):
     blocked.write_text("a file where the cache folder would go")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
     assert load_tokenizer(embedded_model_path()).encode("The capital of France is") == [504, 3575, 282, 4649, 314]
+
+
+def test_reclaims_rust_tokenizer_decodes_as_transformers_does_without_importing_torch(tmp_path):
+    """``load_fast_tokenizer`` (what reclaim loads), with an empty cache (it builds it) and then from
+    the cache, in a fresh interpreter: the same decoded text, and torch never imported."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    built = load_tokenizer(embedded_model_path())
+    ids = [built.encode(text) for text in TEXTS]
+    script = ("import json, sys\nfrom stageserve.model_files import embedded_model_path\n"
+              "from stageserve.tokenizer import load_fast_tokenizer\n"
+              "tokenizer = load_fast_tokenizer(embedded_model_path())\n"
+              f"print(json.dumps([[tokenizer.decode(i, skip_special_tokens=s) for i in {ids!r}] for s in (True, False)] + ['torch' in sys.modules]))")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    for _ in range(2):  # the first builds the cache (transformers, and torch with it); the second reads it
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+    plain, special, torch_imported = json.loads(out)
+    assert plain == [built.decode(i, skip_special_tokens=True) for i in ids]
+    assert special == [built.decode(i) for i in ids]
+    assert torch_imported is False
