@@ -197,9 +197,14 @@ class GrammarTable:
         compiled = self.grammars.get(start.constraint)
         state = SequenceGrammar(start.generation, start.request_id, ready=Future())
 
+        earlier_output = start.prompt_token_ids[len(start.prompt_token_ids) - start.output_offset:]  # a resumed sequence's
+
         def make_matcher() -> None:
             try:
                 state.matcher = xgrammar.GrammarMatcher(compiled.result())
+                for token_id in earlier_output:  # where the failed device's matcher was
+                    if not state.matcher.accept_token(token_id):
+                        raise ConstraintError(f"the resumed sequence's earlier token {token_id} does not match the constraint")
                 state.bitmask = torch.empty(self._words, dtype=torch.int32)
                 self._fill(state)
             except ConstraintError as exc:

@@ -14,10 +14,10 @@ that they match. So nothing is duplicated or missing, the request ends with one 
 and ``usage`` counts each token once. The prefix cache makes the re-prefill cheap on the same
 device; elsewhere it costs one prefill of prompt + output.
 
-Not resumed (they fail with ``UNAVAILABLE`` as before): a structured-output request that has
-published tokens (its grammar's state was on the failed device; with none published it starts
-over), one that diverges when regenerated (a device whose tokens depend on the batch), and one no
-device takes back within ``RESUME_TIMEOUT_S``.
+A structured-output request resumes too: the new device's matcher accepts the output up to the
+settled point before its first mask (``grammar.py``). Not resumed (they fail with ``UNAVAILABLE``
+as before): one that diverges when regenerated (a device whose tokens depend on the batch), and one
+no device takes back within ``RESUME_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -54,11 +54,6 @@ class Resumption:
         self._skip_chars = 0  # published characters it regenerates first
         self._offset = 0  # output tokens before the current sequence's first
         self._draft_base = self._accepted_base = 0
-
-    @property
-    def resumable(self) -> bool:
-        """Whether the request can go on elsewhere (see the module docstring)."""
-        return self.original.constraint is None or not self.generated
 
     def resumed_request(self) -> GenerationRequest:
         """The request that continues this one from its last settled token (and counts as it)."""

@@ -174,15 +174,12 @@ class DeviceRouter:
     def resume(self, handles: list[RequestHandle], reason: str) -> None:
         """Place again the requests of a device whose session ended for ``reason`` (``resumption.py``):
         each goes on on an accepting device now, or as soon as one accepts, within
-        ``RESUME_TIMEOUT_S``; one that cannot be resumed (or times out, or meets a drain) fails
-        with ``UNAVAILABLE`` naming ``reason``. An engine calls this without its lock."""
+        ``RESUME_TIMEOUT_S``; one that times out or meets a drain fails with ``UNAVAILABLE``
+        naming ``reason``. An engine calls this without its lock."""
         deadline = time.monotonic() + RESUME_TIMEOUT_S
         with self._lock:
             for handle in handles:
-                if not handle.resumption.resumable:
-                    handle.put(unavailable(f"{reason}; a structured-output request cannot be resumed once it has published"
-                                           " tokens (its grammar's state was on that device): retry it"))
-                elif self.draining:
+                if self.draining:
                     handle.put(unavailable(f"{reason}; the server is draining, so the request was not resumed: retry it",
                                            reason="DRAINING", retry_after_s=DRAINING_RETRY_S))
                 else:

@@ -202,6 +202,8 @@ class DeviceSession:
                 return "prepare is shutting down"
             if self._lost_reason:
                 return self._lost_reason
+            if not self._reclaim_up.is_set():  # lost while this attachment was being made (too early for reclaim_lost)
+                return "reclaim's Subscribe stream was lost"
             overdue = self.engine.oldest_unpublished_step()
             if overdue is not None and overdue[1] > self._step_timeout_s:
                 return f"reclaim published no events for step {overdue[0]} of device {self.address} within {self._step_timeout_s:g} s"

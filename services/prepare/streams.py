@@ -156,6 +156,8 @@ class ReclaimSubscription(_ReadStream):
         self._settled.wait(SUBSCRIBE_CONFIRM_S)
         if self._failed is not None:
             raise self._failed
+        if self._call.done() and self._call.code() != grpc.StatusCode.OK:  # failed before the reader stored why
+            raise self._call
 
     def _await_headers(self) -> None:
         try:

@@ -204,27 +204,35 @@ def seeded(i: int, request_id: str) -> prepare_pb2.GenerateRequest:
     return chat(PROMPTS[i % len(PROMPTS)], temperature=0.8, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True, request_id=request_id)
 
 
+def constrained(i: int) -> prepare_pb2.GenerateRequest:
+    """Structured output, greedy: a sentence of 60 to 90 lowercase letters and spaces, then EOS."""
+    return chat(PROMPTS[i % len(PROMPTS)], temperature=0.0, max_tokens=48, constraint={"regex": "[a-z ]{60,90}[.]"})
+
+
 def test_killing_a_device_resumes_its_requests_on_the_other(cluster, references):
-    """8 greedy and 8 seeded streams; SIGKILL of one device mid-run: all 16 end OK with every token
-    once (``run_concurrently`` counts them) and the text of the run without the fault."""
+    """8 greedy, 8 seeded and 4 structured-output streams; SIGKILL of one device mid-run: all end OK
+    with every token once (``run_concurrently`` counts them) and the text of the run without the fault."""
     victim, survivor = cluster.devices
     seeded_references = run_concurrently(cluster.stub, [seeded(i, f"seeded-{i}") for i in range(8)])
     assert all(code is None for _, code in seeded_references.values()), seeded_references
+    constrained_references = [collect(cluster.stub.GenerateStream(constrained(i), timeout=120))[:2] for i in range(4)]
     batch: dict = {}
     requests = [request(i, f"kill-{i}") for i in range(8)] + [seeded(i, f"kill-seeded-{i}") for i in range(8)]
     runner = threading.Thread(target=lambda: batch.update(run_concurrently(cluster.stub, requests)))
+    constrained_streams = [cluster.stub.GenerateStream(constrained(i), timeout=120) for i in range(4)]
     runner.start()
-    # Wait until all 16 are admitted (none waiting) and generating, then kill the victim mid-run.
+    # Wait until all 20 are admitted (none waiting) and generating, then kill the victim mid-run.
     deadline = time.monotonic() + 60
     while True:
         status = cluster.devices_status()
         held = {address: s.running_requests for address, s in status.items()}
-        if sum(held.values()) == 16 and not any(s.waiting_requests for s in status.values()):
+        if sum(held.values()) == 20 and not any(s.waiting_requests for s in status.values()):
             break
         assert time.monotonic() < deadline, f"the batch was never fully admitted: {status}"
         time.sleep(0.02)
-    assert 0 < held[victim.address] < 16
+    assert 0 < held[victim.address] < 20
     victim.process.send_signal(signal.SIGKILL)
+    assert [collect(stream)[:2] for stream in constrained_streams] == constrained_references
     runner.join(180)
     expected = {f"kill-{i}": (references[i % len(PROMPTS)], None) for i in range(8)}
     expected |= {f"kill-seeded-{i}": seeded_references[f"seeded-{i}"] for i in range(8)}

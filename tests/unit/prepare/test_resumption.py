@@ -14,9 +14,8 @@ from stageserve.v1 import common_pb2, reclaim_pb2
 PROMPT = [5, 6, 7]
 
 
-def request(constraint=None) -> GenerationRequest:
-    return GenerationRequest("r", PROMPT, 10, common_pb2.SamplingParams(seed=3), common_pb2.StopParams(max_tokens=10, min_tokens=4),
-                             constraint=constraint)
+def request() -> GenerationRequest:
+    return GenerationRequest("r", PROMPT, 10, common_pb2.SamplingParams(seed=3), common_pb2.StopParams(max_tokens=10, min_tokens=4))
 
 
 def event(ids, text, completion, settled=True, finish=0) -> reclaim_pb2.SequenceEvent:
@@ -59,10 +58,3 @@ def test_diverging_tokens_fail_the_request():
     with pytest.raises(RequestError) as diverged:
         resumption.translate(event([99], "z", 1))
     assert diverged.value.code == grpc.StatusCode.UNAVAILABLE and "position 0" in diverged.value.message
-
-
-def test_a_constrained_request_resumes_only_before_it_published():
-    constrained = Resumption(request(common_pb2.Constraint(json_object=True)))
-    assert constrained.resumable
-    constrained.translate(event([10], "{", 1))
-    assert not constrained.resumable and Resumption(request()).resumable
