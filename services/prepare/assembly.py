@@ -81,7 +81,7 @@ def _serve_apis(args: argparse.Namespace, server, tokenizer, sampling_defaults, 
         args.device, args.reclaim,
         new_engine=lambda: Engine(max_prefill_chunk=args.max_prefill_chunk, max_waiting=args.max_waiting, tracer=tracer, metrics=metrics,
                                   enable_prefix_caching=args.prefix_caching,
-                                  resume=lambda handles, reason: router.resume(handles, reason)),  # the router below
+                                  resume=lambda *orphans: router.resume(*orphans)),  # the router below
         on_ready=lambda up: server.set_ready(up and not router.draining),
         step_timeout_s=args.step_timeout,
         stall_timeout_s=args.stall_timeout,

@@ -88,12 +88,13 @@ class Engine:
         tracer: prepare's tracer (default: one that never records).
         metrics: prepare's metrics (default: on a private registry nobody scrapes).
         enable_prefix_caching: share cached prompt blocks between requests (``--no-prefix-caching`` turns it off).
-        resume: takes the requests of an attachment that ended, with the reason, to place them again
-            (called without the engine's lock); ``None``: they fail.
+        resume: takes the requests of an attachment that ended, or that reclaim reported lost, with the
+            reason (and this engine, when its attachment may still look healthy), to place them
+            again (called without the engine's lock); ``None``: they fail.
     """
 
     def __init__(self, max_prefill_chunk: int, max_waiting: int, tracer: Tracer | None = None, metrics: PrepareMetrics | None = None,
-                 enable_prefix_caching: bool = True, resume: Callable[[list[RequestHandle], str], None] | None = None) -> None:
+                 enable_prefix_caching: bool = True, resume: Callable[..., None] | None = None) -> None:
         self._max_prefill_chunk = max_prefill_chunk
         self._resume = resume
         self._enable_prefix_caching = enable_prefix_caching
@@ -285,7 +286,7 @@ class Engine:
             current.credits += 1
             self._cond.notify_all()
         if orphans:
-            self._resume(orphans, reason)
+            self._resume(orphans, reason, self)  # this device's session may not know yet
 
     # ---- requests (RPC handlers) -------------------------------------------------------------------
     def model_limits(self) -> ModelLimits:
@@ -319,6 +320,11 @@ class Engine:
                     self._tracer.begin_async(name, request.request_id, prompt_tokens=request.num_prompt_tokens)
             self._cond.notify_all()
             return handle
+
+    @property
+    def attachment(self) -> object:
+        """The current attachment (``None`` while detached): identity tells one attachment from the next."""
+        return self._attachment
 
     def adopt(self, request: GenerationRequest, handle: RequestHandle) -> None:
         """Accept ``request``, which resumes ``handle``'s request (its device failed), onto that handle.

@@ -25,7 +25,7 @@ import grpc
 
 from stageserve.logs import REQUEST_ID
 from stageserve.prepare.early_aborts import EarlyAborts
-from stageserve.prepare.engine import local_abort_event
+from stageserve.prepare.engine import Engine, local_abort_event
 from stageserve.prepare.errors import RequestError, unavailable
 from stageserve.prepare.metrics import PrepareMetrics
 from stageserve.prepare.placement import DeviceLoad, placement_order, sum_loads
@@ -41,6 +41,20 @@ DRAINING = "server is draining; retry on another replica"
 NO_DEVICE_RETRY_S = 1.0  # RetryInfo while no device accepts: a reconnect or a stalled device's recovery takes about that
 DRAINING_RETRY_S = 0.5  # RetryInfo: another replica takes it now; this one is gone soon
 RESUME_POLL_S = 0.1  # how often requests waiting to be resumed look for a device that accepts
+
+
+@dataclass(frozen=True)
+class _Resuming:
+    """A request waiting to be resumed: until when, why, and the engine it failed on (with the
+    attachment it failed in) that it does not go back to."""
+
+    deadline: float  # time.monotonic()
+    reason: str
+    failed: Engine | None
+    failed_attachment: object
+
+    def avoids(self, engine: Engine) -> bool:
+        return engine is self.failed and engine.attachment is self.failed_attachment
 
 
 @dataclass(frozen=True)
@@ -84,7 +98,7 @@ class DeviceRouter:
         self._lock = threading.Lock()
         self._draining = False
         self._early_aborts = EarlyAborts()
-        self._resuming: dict[RequestHandle, float] = {}  # requests no device took back yet -> their deadline (monotonic)
+        self._resuming: dict[RequestHandle, _Resuming] = {}  # requests no device took back yet
         self._resumer: threading.Thread | None = None
 
     @property
@@ -171,57 +185,56 @@ class DeviceRouter:
         handle.client_gone()
 
     # ---- recovery -----------------------------------------------------------------------------------
-    def resume(self, handles: list[RequestHandle], reason: str) -> None:
-        """Place again the requests of a device whose session ended for ``reason`` (``resumption.py``):
-        each goes on on an accepting device now, or as soon as one accepts, within
-        ``RESUME_TIMEOUT_S``; one that times out or meets a drain fails with ``UNAVAILABLE``
-        naming ``reason``. An engine calls this without its lock."""
-        deadline = time.monotonic() + RESUME_TIMEOUT_S
+    def resume(self, handles: list[RequestHandle], reason: str, failed: Engine | None = None) -> None:
+        """Place again the requests of a device that failed for ``reason`` (``resumption.py``): each
+        goes on on an accepting device now, or as soon as one accepts, within ``RESUME_TIMEOUT_S``;
+        one that times out or meets a drain fails with ``UNAVAILABLE`` naming ``reason``.
+        ``failed``: the failed device's engine when its session may not know yet (reclaim reported
+        it first): it is not tried again until it attaches anew. An engine calls this without its lock."""
+        waiting = _Resuming(time.monotonic() + RESUME_TIMEOUT_S, reason, failed, failed.attachment if failed is not None else None)
         with self._lock:
             for handle in handles:
                 if self.draining:
                     handle.put(unavailable(f"{reason}; the server is draining, so the request was not resumed: retry it",
                                            reason="DRAINING", retry_after_s=DRAINING_RETRY_S))
                 else:
-                    self._resuming[handle] = deadline
-            self._place_resuming(reason)
+                    self._resuming[handle] = waiting
+            self._place_resuming()
             if self._resuming and (self._resumer is None or not self._resumer.is_alive()):
-                self._resumer = threading.Thread(target=self._keep_resuming, args=(reason,), name="prepare-resumer", daemon=True)
+                self._resumer = threading.Thread(target=self._keep_resuming, name="prepare-resumer", daemon=True)
                 self._resumer.start()
 
-    def _keep_resuming(self, reason: str) -> None:
+    def _keep_resuming(self) -> None:
         """Place the waiting resumed requests as devices come to accept; fail those past their deadline."""
         while True:
             time.sleep(RESUME_POLL_S)
             with self._lock:
                 now = time.monotonic()
-                for handle, deadline in list(self._resuming.items()):
-                    if now > deadline or self.draining:
+                for handle, waiting in list(self._resuming.items()):
+                    if now > waiting.deadline or self.draining:
                         del self._resuming[handle]
-                        handle.put(unavailable(f"{reason}; no device took the request back within {RESUME_TIMEOUT_S:g} s: retry it",
-                                               retry_after_s=NO_DEVICE_RETRY_S))
-                self._place_resuming(reason)
+                        handle.put(unavailable(f"{waiting.reason}; no device took the request back within {RESUME_TIMEOUT_S:g} s:"
+                                               " retry it", retry_after_s=NO_DEVICE_RETRY_S))
+                self._place_resuming()
                 if not self._resuming:
                     return
 
-    def _place_resuming(self, reason: str) -> None:
+    def _place_resuming(self) -> None:
         """Place each waiting resumed request on the accepting device placement prefers (router lock)."""
-        candidates = [session for session in self._sessions() if session.accepting]
-        if not candidates:
-            return
-        for handle in list(self._resuming):
+        accepting = [(session, load) for session in self._sessions() if session.accepting and (load := session.engine.current_load()) is not None]
+        for handle, waiting in list(self._resuming.items()):
+            candidates = [(session, load) for session, load in accepting if not waiting.avoids(session.engine)]
             resumption = handle.resumption
             request = resumption.resumed_request()
-            loads = [load for session in candidates if (load := session.engine.current_load()) is not None]
-            for index in placement_order(loads, []):
-                session = candidates[index]
+            for index in placement_order([load for _, load in candidates], []):
+                session = candidates[index][0]
                 try:
                     session.engine.adopt(request, handle)
                 except RequestError:
                     continue
                 del self._resuming[handle]
                 log.info("resumed on device %s after: %s (%d output tokens kept, %d regenerated; %d prompt tokens to prefill)",
-                         session.address, reason, resumption.settled, len(resumption.generated) - resumption.settled,
+                         session.address, waiting.reason, resumption.settled, len(resumption.generated) - resumption.settled,
                          request.num_prompt_tokens, extra={REQUEST_ID: request.request_id})
                 break
 
