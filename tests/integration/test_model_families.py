@@ -1,6 +1,7 @@
 """The families added through ``services/device/model/README.md`` served through the three services:
-Qwen3, and Mistral with a sliding window shorter than the prompts (one pipeline each; Phi-3 differs
-only in what the model does at load and in its RoPE tables, checked in the unit tests)."""
+Qwen3, Mistral with a sliding window shorter than the prompts, and Gemma 2 and Gemma 3 with such a
+window on their local layers beside global ones (Gemma 2 soft-capped); one pipeline each. Phi-3 differs
+only in what the model does at load and in its RoPE tables, checked in the unit tests."""
 
 from __future__ import annotations
 
@@ -17,9 +18,14 @@ from tests.integration.conftest import launch
 from tests.tiny_checkpoint import write_tiny_checkpoint
 from tests.unit.device.test_model_reference import hf_greedy
 
-PROMPTS = ("Hello, world", "abcabcabc")  # 12 and 9 tokens: longer than Mistral's window of 8
+PROMPTS = ("Hello, world", "abcabcabc")  # 12 and 9 tokens: longer than the windows of 8
 MAX_TOKENS = 16
-CHECKPOINTS = {"qwen3": {"family": "qwen3"}, "mistral-window": {"family": "mistral", "sliding_window": 8}}
+CHECKPOINTS = {
+    "qwen3": {"family": "qwen3"},
+    "mistral-window": {"family": "mistral", "sliding_window": 8},
+    "gemma2": {"family": "gemma2", "sliding_window": 8},
+    "gemma3": {"family": "gemma3", "sliding_window": 8},
+}
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
