@@ -33,9 +33,10 @@ class ModelConfig:
     converters write instead of llama3 scaling parameters. ``attention_bias``: the q/k/v projections
     have biases (o_proj's is loaded where the checkpoint has one); ``qk_norm``: an RMSNorm over
     ``head_dim`` on every query and key head before RoPE (Qwen3's ``q_norm``/``k_norm``).
-    ``sliding_window``: every layer's query at position p attends only to keys at positions
-    ``p - sliding_window < k <= p`` (transformers' ``sliding_window_overlay`` in ``masking_utils.py``:
-    the window counts the current token), ``None`` for full causal attention (Mistral, Phi-3).
+    ``sliding_window``: in every layer but the ``full_attention_layers`` a query at position p attends
+    only to keys at positions ``p - sliding_window < k <= p`` (transformers' ``sliding_window_overlay``
+    in ``masking_utils.py``: the window counts the current token), ``None`` for full causal attention
+    (Mistral, Phi-3, Gemma's local layers; ``layer_windows`` says each layer's).
     ``rotary_dim``: RoPE rotates only the first ``rotary_dim`` values of each head
     (``partial_rotary_factor * head_dim``, Phi-3/Phi-4-mini), ``None`` for the whole head.
 
