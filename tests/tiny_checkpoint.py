@@ -1,4 +1,4 @@
-"""A tiny randomly initialised Llama (or Qwen3, Mistral, Phi-3) checkpoint with its own byte-level tokenizer, written offline.
+"""A tiny randomly initialised Llama (or Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3) checkpoint with its own byte-level tokenizer, written offline.
 
 For tests that need a whole model directory (weights, config, tokenizer) where the embedded GGUF is
 not available or too slow, e.g. on an accelerator machine: ``config.json`` + ``model.safetensors``
@@ -8,7 +8,9 @@ with no merges (256 byte tokens + ``<|endoftext|>``), so any text round-trips an
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,7 +18,10 @@ EOS = "<|endoftext|>"
 VOCAB_SIZE = 257  # 256 byte tokens + EOS
 
 
-def write_tiny_checkpoint(directory: Path, seed: int = 0, num_layers: int = 2, family: str = "llama", sliding_window: int | None = None) -> Path:
+def write_tiny_checkpoint(
+    directory: Path, seed: int = 0, num_layers: int = 2, family: str = "llama", sliding_window: int | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Path:
     """Write the checkpoint into ``directory`` (created if needed); return ``directory``.
 
     The model: ``num_layers`` layers (weights drawn from ``seed``), hidden 64, 4 query heads over 1 KV head (GQA), tied embeddings,
@@ -26,11 +31,18 @@ def write_tiny_checkpoint(directory: Path, seed: int = 0, num_layers: int = 2, f
     ``family="mistral"``: a Mistral with Qwen3's head shape and ``sliding_window`` (``None``: full
     attention). ``family="phi3"``: a Phi-3 of hidden 128, 2 query heads of 64 over 1 KV head, RoPE on
     half of each head, ``longrope`` with random short and long factors from position 128 on.
+    ``family="gemma2"``: a Gemma 2 with Qwen3's head shape, local and global layers alternating
+    (window ``sliding_window``, default 8), attention scores capped at 5 and logits at 10 (so the
+    caps change the result), ``query_pre_attn_scalar`` the head size (as Google's 2B/9B).
+    ``family="gemma3"``: a Gemma 3 text model of 6 layers (five local, one global: its default
+    pattern), local RoPE base 10000 and a global one of 10^6 with linear scaling by 2. Both draw their
+    ``(1 + w)`` norm weights around 0 (transformers sets them to 0). ``overrides``: further config fields.
     Head size 64 everywhere but Llama's, so the fused CPU kernels run them.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
-                              PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
+                              MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     directory.mkdir(parents=True, exist_ok=True)
     byte_symbols = pre_tokenizers.ByteLevel.alphabet()
@@ -46,7 +58,7 @@ def write_tiny_checkpoint(directory: Path, seed: int = 0, num_layers: int = 2, f
     torch.manual_seed(seed)
     shape = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
                  max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.2,
-                 bos_token_id=None, eos_token_id=vocab[EOS], pad_token_id=vocab[EOS])
+                 bos_token_id=None, eos_token_id=vocab[EOS], pad_token_id=vocab[EOS]) | dict(overrides or {})
     if family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(num_key_value_heads=2, head_dim=64, **shape))
         with torch.no_grad():
@@ -60,6 +72,18 @@ def write_tiny_checkpoint(directory: Path, seed: int = 0, num_layers: int = 2, f
         rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": factors[0], "long_factor": factors[1]}
         model = Phi3ForCausalLM(Phi3Config(**(shape | {"hidden_size": 128, "num_attention_heads": 2}), num_key_value_heads=1,
                                            partial_rotary_factor=0.5, original_max_position_embeddings=128, rope_parameters=rope))
+    elif family in ("gemma2", "gemma3"):
+        gemma = dict(num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64, sliding_window=sliding_window or 8) | shape
+        if family == "gemma2":
+            model = Gemma2ForCausalLM(Gemma2Config(**({"attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0} | gemma)))
+        else:
+            rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+            model = Gemma3ForCausalLM(Gemma3TextConfig(**({"rope_parameters": rope} | gemma | {"num_hidden_layers": max(num_layers, 6)})))
+        with torch.no_grad():
+            for name, weight in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    weight.normal_(0.0, 0.3)
     else:
         model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=1, **shape))
     model.save_pretrained(directory)

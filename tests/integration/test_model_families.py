@@ -1,6 +1,7 @@
 """The families added through ``services/device/model/README.md`` served through the three services:
-Qwen3, and Mistral with a sliding window shorter than the prompts (one pipeline each; Phi-3 differs
-only in what the model does at load and in its RoPE tables, checked in the unit tests). The same
+Qwen3, Mistral with a sliding window shorter than the prompts, and Gemma 2 and Gemma 3 with such a
+window on their local layers beside global ones (Gemma 2 soft-capped); one pipeline each. Phi-3 differs
+only in what the model does at load and in its RoPE tables, checked in the unit tests. The same
 pipelines embed while they generate: Qwen3 by its last token (a plain checkpoint), the Mistral
 directory as a sentence-transformers model that mean-pools, its prompts prefilled in chunks of 5."""
 
@@ -20,9 +21,17 @@ from tests.integration.conftest import launch
 from tests.tiny_checkpoint import write_tiny_checkpoint
 from tests.unit.device.test_model_reference import hf_greedy
 
-PROMPTS = ("Hello, world", "abcabcabc")  # 12 and 9 tokens: longer than Mistral's window of 8
+PROMPTS = ("Hello, world", "abcabcabc")  # 12 and 9 tokens: longer than the windows of 8
+# Sent one after the other: the second finds the first's two full KV blocks (of 16 tokens) in the prefix cache.
+PREFIX = "The first two KV blocks are cached."  # 35 tokens
+EXTENDED = PREFIX + " The rest is prefilled."
 MAX_TOKENS = 16
-CHECKPOINTS = {"qwen3": {"family": "qwen3"}, "mistral-window": {"family": "mistral", "sliding_window": 8}}
+CHECKPOINTS = {
+    "qwen3": {"family": "qwen3"},
+    "mistral-window": {"family": "mistral", "sliding_window": 8},
+    "gemma2": {"family": "gemma2", "sliding_window": 8},
+    "gemma3": {"family": "gemma3", "sliding_window": 8},
+}
 MEAN_POOLED = {"mistral-window"}  # written as sentence-transformers directories that mean-pool
 EMBEDDED = ("The quick brown fox", "x", "Hello, world")
 
@@ -44,7 +53,9 @@ def _hf_embedding(hf, ids: list[int], mean: bool) -> torch.Tensor:
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_a_tiny_checkpoint_through_the_services_gives_transformers_greedy_tokens(tmp_path_factory, name):
     """Two concurrent greedy requests (float32, continuous batching) on a tiny random checkpoint of
-    each family give the tokens transformers' greedy ``generate`` gives for the same prompt ids."""
+    each family give the tokens transformers' greedy ``generate`` gives for the same prompt ids; so
+    does a prompt whose first 32 tokens come from the prefix cache (its prefill reads them back
+    through the windowed and the global layers)."""
     checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp(name), **CHECKPOINTS[name])
     mean = name in MEAN_POOLED
     if mean:
@@ -60,14 +71,18 @@ def test_a_tiny_checkpoint_through_the_services_gives_transformers_greedy_tokens
                 embedded = pool.submit(stub.Embed, prepare_pb2.EmbedRequest(input=EMBEDDED), timeout=120)
                 served = [list(r.token_ids) for r in pool.map(lambda r: stub.Generate(r, timeout=120), requests)]
                 embedding = embedded.result()
+            for prompt in (PREFIX, EXTENDED):
+                last = stub.Generate(prepare_pb2.GenerateRequest(prompt=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0), timeout=120)
+                served.append(list(last.token_ids))
             info = stub.GetModelInfo(prepare_pb2.GetModelInfoRequest())
     finally:
         pipeline.stop()
     tokenizer = load_tokenizer(checkpoint)
     hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-    expected = [hf_greedy(hf, list(tokenizer.encode(p, add_special_tokens=True)), MAX_TOKENS)[0] for p in PROMPTS]
+    expected = [hf_greedy(hf, list(tokenizer.encode(p, add_special_tokens=True)), MAX_TOKENS)[0] for p in (*PROMPTS, PREFIX, EXTENDED)]
+    assert last.usage.cached_tokens == 32
     assert served == expected
-    assert info.pooling == (common_pb2.POOLING_MEAN if mean else common_pb2.POOLING_LAST) and info.hidden_size == 64
+    assert info.pooling == (common_pb2.POOLING_MEAN if mean else common_pb2.POOLING_LAST) and info.hidden_size == hf.config.hidden_size
     ids = [list(tokenizer.encode(text, add_special_tokens=True)) for text in EMBEDDED]
     assert embedding.prompt_tokens == sum(map(len, ids))
     for vector, prompt in zip(embedding.data, ids):

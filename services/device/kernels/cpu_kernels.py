@@ -135,6 +135,7 @@ def available(dtype: torch.dtype, head_dim: int, group: int) -> bool:
 
 def paged_decode_attention(
     q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Single-query attention of each row over its paged context, read in place from the KV pool.
 
@@ -147,6 +148,8 @@ def paged_decode_attention(
         scale: the softmax scale, usually ``head_dim ** -0.5``.
         window: a sliding window: each row attends only to its last ``window`` tokens (the blocks
             before are not read, so they may be stale); ``None`` for the whole context.
+        softcap: each scaled score s becomes ``softcap * tanh(s / softcap)`` before the softmax
+            (Gemma 2's ``attn_logit_softcapping``); ``None`` for none.
 
     Returns:
         ``[B, H * D]`` in ``q``'s dtype; fp32 scores, exact softmax and fp32 accumulation inside.
@@ -155,7 +158,7 @@ def paged_decode_attention(
         RuntimeError: shapes, dtypes or bounds that do not fit, or no kernel for them on this CPU
             (check ``available`` first). So do the other ops here.
     """
-    return torch.ops.stageserve.paged_decode_attention(q, kv, block_tables, context_lens, scale, window or 0)
+    return torch.ops.stageserve.paged_decode_attention(q, kv, block_tables, context_lens, scale, window or 0, softcap or 0.0)
 
 
 def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stageserve.device.model.family import family_for_gguf, family_for_hf, gguf_architectures, hf_model_types
+from stageserve.device.model.family import Unsupported, family_for_gguf, family_for_hf, gguf_architectures, hf_model_types
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # transformers' ACT2FN names: SwiGLU, GeGLU with tanh-approximated GELU
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' layer_types values
 
 
 class ModelLoadError(ValueError):
@@ -60,13 +62,25 @@ class ModelConfig:
     converters write instead of llama3 scaling parameters. ``attention_bias``: the q/k/v projections
     have biases (o_proj's is loaded where the checkpoint has one); ``qk_norm``: an RMSNorm over
     ``head_dim`` on every query and key head before RoPE (Qwen3's ``q_norm``/``k_norm``).
-    ``sliding_window``: every layer's query at position p attends only to keys at positions
-    ``p - sliding_window < k <= p`` (transformers' ``sliding_window_overlay`` in ``masking_utils.py``:
-    the window counts the current token), ``None`` for full causal attention (Mistral, Phi-3).
+    ``sliding_window``: in every layer but the ``full_attention_layers`` a query at position p attends
+    only to keys at positions ``p - sliding_window < k <= p`` (transformers' ``sliding_window_overlay``
+    in ``masking_utils.py``: the window counts the current token), ``None`` for full causal attention
+    (Mistral, Phi-3, Gemma's local layers; ``layer_windows`` says each layer's).
     ``rotary_dim``: RoPE rotates only the first ``rotary_dim`` values of each head
     (``partial_rotary_factor * head_dim``, Phi-3/Phi-4-mini), ``None`` for the whole head.
     ``pooling``: how an embedding pools the last hidden states: ``mean`` or ``last`` (`pooling_of_hf`,
     `GGUF_POOLING`); another mode's name where the model's files ask for one the device lacks.
+
+    Gemma 2 / Gemma 3: ``hidden_act`` the gated MLP's activation (``SUPPORTED_ACTIVATIONS``);
+    ``sandwich_norms``: RMSNorms also on the attention and MLP outputs before their residual adds
+    (``post_attention_layernorm`` / ``post_feedforward_layernorm``; the MLP's input norm is then
+    ``pre_feedforward_layernorm``); ``embed_scale``: the embeddings are multiplied by it
+    (``sqrt(hidden_size)``); ``attention_scale``: the softmax scale, ``None`` for ``head_dim ** -0.5``
+    (``query_pre_attn_scalar ** -0.5``); ``attn_softcap`` / ``final_softcap``: attention scores and
+    final logits become ``cap * tanh(x / cap)``, ``None`` for none; ``full_attention_layers``: the
+    layers that ignore ``sliding_window`` (empty: the window, if any, is every layer's);
+    ``local_rope_theta``: the RoPE base of the windowed layers, which take no ``rope_scaling``
+    (Gemma 3's ``rope_local_base_freq``), ``None`` for every layer's RoPE alike.
     """
 
     architecture: str
@@ -90,12 +104,35 @@ class ModelConfig:
     sliding_window: int | None = None
     rotary_dim: int | None = None
     pooling: str = "last"
+    hidden_act: str = "silu"
+    sandwich_norms: bool = False
+    embed_scale: float | None = None
+    attention_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    full_attention_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} is not a positive number of tokens")
+        if any(cap is not None and cap <= 0 for cap in (self.attn_softcap, self.final_softcap)):
+            raise ValueError(f"soft-capping values must be positive, got {self.attn_softcap}, {self.final_softcap}")
+        if not all(0 <= i < self.num_layers for i in self.full_attention_layers):
+            raise ValueError(f"full_attention_layers={self.full_attention_layers} names a layer outside 0..{self.num_layers - 1}")
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window in tokens, ``None`` for full causal attention."""
+        full = set(self.full_attention_layers)
+        return tuple(None if i in full else self.sliding_window for i in range(self.num_layers))
+
+    @property
+    def softmax_scale(self) -> float:
+        """The attention softmax scale: ``attention_scale``, else ``head_dim ** -0.5``."""
+        return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
 
     @property
     def q_size(self) -> int:
@@ -119,6 +156,8 @@ def config_from_gguf(fields: Mapping[str, Any], tensor_shapes: Mapping[str, tupl
     ``{arch}.attention.sliding_window`` (``GGUFWriter.add_sliding_window``) sets the window where present
     (0: none). A family with ``gguf_partial_rotary`` (Phi-3) reads ``rope.dimension_count`` as its
     ``rotary_dim`` and LongRoPE from its ``rope_factors_*`` tensors (``_gguf_rope_scaling``).
+    Sandwich norms are there when layer 0's ``attn_post_norm`` is; the family's ``gguf_fields``
+    add what llama.cpp derives from the architecture (Gemma's window pattern, scales, soft-capping).
     Raises ``ModelLoadError`` naming ``path`` for an unsupported architecture or a missing key.
     """
     arch = fields.get("general.architecture")
@@ -141,7 +180,7 @@ def config_from_gguf(fields: Mapping[str, Any], tensor_shapes: Mapping[str, tupl
         raise ModelLoadError(f"{path}: tensor 'token_embd.weight' is missing")
     vocab = fields.get(f"{arch}.vocab_size") or tensor_shapes["token_embd.weight"][0]
     eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in fields]
-    return ModelConfig(
+    common = dict(
         architecture=family.name,
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -162,7 +201,12 @@ def config_from_gguf(fields: Mapping[str, Any], tensor_shapes: Mapping[str, tupl
         rope_scaling=_gguf_rope_scaling(fields, arch, "rope_factors_long.weight" in tensor_shapes, path),
         rotary_dim=rotary_dim,
         pooling=GGUF_POOLING.get(int(fields.get(f"{arch}.pooling_type", 0)), "last"),
+        sandwich_norms="blk.0.attn_post_norm.weight" in tensor_shapes,
     )
+    try:
+        return ModelConfig(**(common | family.gguf_fields(fields, arch, common)))
+    except Unsupported as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
 
 
 def _gguf_rope_scaling(fields: Mapping[str, Any], arch: str, longrope: bool, path: Path) -> dict[str, Any] | None:
@@ -205,16 +249,27 @@ def config_from_hf(raw: Mapping[str, Any], eos_extra: list[int], path: Path) -> 
 
     ``eos_extra`` adds end-of-sequence ids from ``generation_config.json``. Reads both the
     transformers 5 ``rope_parameters`` key and the older ``rope_theta`` / ``rope_scaling`` keys;
-    the family's own fields come from its ``Family.hf_fields``. Raises ``ModelLoadError`` naming
-    ``path`` for an unsupported architecture, activation, rope type, Qwen2's sliding window or MLP biases.
+    the family's own fields come from its ``Family.hf_fields`` (after its ``hf_config``). Raises
+    ``ModelLoadError`` naming ``path`` for an unsupported architecture, activation, rope type, layer
+    type, Qwen2's sliding window, bidirectional attention or MLP biases.
     """
     arch = raw.get("model_type")
     family = family_for_hf(arch)
     if family is None:
         raise ModelLoadError(f"{path}: unsupported model_type {arch!r} (supported: {', '.join(hf_model_types())})")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{path}: unsupported hidden_act {raw['hidden_act']!r} (only silu)")
-    for field in ("use_sliding_window", "mlp_bias"):  # Qwen2's window over layers from max_window_layers on; biased MLPs
+    try:
+        raw = family.hf_config(raw)
+        own = {"attention_bias": False, **family.hf_fields(raw)}  # the family's own fields (attention_bias has no dataclass default)
+    except Unsupported as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
+    except KeyError as exc:
+        raise ModelLoadError(f"{path}: config.json lacks required key {exc.args[0]!r}") from None
+    act_key = "hidden_activation" if "hidden_act" in own and "hidden_activation" in raw else "hidden_act"
+    own["hidden_act"] = own.get("hidden_act", raw.get("hidden_act", "silu"))
+    if own["hidden_act"] not in SUPPORTED_ACTIVATIONS:
+        raise ModelLoadError(f"{path}: unsupported {act_key} {own['hidden_act']!r} (supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
+    # Qwen2's window over layers from max_window_layers on; biased MLPs; Gemma 3's embedding variant (not causal)
+    for field in ("use_sliding_window", "mlp_bias", "use_bidirectional_attention"):
         if raw.get(field):
             raise ModelLoadError(f"{path}: unsupported {field} {raw[field]!r} (supported: false)")
     try:
@@ -232,6 +287,9 @@ def config_from_hf(raw: Mapping[str, Any], eos_extra: list[int], path: Path) -> 
             raise ModelLoadError(f"{path}: unsupported partial_rotary_factor: {rotary_dim} rotary values of a {head_dim}-value head (supported: even splits)")
         if rope_type == "longrope":
             _check_longrope(rope, raw, rotary_dim, path)
+        layer_types = own.pop("layer_types", None)
+        if layer_types is not None:
+            own["full_attention_layers"] = _full_attention_layers(layer_types, int(raw["num_hidden_layers"]), path)
         eos = raw.get("eos_token_id")
         eos_ids = ([] if eos is None else [eos] if isinstance(eos, int) else list(eos)) + eos_extra
         return ModelConfig(
@@ -252,7 +310,18 @@ def config_from_hf(raw: Mapping[str, Any], eos_extra: list[int], path: Path) -> 
             rope_scaling=None if rope_type == "default" else rope,
             rotary_dim=None if rotary_dim == head_dim else rotary_dim,
             pooling=pooling_of_hf(path.parent),
-            **{"attention_bias": False, **family.hf_fields(raw)},  # the family's own fields (attention_bias has no dataclass default)
+            **own,
         )
     except KeyError as exc:
         raise ModelLoadError(f"{path}: config.json lacks required key {exc.args[0]!r}") from None
+
+
+def _full_attention_layers(layer_types: object, num_layers: int, path: Path) -> tuple[int, ...]:
+    """The indices of ``layer_types``' ``full_attention`` layers. Raises ``ModelLoadError`` naming
+    ``path`` for a list of another length or another value (``LAYER_TYPES``)."""
+    if not isinstance(layer_types, (list, tuple)) or len(layer_types) != num_layers:
+        raise ModelLoadError(f"{path}: layer_types must list one of {', '.join(LAYER_TYPES)} for each of the {num_layers} layers")
+    for kind in layer_types:
+        if kind not in LAYER_TYPES:
+            raise ModelLoadError(f"{path}: unsupported layer_types value {kind!r} (supported: {', '.join(LAYER_TYPES)})")
+    return tuple(i for i, kind in enumerate(layer_types) if kind == "full_attention")

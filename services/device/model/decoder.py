@@ -9,9 +9,14 @@ Layer math follows the Hugging Face ``LlamaForCausalLM`` reference: RMSNorm (Zha
 2019), rotary position embeddings with rotate-half pairing (Su et al. 2021, "RoFormer"),
 grouped-query attention (Ainslie et al. 2023, ``attention.py``) and a SwiGLU MLP (Shazeer 2020),
 with the optional parts a family's config turns on: q/k/v biases (``attention_bias``: Qwen2), an
-RMSNorm over ``head_dim`` on each query and key head before RoPE (``qk_norm``: Qwen3) and a
-sliding attention window (``sliding_window``: Mistral, Phi-3; ``attention.py``). The KV pool keeps
-every block of a windowed sequence: freeing the blocks every window has left is not done yet.
+RMSNorm over ``head_dim`` on each query and key head before RoPE (``qk_norm``: Qwen3, Gemma 3), a
+sliding attention window on every layer or on some (``sliding_window``, ``full_attention_layers``:
+Mistral, Phi-3, Gemma; ``attention.py``) and Gemma's parts: a GeGLU MLP (``hidden_act``), norms on
+the attention and MLP outputs (``sandwich_norms``), scaled embeddings (``embed_scale``), a softmax
+scale of its own (``attention_scale``), soft-capped attention scores and logits (``attn_softcap``,
+``final_softcap``) and a RoPE base of the local layers' own (``local_rope_theta``, ``rope.py``).
+The KV pool keeps every block of a windowed sequence: freeing the blocks every window has left is
+not done yet.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from stageserve.device.model.config import ModelConfig
 from stageserve.device.model.forward_batch import ForwardBatch
 from stageserve.device.model.kv_cache import PagedKVCache
 from stageserve.device.model.linear import Linear
-from stageserve.device.model.rope import apply_rope, rope_tables, rotary_row_order
+from stageserve.device.model.rope import apply_rope, layer_rope_tables, rotary_row_order
 from stageserve.device.model.weights import expected_shapes, load_weights
 
 
@@ -43,11 +48,13 @@ class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
     qkv: Linear  # [hidden] -> [q_size + 2 * kv_size], with Qwen2's bias
     o: Linear  # [q_size] -> [hidden]
-    post_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor  # [hidden], the MLP's input norm (Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm)
     gate_up: Linear  # [hidden] -> [2 * intermediate]
     down: Linear  # [intermediate] -> [hidden]
     q_norm: torch.Tensor | None = None  # [head_dim], with config.qk_norm (Qwen3)
     k_norm: torch.Tensor | None = None  # [head_dim]
+    attn_out_norm: torch.Tensor | None = None  # [hidden], with config.sandwich_norms: Gemma's post_attention_layernorm
+    mlp_out_norm: torch.Tensor | None = None  # [hidden], with config.sandwich_norms: post_feedforward_layernorm
 
     def norm_qk_heads_(self, qkv: torch.Tensor, heads: int, kv_heads: int, eps: float) -> torch.Tensor:
         """With ``q_norm``/``k_norm``: RMSNorm each query and key head of ``qkv`` [T, (H + 2K) * D] in place
@@ -128,24 +135,30 @@ class DecoderModel:
         self.amx_dense_copies = amx and self.dtype == torch.bfloat16 and cpu_kernels.amx_ready(torch.empty(16, 32, dtype=torch.bfloat16))
         self._keep_dense_copies(dense_copy, budgeted=not self.amx_dense_copies)
         self.amx_linears = any(getattr(lin, "amx_weight", None) is not None for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        self.cos, self.signed_sin = rope_tables(config, self.dtype, self.device)
-        self.scale = config.head_dim**-0.5
+        self.rope, self.layer_rope = layer_rope_tables(config, self.dtype, self.device)  # [(cos, signed_sin) [P, D]], an index per layer
+        self.layer_windows = config.layer_windows
+        self.scale = config.softmax_scale
+        # Rounded to the activation dtype first, as transformers' Gemma2TextScaledWordEmbedding does.
+        self.embed_scale = None if config.embed_scale is None else float(torch.tensor(config.embed_scale).to(self.dtype))
 
     def _layer(self, p: str, weights: dict, w, linear) -> LayerWeights:
         """Decoder layer ``p`` (``model.layers.{i}.``) from HF-named ``weights``: ``w`` moves a norm onto the
         device, ``linear`` builds a (fused) linear from weight and bias names (see ``__init__``)."""
         attn, mlp = p + "self_attn.", p + "mlp."
         qkv = tuple(attn + f"{x}_proj." for x in "qkv")
-        qk_norm = self.config.qk_norm
+        qk_norm, sandwich = self.config.qk_norm, self.config.sandwich_norms
         return LayerWeights(
             input_norm=w(p + "input_layernorm.weight"),
             qkv=linear(tuple(n + "weight" for n in qkv), tuple(n + "bias" for n in qkv) if self.config.attention_bias else ()),
             o=linear((attn + "o_proj.weight",), (attn + "o_proj.bias",) if attn + "o_proj.bias" in weights else ()),
-            post_norm=w(p + "post_attention_layernorm.weight"),
-            gate_up=linear((mlp + "gate_proj.weight", mlp + "up_proj.weight"), gated=True),
+            post_norm=w(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
+            # packed for the fused SwiGLU (amx_swiglu) only where the activation is SiLU
+            gate_up=linear((mlp + "gate_proj.weight", mlp + "up_proj.weight"), gated=self.config.hidden_act == "silu"),
             down=linear((mlp + "down_proj.weight",)),
             q_norm=w(attn + "q_norm.weight") if qk_norm else None,
             k_norm=w(attn + "k_norm.weight") if qk_norm else None,
+            attn_out_norm=w(p + "post_attention_layernorm.weight") if sandwich else None,
+            mlp_out_norm=w(p + "post_feedforward_layernorm.weight") if sandwich else None,
         )
 
     def _linear(self, parts: list[torch.Tensor | QuantizedWeight], bias: torch.Tensor | None, weight_format: str, amx: bool, gated: bool) -> Linear | QuantizedLinear:
@@ -191,7 +204,8 @@ class DecoderModel:
         for lin in self._linears():
             for t in lin.tensors():
                 add(t)
-        norms = [self.norm] + [t for layer in self.layers for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm) if t is not None]
+        norms = [self.norm] + [t for layer in self.layers for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm,
+                                                                      layer.attn_out_norm, layer.mlp_out_norm) if t is not None]
         for t in norms:
             add(t)
         if isinstance(self.embed, torch.Tensor):
@@ -226,6 +240,8 @@ class DecoderModel:
         """The decoder layers of one step (K/V written as in `forward`): ``[T, hidden]`` in the
         activation dtype, before the final norm."""
         x = self.embed.embedding(batch.input_ids) if isinstance(self.embed, QuantizedLinear) else F.embedding(batch.input_ids, self.embed)  # [T, hidden]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         return self._layers_fused(x, batch, kv_cache) if self.cpu_kernels else self._layers_torch(x, batch, kv_cache)
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -234,37 +250,54 @@ class DecoderModel:
 
     @torch.inference_mode()
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits ``[S, vocab]`` of hidden states ``[S, hidden]`` (before the final norm)."""
-        return self.lm_head(self.final_norm(x))
+        """Logits ``[S, vocab]`` of hidden states ``[S, hidden]`` (before the final norm), soft-capped
+        where the model caps them (Gemma 2)."""
+        logits = self.lm_head(self.final_norm(x))
+        cap = self.config.final_softcap
+        if cap is not None:
+            logits = logits.div_(cap).tanh_().mul_(cap)
+        return logits
+
+    def _decode_bias(self, batch: ForwardBatch, window: int | None) -> torch.Tensor:
+        """The decode rows' additive mask [kv_heads * Bd, q_per_kv, L] (kv-head-major, as the gathered cache) for one window."""
+        c = self.config
+        b, length = batch.decode_mask.shape
+        mask = within_window(batch.decode_mask, batch.positions[:b], window)
+        bias = torch.zeros(1, b, 1, length, dtype=self.dtype, device=self.device).masked_fill_(~mask.view(1, b, 1, length), float("-inf"))
+        return bias.expand(c.num_kv_heads, b, c.num_heads // c.num_kv_heads, length).reshape(-1, c.num_heads // c.num_kv_heads, length)
 
     def _layers_torch(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """All decoder layers in plain torch ops (any device): ``x`` [T, hidden] -> [T, hidden]."""
-        c = self.config
-        cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.signed_sin[batch.positions].unsqueeze(1)
-        decode_bias = decode_rows = None
+        c, eps, hidden = self.config, self.config.rms_norm_eps, (self.config.hidden_size,)
+        rope = [(cos[batch.positions].unsqueeze(1), sin[batch.positions].unsqueeze(1)) for cos, sin in self.rope]  # [T, 1, D] each
+        # Masks made once per step for every layer of a window.
+        windows = set(self.layer_windows)
+        masks = {window: prefill_masks(batch, window) for window in windows}
+        decode_bias, decode_rows = {}, None
         if batch.num_decode:
             decode_rows = kv_cache.block_rows(batch.decode_blocks)  # [2 * kv_heads * Bd * W]
-            # Additive mask [kv_heads * Bd, q_per_kv, L] (kv-head-major, as the gathered cache), made once per step for every layer.
-            b, length = batch.decode_mask.shape
-            mask = within_window(batch.decode_mask, batch.positions[:b], c.sliding_window)
-            bias = torch.zeros(1, b, 1, length, dtype=self.dtype, device=self.device).masked_fill_(~mask.view(1, b, 1, length), float("-inf"))
-            decode_bias = bias.expand(c.num_kv_heads, b, c.num_heads // c.num_kv_heads, length).reshape(-1, c.num_heads // c.num_kv_heads, length)
+            decode_bias = {window: self._decode_bias(batch, window) for window in windows}
         heads, kv_heads, d = c.num_heads, c.num_kv_heads, c.head_dim
-        masks = prefill_masks(batch, c.sliding_window)
         for index, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (c.hidden_size,), layer.input_norm, c.rms_norm_eps)
-            qkv = layer.norm_qk_heads_(layer.qkv(h), heads, kv_heads, c.rms_norm_eps)  # [T, (H + 2K) * D]
+            window, (cos, sin) = self.layer_windows[index], rope[self.layer_rope[index]]
+            h = F.rms_norm(x, hidden, layer.input_norm, eps)
+            qkv = layer.norm_qk_heads_(layer.qkv(h), heads, kv_heads, eps)  # [T, (H + 2K) * D]
             qk = apply_rope(qkv[:, : (heads + kv_heads) * d].view(-1, heads + kv_heads, d), cos, sin)  # [T, H + K, D]
             v = qkv[:, (heads + kv_heads) * d :].view(-1, kv_heads, d)  # [T, K, D]
             kv_cache.write(index, qk[:, heads:], v, batch.slot_mapping)
             decode = None
             if batch.num_decode:
                 k_context, v_context = kv_cache.gather_blocks(index, decode_rows)  # [K * Bd * W, block_size, D]
-                decode = decode_attention(qk[: batch.num_decode, :heads], k_context, v_context, decode_bias, self.scale)
-            x = x + layer.o(attention_output(index, decode, qk, v, batch, kv_cache, self.scale, masks))
-            h = F.rms_norm(x, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
-            x = x + layer.down(_swiglu(layer.gate_up(h), c.intermediate_size))
+                decode = decode_attention(qk[: batch.num_decode, :heads], k_context, v_context, decode_bias[window], self.scale, c.attn_softcap)
+            attention = layer.o(attention_output(index, decode, qk, v, batch, kv_cache, self.scale, masks[window], c.attn_softcap))
+            if layer.attn_out_norm is not None:
+                attention = F.rms_norm(attention, hidden, layer.attn_out_norm, eps)
+            x = x + attention
+            h = F.rms_norm(x, hidden, layer.post_norm, eps)
+            mlp = layer.down(_gated_activation(layer.gate_up(h), c.intermediate_size, c.hidden_act))
+            if layer.mlp_out_norm is not None:
+                mlp = F.rms_norm(mlp, hidden, layer.mlp_out_norm, eps)
+            x = x + mlp
         return x
 
     def _layers_fused(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
@@ -272,24 +305,32 @@ class DecoderModel:
 
         Same math as ``_layers_torch``, in fewer passes: RoPE and the KV store in one op, decode
         attention reading the pool in place, each residual add fused into the next RMSNorm
-        (``x`` is updated in place), SwiGLU in one op.
+        (``x`` is updated in place), SwiGLU in one op (GeGLU in torch ops).
         """
         c, eps = self.config, self.config.rms_norm_eps
         heads, kv_heads, d = c.num_heads, c.num_kv_heads, c.head_dim
         context_lens = batch.positions[: batch.num_decode] + 1  # [Bd] tokens each decode row attends to
         h = cpu_kernels.rms_norm(x, self.layers[0].input_norm, eps)
-        masks = prefill_masks(batch, c.sliding_window)
+        masks = {window: prefill_masks(batch, window) for window in set(self.layer_windows)}
         for index, layer in enumerate(self.layers):
+            window, (cos, signed_sin) = self.layer_windows[index], self.rope[self.layer_rope[index]]
             qkv, pool = layer.norm_qk_heads_(layer.qkv(h), heads, kv_heads, eps), kv_cache.layer(index)  # [T, (H + 2K) * D], [2K, blocks, block_size, D]
-            qk = cpu_kernels.rope_and_cache(qkv, self.cos, self.signed_sin, batch.positions, pool, batch.slot_mapping, heads)
+            qk = cpu_kernels.rope_and_cache(qkv, cos, signed_sin, batch.positions, pool, batch.slot_mapping, heads)
             v = qkv[:, (heads + kv_heads) * d :].view(-1, kv_heads, d)  # [T, K, D]
             decode = None
             if batch.num_decode:
                 decode = cpu_kernels.paged_decode_attention(
-                    qk[: batch.num_decode, :heads], pool, batch.decode_blocks, context_lens, self.scale, c.sliding_window)
-            attention = attention_output(index, decode, qk, v, batch, kv_cache, self.scale, masks)
-            h = cpu_kernels.add_rms_norm(x, layer.o(attention), layer.post_norm, eps)
-            mlp = layer.down(layer.gate_up.swiglu(h))
+                    qk[: batch.num_decode, :heads], pool, batch.decode_blocks, context_lens, self.scale, window, c.attn_softcap)
+            attention = layer.o(attention_output(index, decode, qk, v, batch, kv_cache, self.scale, masks[window], c.attn_softcap))
+            if layer.attn_out_norm is not None:
+                attention = cpu_kernels.rms_norm(attention, layer.attn_out_norm, eps)
+            h = cpu_kernels.add_rms_norm(x, attention, layer.post_norm, eps)
+            if c.hidden_act == "silu":
+                mlp = layer.down(layer.gate_up.swiglu(h))
+            else:
+                mlp = layer.down(_gated_activation(layer.gate_up(h), c.intermediate_size, c.hidden_act))
+            if layer.mlp_out_norm is not None:
+                mlp = cpu_kernels.rms_norm(mlp, layer.mlp_out_norm, eps)
             if index + 1 < len(self.layers):
                 h = cpu_kernels.add_rms_norm(x, mlp, self.layers[index + 1].input_norm, eps)
             else:
@@ -297,6 +338,9 @@ class DecoderModel:
         return x
 
 
-def _swiglu(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
-    """SwiGLU (Shazeer 2020): ``silu(gate) * up`` from the fused ``[T, 2 * intermediate]`` projection."""
-    return F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+def _gated_activation(gate_up: torch.Tensor, intermediate: int, activation: str) -> torch.Tensor:
+    """``act(gate) * up`` from the fused ``[T, 2 * intermediate]`` projection -> ``[T, intermediate]``
+    (Shazeer 2020): SwiGLU for ``silu``, GeGLU with tanh-approximated GELU for ``gelu_pytorch_tanh``
+    (transformers' ``GELUTanh``, Gemma's ``hidden_activation``)."""
+    gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
+    return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up

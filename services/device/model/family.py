@@ -30,6 +30,20 @@ class Family:
     in ``convert_hf_to_gguf.py``), so the loader undoes it. ``gguf_partial_rotary``: the GGUF's
     ``{arch}.rope.dimension_count`` counts only the rotating values of a head (llama.cpp's ``n_rot``,
     ``Phi3MiniModel``), whose size is then ``key_length`` or hidden / heads.
+
+    What only some families need: ``hf_config`` turns the family's ``config.json`` into the shape
+    the common reader takes (Gemma 3: the ``text_config`` of a multimodal config, the global
+    layers' ``rope_parameters``, the defaults of keys its configs omit); ``hf_fields`` may also
+    return ``layer_types`` (``full_attention`` / ``sliding_attention`` per layer), which the
+    reader turns into ``ModelConfig.full_attention_layers``. ``hf_norm_offset``: added to every
+    RMSNorm weight of a Hugging Face checkpoint at load (Gemma's ``(1 + w)`` norms), so the
+    decoder multiplies by the stored weight as llama.cpp's GGUF already stores it.
+    ``hf_weight_prefixes``: ``(prefix, replacement)`` pairs renaming a checkpoint's tensors into
+    the decoder's names (a multimodal checkpoint's language model). ``gguf_fields`` maps the GGUF
+    metadata (``{arch}.*`` keys), its architecture name and the common fields read so far to
+    the family's own fields where GGUF has no key for them (llama.cpp derives them from the
+    architecture). The hooks raise :class:`Unsupported` for what the decoder cannot run; the reader
+    names the file.
     """
 
     name: str
@@ -38,6 +52,14 @@ class Family:
     hf_fields: Callable[[Mapping[str, Any]], dict[str, Any]]
     gguf_qk_permuted: bool = False
     gguf_partial_rotary: bool = False
+    hf_config: Callable[[Mapping[str, Any]], Mapping[str, Any]] = lambda raw: raw
+    hf_norm_offset: float = 0.0
+    hf_weight_prefixes: tuple[tuple[str, str], ...] = ()
+    gguf_fields: Callable[[Mapping[str, Any], str, Mapping[str, Any]], dict[str, Any]] = lambda fields, arch, common: {}
+
+
+class Unsupported(ValueError):
+    """A family hook's refusal of a config it cannot run: the message names the field and the supported values, not the file."""
 
 
 def register(family: Family) -> Family:

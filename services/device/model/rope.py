@@ -1,9 +1,11 @@
 """Rotary position embeddings (Su et al. 2021, "RoFormer"), with the Llama 3, YaRN and LongRoPE
 frequency scalings as transformers computes them, in the rotate-half pairing of the Hugging Face
-models, and partial rotary (only the first ``rotary_dim`` values of a head rotate: Phi-3)."""
+models, partial rotary (only the first ``rotary_dim`` values of a head rotate: Phi-3), and a second base for
+the windowed layers (Gemma 3's ``rope_local_base_freq``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -123,6 +125,21 @@ def rope_tables(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
     cos = torch.cat((cos, torch.ones(length, pass_through)), -1)  # [P, D/2]
     sin = torch.cat((sin, torch.zeros(length, pass_through)), -1)
     return torch.cat((cos, cos), -1).to(device, dtype), torch.cat((-sin, sin), -1).to(device, dtype)
+
+
+def layer_rope_tables(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], tuple[int, ...]]:
+    """The distinct ``rope_tables`` of the model's layers and each layer's index into them.
+
+    One table for every layer, except with ``config.local_rope_theta`` (Gemma 3): the local layers
+    (those not in ``full_attention_layers``) rotate by a second table of that base without ``rope_scaling`` (transformers'
+    ``Gemma3RotaryEmbedding`` for ``sliding_attention``; llama.cpp's ``rope_freq_base_train_swa``).
+    """
+    tables = [rope_tables(config, dtype, device)]
+    if config.local_rope_theta is None:
+        return tables, (0,) * config.num_layers
+    local = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None, rope_freq_factors=None)
+    tables.append(rope_tables(local, dtype, device))
+    return tables, tuple(0 if i in config.full_attention_layers else 1 for i in range(config.num_layers))
 
 
 def rotary_row_order(config: ModelConfig) -> torch.Tensor | None:

@@ -50,7 +50,12 @@ _GGUF_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
     "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3's fused projection
+    "attn_post_norm.weight": "post_attention_layernorm.weight",  # Gemma's sandwich norms (with ffn_norm below)
+    "ffn_post_norm.weight": "post_feedforward_layernorm.weight",
 }
+# With sandwich norms llama.cpp's ffn_norm is the MLP's input norm, Gemma's pre_feedforward_layernorm
+# (its post_attention_layernorm, on the attention output, is attn_post_norm).
+_GGUF_SANDWICH_LAYER_NAMES = _GGUF_LAYER_NAMES | {"ffn_norm.weight": "pre_feedforward_layernorm.weight"}
 # llama.cpp's LongRoPE factors (Phi-3), into ModelConfig.rope_scaling.
 _GGUF_ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 
@@ -121,6 +126,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                        p + "self_attn.v_proj.bias": (c.kv_size,)}
         if c.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
+        if c.sandwich_norms:
+            shapes |= {p + "pre_feedforward_layernorm.weight": (c.hidden_size,), p + "post_feedforward_layernorm.weight": (c.hidden_size,)}
     return shapes
 
 
@@ -192,7 +199,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool) -> tuple[Mo
         if info.name in _GGUF_ROPE_FACTORS and config.rope_scaling:
             config = dataclasses.replace(config, rope_scaling=config.rope_scaling | {_GGUF_ROPE_FACTORS[info.name]: tensor.tolist()})
             continue
-        hf_name = _hf_name(info.name)
+        hf_name = _hf_name(info.name, config.sandwich_norms)
         if hf_name is not None and hf_name.endswith("mlp.up_proj.weight") and tensor.shape[0] == 2 * config.intermediate_size:
             hf_name = hf_name.replace("up_proj", "gate_up_proj")  # Phi-3's fused gate and up rows in one ffn_up
         if hf_name is None:
@@ -230,14 +237,15 @@ def _dequantize(raw: torch.Tensor, info: GGUFTensor, path: Path) -> torch.Tensor
         raise ModelLoadError(f"{path}: tensor {info.name!r} of type {info.qtype.name} cannot be dequantized: {exc}") from exc
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, sandwich_norms: bool) -> str | None:
     if gguf_name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[gguf_name]
+    layer_names = _GGUF_SANDWICH_LAYER_NAMES if sandwich_norms else _GGUF_LAYER_NAMES
     blk, _, rest = gguf_name.partition(".")
     index, _, suffix = rest.partition(".")
-    if blk != "blk" or not index.isdigit() or suffix not in _GGUF_LAYER_NAMES:
+    if blk != "blk" or not index.isdigit() or suffix not in layer_names:
         return None
-    return f"model.layers.{index}.{_GGUF_LAYER_NAMES[suffix]}"
+    return f"model.layers.{index}.{layer_names[suffix]}"
 
 
 def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -255,7 +263,9 @@ def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 # ---- Hugging Face directory -----------------------------------------------------------------
 
 
-_BASE_MODEL_PARTS = ("embed_tokens", "layers", "norm")
+# A base model's checkpoint (a sentence-transformers embedding model such as Qwen3-Embedding:
+# Qwen3Model) names the decoder's tensors without "model.".
+_BASE_MODEL_PREFIXES = (("embed_tokens.", "model.embed_tokens."), ("layers.", "model.layers."), ("norm.", "model.norm."))
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -268,23 +278,32 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str,
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors files")
+    family = family_named(config.architecture)
     wanted = expected_shapes(config).keys() | {f"model.layers.{i}.self_attn.o_proj.bias" for i in range(config.num_layers)}
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         try:
             with safe_open(file, framework="pt") as handle:
                 for stored in handle.keys():
-                    # A base model's checkpoint (a sentence-transformers embedding model such as
-                    # Qwen3-Embedding: Qwen3Model) names the decoder's tensors without "model.".
-                    name = f"model.{stored}" if stored.partition(".")[0] in _BASE_MODEL_PARTS else stored
+                    name = _renamed(stored, family.hf_weight_prefixes + _BASE_MODEL_PREFIXES)
                     if name in wanted or name.endswith(tuple(_FUSED_HF_NAMES)):
                         for part_name, part in _split_fused(name, handle.get_tensor(stored), config, file):
+                            if family.hf_norm_offset and part_name.endswith("norm.weight"):  # (1 + w) norms: the multiplier, in float32
+                                part = part.float() + family.hf_norm_offset
                             weights[part_name] = part.to(dtype)
         except ModelLoadError:
             raise
         except Exception as exc:  # safetensors raises SafetensorError / OSError on bad headers or sizes
             raise ModelLoadError(f"{file}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
     return config, weights
+
+
+def _renamed(name: str, prefixes: tuple[tuple[str, str], ...]) -> str:
+    """``name`` with the first of ``prefixes``' ``(prefix, replacement)`` it starts with replaced (a family's ``hf_weight_prefixes``)."""
+    for prefix, replacement in prefixes:
+        if name.startswith(prefix):
+            return replacement + name.removeprefix(prefix)
+    return name
 
 
 def _read_json(file: Path) -> dict:

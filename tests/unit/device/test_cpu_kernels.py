@@ -41,8 +41,12 @@ needs_kernels = pytest.mark.skipif(
 needs_amx = pytest.mark.skipif(not (KERNELS_LOADED and torch.ops.stageserve.has_amx()), reason="amx_linear needs a CPU with AMX-BF16 that Linux grants")
 
 
-def reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
-    """Float64 attention of each row over its context (its last ``window`` tokens), gathered token by token from the pool."""
+def reference(
+    q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float, window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Float64 attention of each row over its context (its last ``window`` tokens), gathered token by
+    token from the pool; with ``softcap``, scores capped as transformers' ``eager_attention_forward`` does."""
     kv_heads, _, block_size, d = pool.shape[0] // 2, *pool.shape[1:]
     rows, heads = q.shape[:2]
     out = torch.empty(rows, heads * d, dtype=torch.float64)
@@ -53,7 +57,8 @@ def reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, lens: t
         k = torch.stack([pool[:kv_heads, blk, off] for blk, off in slots], 1).double()  # [K, n, D]
         v = torch.stack([pool[kv_heads:, blk, off] for blk, off in slots], 1).double()
         qb = q[b].double().view(kv_heads, heads // kv_heads, d)  # [K, G, D]
-        p = (qb @ k.transpose(1, 2) * scale).softmax(-1)  # [K, G, n]
+        scores = qb @ k.transpose(1, 2) * scale  # [K, G, n]
+        p = (scores if softcap is None else torch.tanh(scores / softcap) * softcap).softmax(-1)
         out[b] = (p @ v).reshape(-1)
     return out
 
@@ -184,6 +189,24 @@ def test_a_sliding_window_reads_only_the_rows_last_tokens(dtype, window):
     else:  # without the window those blocks would be read: refused
         with pytest.raises(RuntimeError, match="block id -1 outside the pool"):
             cpu_kernels.paged_decode_attention(q, pool, tables, lens, 0.125)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_capped_scores_give_transformers_attention(dtype):
+    """Gemma 2's ``attn_logit_softcapping``: each scaled score s becomes ``cap * tanh(s / cap)`` before
+    the softmax, with and without a window; scores large enough that the cap changes the output."""
+    g = torch.Generator().manual_seed(3)
+    lens = torch.tensor([1, 17, 40, 100])
+    pool = torch.randn(4, 4 * 7, 16, 64, generator=g)  # 2 kv heads
+    pool = torch.cat((3 * pool[:2], pool[2:])).to(dtype)  # keys x3: scores reach ~ +-30, values as before
+    tables = torch.randperm(4 * 7, generator=g).view(4, 7).contiguous()
+    q = (3 * torch.randn(4, 4, 64, generator=g)).to(dtype)
+    tolerance = 2e-5 if dtype == torch.float32 else 8e-3
+    for window in (None, 19):
+        out = cpu_kernels.paged_decode_attention(q, pool, tables, lens, 0.125, window, softcap=5.0)
+        assert (out.double() - reference(q, pool, tables, lens, 0.125, window, softcap=5.0)).abs().max().item() < tolerance
+        assert (out.double() - reference(q, pool, tables, lens, 0.125, window)).abs().max().item() > 0.1
 
 
 @needs_kernels

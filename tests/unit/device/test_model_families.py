@@ -1,7 +1,7 @@
 """Model families: the registry, and each family added through ``services/device/model/README.md``'s
-steps (Qwen3, Mistral with and without a sliding window, Phi-3) computing what transformers computes,
-from a Hugging Face directory, on the fused CPU kernels and on plain torch ops, and from the same
-weights as GGUF."""
+steps (Qwen3, Mistral with and without a sliding window, Phi-3, Gemma 2, Gemma 3) computing what
+transformers computes, from a Hugging Face directory, on the fused CPU kernels and on plain torch ops,
+and from the same weights as GGUF."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from stageserve.device.kernels import cpu_kernels as cpu_kernel_ops
@@ -31,7 +32,7 @@ from tests.tiny_checkpoint import write_tiny_checkpoint
 from tests.unit.device.test_model_reference import BLOCK_SIZE, greedy, hf_greedy
 
 NEW_TOKENS = 24  # a prefill and 23 decode steps; logits are compared over the prefill and 16 decode steps
-PROMPT_LENGTH = 40  # 5 windows of Mistral's 8 tokens
+PROMPT_LENGTH = 40  # 5 windows of Mistral's and Gemma's 8 tokens
 WINDOW = 8
 
 # id -> write_tiny_checkpoint arguments
@@ -40,14 +41,20 @@ CHECKPOINTS = {
     "mistral": {"family": "mistral"},
     "mistral-window": {"family": "mistral", "sliding_window": WINDOW},
     "phi3": {"family": "phi3"},
+    "gemma2": {"family": "gemma2", "sliding_window": WINDOW},  # local and global layers alternating, soft-capped
+    # a softmax scale that is not head_dim ** -0.5 (llama.cpp's GGUF cannot say it: no GGUF of this one)
+    "gemma2-scalar": {"family": "gemma2", "sliding_window": WINDOW, "overrides": {"query_pre_attn_scalar": 24}},
+    "gemma3": {"family": "gemma3", "sliding_window": WINDOW},  # five local layers, one global with scaled RoPE
 }
-GGUF_ARCHITECTURES = {"qwen3": "qwen3", "mistral": "llama", "mistral-window": "llama", "phi3": "phi3"}  # as llama.cpp writes them
+GGUF_ARCHITECTURES = {"qwen3": "qwen3", "mistral": "llama", "mistral-window": "llama", "phi3": "phi3",
+                      "gemma2": "gemma2", "gemma3": "gemma3"}  # as llama.cpp writes them
 
 
 def test_every_family_is_registered_under_its_hf_and_gguf_names():
-    assert [f.name for f in family.families()] == ["llama", "mistral", "phi3", "qwen2", "qwen3"]
-    assert family.hf_model_types() == ("llama", "mistral", "phi3", "qwen2", "qwen3")
-    assert family.gguf_architectures() == ("llama", "phi3", "qwen2", "qwen3")  # llama.cpp writes Mistral as llama
+    assert [f.name for f in family.families()] == ["gemma2", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen3"]
+    assert family.hf_model_types() == ("gemma2", "gemma3", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
+    assert family.gguf_architectures() == ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3")  # llama.cpp writes Mistral as llama
+    assert family.family_for_hf("gemma3").name == family.family_for_hf("gemma3_text").name == "gemma3"
     assert family.family_for_hf("qwen3").name == "qwen3" and family.family_for_gguf("qwen3").name == "qwen3"
     assert family.family_for_hf("mistral").name == "mistral" and family.family_for_hf("phi3").name == "phi3"
     assert family.family_for_gguf("phi3").name == "phi3" and family.family_for_gguf("mistral") is None
@@ -83,11 +90,21 @@ def test_configs_read_each_familys_fields(checkpoint):
         "mistral": ("mistral", 64, False, None, None),
         "mistral-window": ("mistral", 64, False, WINDOW, None),
         "phi3": ("phi3", 64, False, None, 32),
+        "gemma2": ("gemma2", 64, False, WINDOW, None),
+        "gemma2-scalar": ("gemma2", 64, False, WINDOW, None),
+        "gemma3": ("gemma3", 64, True, WINDOW, None),
     }[name]
     assert (config.architecture, config.head_dim, config.qk_norm, config.sliding_window, config.rotary_dim) == expected
     assert not config.attention_bias
     if name == "phi3":
         assert config.rope_scaling["rope_type"] == "longrope" and config.rope_scaling["original_max_position_embeddings"] == 128
+    gemma = name.startswith("gemma")
+    assert (config.hidden_act, config.sandwich_norms, config.embed_scale) == (("gelu_pytorch_tanh", True, 8.0) if gemma else ("silu", False, None))
+    assert config.softmax_scale == {"gemma2-scalar": 24**-0.5}.get(name, 64**-0.5)
+    assert (config.attn_softcap, config.final_softcap) == ((5.0, 10.0) if name.startswith("gemma2") else (None, None))
+    assert config.layer_windows == {"gemma3": (WINDOW,) * 5 + (None,)}.get(name, (WINDOW, None) if gemma else (config.sliding_window,) * 2)
+    if name == "gemma3":  # the global layers' RoPE (scaled), the local layers' own base
+        assert (config.rope_theta, config.rope_scaling, config.local_rope_theta) == (1e6, {"rope_type": "linear", "factor": 2.0}, 1e4)
 
 
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["fused-cpu-kernels", "torch-ops"])
@@ -141,8 +158,11 @@ def write_gguf(checkpoint: Path, path: Path, arch: str, linears: gguf.GGMLQuanti
     permuted for GGML's adjacent-pair RoPE, ``LlamaModel.permute``), its window as
     ``llama.attention.sliding_window`` where it has one; Phi-3 as ``phi3`` (``Phi3MiniModel``: fused
     ``attn_qkv`` and ``ffn_up``, no key length, ``rope.dimension_count`` the rotating values, the
-    LongRoPE factors as tensors with the original context length and attention factor). ``linears``:
-    the block type of the layers' 2-D weights (``gguf.quants.quantize``)."""
+    LongRoPE factors as tensors with the original context length and attention factor); Gemma 2 and
+    Gemma 3 as ``gemma2`` / ``gemma3`` (``Gemma2Model``, ``Gemma3Model``: every norm weight + 1, the
+    sandwich norms as ``attn_post_norm`` / ``ffn_norm`` / ``ffn_post_norm``, the window and caps as keys,
+    Gemma 3's global RoPE base and scaling; no layer pattern, softmax scale or local base).
+    ``linears``: the block type of the layers' 2-D weights (``gguf.quants.quantize``)."""
     hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
     c = hf.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -152,7 +172,8 @@ def write_gguf(checkpoint: Path, path: Path, arch: str, linears: gguf.GGMLQuanti
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # Gemma 3: the global layers'
+    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_eos_token_id(c.eos_token_id)
     if arch == "phi3":
@@ -170,12 +191,21 @@ def write_gguf(checkpoint: Path, path: Path, arch: str, linears: gguf.GGMLQuanti
         writer.add_rope_dimension_count(c.head_dim)
         if getattr(c, "sliding_window", None):
             writer.add_sliding_window(c.sliding_window)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    if arch == "gemma3" and rope["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     layer_names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
                    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
                    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
                    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # Phi-3's fused ones
+    if arch.startswith("gemma"):  # llama.cpp's names of the sandwich norms
+        layer_names |= {"post_attention_layernorm": "attn_post_norm", "pre_feedforward_layernorm": "ffn_norm",
+                        "post_feedforward_layernorm": "ffn_post_norm"}
     for i in range(c.num_hidden_layers):
         names |= {f"model.layers.{i}.{hf}.weight": f"blk.{i}.{ours}.weight" for hf, ours in layer_names.items()}
     state = hf.state_dict()
@@ -184,6 +214,8 @@ def write_gguf(checkpoint: Path, path: Path, arch: str, linears: gguf.GGMLQuanti
         if hf_name not in state:
             continue  # each family has only some of these
         tensor = state[hf_name]
+        if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
+            tensor = tensor + 1  # Gemma's (1 + w) RMSNorm, stored as its multiplier
         if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = c.num_attention_heads if "attn_q" in gguf_name else c.num_key_value_heads
             tensor = tensor.reshape(heads, 2, tensor.shape[0] // heads // 2, tensor.shape[1]).swapaxes(1, 2).reshape(tensor.shape)
@@ -202,18 +234,23 @@ def write_gguf(checkpoint: Path, path: Path, arch: str, linears: gguf.GGMLQuanti
 def test_gguf_gives_transformers_tokens(checkpoint, reference, tmp_path):
     """The same weights written as GGUF load to the same config (Qwen3's ``attn_q_norm``/``attn_k_norm``
     and ``qwen3.attention.key_length``; Mistral as ``llama``, with its window; Phi-3's fused tensors,
-    rotary dimension and LongRoPE factors) and give transformers' greedy tokens, logits within 1e-4."""
+    rotary dimension and LongRoPE factors; Gemma's norms stored + 1, its sandwich norms, caps, and
+    the layer pattern, scales and local RoPE base llama.cpp derives from the architecture) and give
+    transformers' greedy tokens, logits within 1e-4."""
     name, directory = checkpoint
     prompt, ref_tokens, ref_logits = reference
     arch = GGUF_ARCHITECTURES[name]
     model = DecoderModel.from_path(write_gguf(directory, tmp_path / f"{name}.gguf", arch), torch.float32, "cpu")
     hf_config = load_config(directory)
     assert model.config.architecture == ("llama" if arch == "llama" else name)
-    fields = ("head_dim", "qk_norm", "sliding_window", "rotary_dim", "num_kv_heads", "intermediate_size")
+    fields = ("head_dim", "qk_norm", "sliding_window", "rotary_dim", "num_kv_heads", "intermediate_size", "hidden_act",
+              "sandwich_norms", "embed_scale", "softmax_scale", "attn_softcap", "final_softcap", "layer_windows", "local_rope_theta")
     assert [getattr(model.config, f) for f in fields] == [getattr(hf_config, f) for f in fields]
-    if hf_config.rope_scaling:
+    if hf_config.rope_scaling and hf_config.rope_scaling["rope_type"] == "longrope":
         assert model.config.rope_scaling["short_factor"] == pytest.approx(hf_config.rope_scaling["short_factor"])
         assert model.config.rope_scaling["long_factor"] == pytest.approx(hf_config.rope_scaling["long_factor"])
+    else:
+        assert model.config.rope_scaling == hf_config.rope_scaling
     tokens, logits = greedy(model, prompt, NEW_TOKENS)
     assert (logits[:17] - ref_logits[:17]).abs().max() < 1e-4
     assert tokens == ref_tokens
@@ -222,16 +259,29 @@ def test_gguf_gives_transformers_tokens(checkpoint, reference, tmp_path):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"model_type": "gemma2"}, r"config\.json: unsupported model_type 'gemma2' \(supported: llama, mistral, phi3, qwen2, qwen3\)"),
+        ({"model_type": "gpt2"},
+         r"config\.json: unsupported model_type 'gpt2' \(supported: gemma2, gemma3, gemma3_text, llama, mistral, phi3, qwen2, qwen3\)"),
         ({"rope_parameters": {"rope_type": "mrope", "rope_theta": 10000.0}},
          r"config\.json: unsupported rope_type 'mrope' \(supported: default, linear, dynamic, llama3, yarn, longrope\)"),
-        ({"hidden_act": "gelu_pytorch_tanh"}, r"config\.json: unsupported hidden_act 'gelu_pytorch_tanh' \(only silu\)"),
+        ({"hidden_act": "relu"}, r"config\.json: unsupported hidden_act 'relu' \(supported: silu, gelu_pytorch_tanh\)"),
+        ({"model_type": "gemma2", "hidden_activation": "gelu"},
+         r"config\.json: unsupported hidden_activation 'gelu' \(supported: silu, gelu_pytorch_tanh\)"),
+        ({"model_type": "gemma2", "layer_types": ["chunked_attention"]},
+         r"config\.json: unsupported layer_types value 'chunked_attention' \(supported: full_attention, sliding_attention\)"),
+        ({"model_type": "gemma3_text", "use_bidirectional_attention": True},
+         r"config\.json: unsupported use_bidirectional_attention True \(supported: false\)"),
+        ({"model_type": "gemma3_text", "rope_parameters": {"full_attention": {"rope_type": "default"},
+                                                           "sliding_attention": {"rope_type": "yarn", "factor": 2.0}}},
+         r"config\.json: unsupported rope_parameters\.sliding_attention rope_type 'yarn' \(supported: default\)"),
+        ({"model_type": "gemma3", "text_config": {"model_type": "gemma3n_text"}},
+         r"config\.json: unsupported text_config\.model_type 'gemma3n_text' \(supported: gemma3_text\)"),
         ({"model_type": "qwen2", "use_sliding_window": True}, r"config\.json: unsupported use_sliding_window True \(supported: false\)"),
         ({"mlp_bias": True}, r"config\.json: unsupported mlp_bias True \(supported: false\)"),
         ({"model_type": "phi3", "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0, 1.0]},
           "original_max_position_embeddings": 16}, r"config\.json: rope_parameters 'short_factor' must hold 2 values"),
     ],
-    ids=["architecture", "rope-type", "activation", "qwen2-sliding-window", "mlp-bias", "longrope-factors"],
+    ids=["architecture", "rope-type", "activation", "gemma-activation", "layer-type", "bidirectional", "local-rope-type",
+         "multimodal-text-model", "qwen2-sliding-window", "mlp-bias", "longrope-factors"],
 )
 def test_what_is_not_supported_is_refused_naming_the_file_field_and_supported_values(tmp_path, change, message):
     """The device exits 2 with this message (``test_an_unloadable_model_exits_with_code_2_naming_the_file``)."""
@@ -263,3 +313,40 @@ def test_a_q8_0_phi3_gguf_splits_its_fused_blocks_and_runs_them_on_int8_kernels(
     ref_tokens, ref_logits = greedy(DecoderModel.from_path(path, torch.float32, "cpu"), prompt, NEW_TOKENS)
     assert (logits - ref_logits).abs().max() < 1e-2  # int8 activations (measured 3e-3)
     assert tokens == ref_tokens
+
+
+@pytest.mark.parametrize("checkpoint", ["gemma3"], indirect=True)
+def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(checkpoint, reference, tmp_path):
+    """A ``gemma3`` config (``Gemma3ForConditionalGeneration``) loads its ``text_config`` and its
+    ``model.language_model.*`` tensors (the vision tower's are not loaded) and gives the text model's
+    tokens and logits."""
+    directory = checkpoint[1]
+    prompt, ref_tokens, ref_logits = reference
+    multimodal = tmp_path / "gemma3-multimodal"
+    multimodal.mkdir()
+    text = json.loads((directory / "config.json").read_text())
+    (multimodal / "config.json").write_text(json.dumps(
+        {"model_type": "gemma3", "text_config": text, "vision_config": {"model_type": "siglip_vision_model"}, "eos_token_id": [256]}))
+    tensors = {"model.language_model." + n.removeprefix("model."): t for n, t in load_file(directory / "model.safetensors").items()}
+    save_file(tensors | {"model.vision_tower.vision_model.post_layernorm.weight": torch.ones(4)}, multimodal / "model.safetensors")
+    model = DecoderModel.from_path(multimodal, torch.float32, "cpu")
+    assert model.config == load_config(directory)
+    tokens, logits = greedy(model, prompt, NEW_TOKENS)
+    assert (logits[:17] - ref_logits[:17]).abs().max() < 1e-4
+    assert tokens == ref_tokens
+
+
+def test_a_gemma3_config_that_omits_keys_reads_them_as_transformers_does(tmp_path):
+    """Google's multimodal configs give only some of the text model's keys (this one is gemma-3-4b-it's
+    ``text_config``): the rest take ``Gemma3TextConfig``'s defaults, as transformers reads them."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "eos_token_id": [1, 106], "text_config": {
+        "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}}))
+    ours, hf = load_config(tmp_path), AutoConfig.from_pretrained(str(tmp_path)).text_config
+    assert (ours.vocab_size, ours.num_heads, ours.num_kv_heads, ours.head_dim, ours.max_position_embeddings) == (
+        hf.vocab_size, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.max_position_embeddings)
+    assert ours.softmax_scale == hf.query_pre_attn_scalar**-0.5 and ours.eos_token_ids == (1, 106)
+    assert ours.layer_windows == tuple(1024 if t == "sliding_attention" else None for t in hf.layer_types)
+    global_rope, local_rope = hf.rope_parameters["full_attention"], hf.rope_parameters["sliding_attention"]
+    assert (ours.rope_theta, ours.rope_scaling, ours.local_rope_theta) == (
+        global_rope["rope_theta"], {"rope_type": "linear", "factor": 8.0}, local_rope["rope_theta"])

@@ -17,9 +17,10 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
 // silu(x @ Wg^T) * (x @ Wu^T) -> [M, I] on AMX, [Wg; Wu] packed by amx_pack_gated  (amx_linear.cpp)
 at::Tensor amx_swiglu(const at::Tensor& x, const at::Tensor& packed);
 
-// [B, H, D] queries over paged contexts (each row's last `window` tokens; window 0: all) -> [B, H * D]  (paged_attention.cpp)
+// [B, H, D] queries over paged contexts (each row's last `window` tokens; window 0: all; scores soft-capped
+// at `softcap`, 0: none) -> [B, H * D]  (paged_attention.cpp)
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale, int64_t window);
+                                  const at::Tensor& context_lens, double scale, int64_t window, double softcap);
 
 // RMSNorm of x [T, hidden] -> new tensor; add_rms_norm first adds delta into residual in place  (norm.cpp)
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

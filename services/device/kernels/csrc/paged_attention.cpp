@@ -6,6 +6,8 @@
 // scores, the softmax, then the weighted sum of values; each key/value row is loaded once per group.
 // With a sliding window of W tokens a row attends only to its last W tokens (positions context - W
 // .. context - 1, transformers' sliding_window_overlay): the tokens before are skipped, not masked.
+// With a soft cap C (Gemma 2) each scaled score s becomes C * tanh(s / C) before the softmax, in one
+// more pass over the scores that uncapped models skip.
 
 #include "ops.h"
 #include "vec.h"
@@ -38,6 +40,15 @@ SS_INLINE void prefetch_rows(const T* k_pool, const T* v_pool, const int64_t* of
   for (int64_t t = begin; t < end; ++t) {
     prefetch_block(k_pool + offsets[t], row_bytes);
     prefetch_block(v_pool + offsets[t], row_bytes);
+  }
+}
+
+// s[0, n) = cap * tanh(s / cap), in place.
+SS_AVX512 SS_INLINE void soft_cap(float* __restrict__ s, int64_t n, float cap) {
+  const __m512 cap_v = _mm512_set1_ps(cap), inv_cap = _mm512_set1_ps(1.0f / cap);
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 m = tail_mask(std::min<int64_t>(16, n - t));
+    _mm512_mask_storeu_ps(s + t, m, _mm512_mul_ps(cap_v, tanh16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), inv_cap))));
   }
 }
 
@@ -124,7 +135,7 @@ struct Bf16Dot {
 template <typename T, int D, int G, typename Dot>
 SS_AVX512 void attend(const T* __restrict__ q, int64_t q_head_stride, const T* __restrict__ k_pool,
                       const T* __restrict__ v_pool, const int64_t* __restrict__ table, int64_t first, int64_t end,
-                      int64_t block_size, float scale, T* __restrict__ out, float* __restrict__ scores,
+                      int64_t block_size, float scale, float softcap, T* __restrict__ out, float* __restrict__ scores,
                       int64_t* __restrict__ offsets) {
   constexpr int64_t kRowBytes = D * sizeof(T);
   const int64_t context = end - first;  // the tokens attended to; below, token t is the row's token first + t
@@ -143,6 +154,7 @@ SS_AVX512 void attend(const T* __restrict__ q, int64_t q_head_stride, const T* _
     for (int g = 0; g < G; ++g)
       _mm512_mask_storeu_ps(scores + g * context + t0, tail_mask(n), _mm512_mul_ps(dots[g].scores16(rows), scale_v));
   }
+  if (softcap > 0) soft_cap(scores, G * context, softcap);
   for (int g = 0; g < G; ++g) softmax(scores + g * context, context);
   constexpr int C = D / 16;
   __m512 acc[G][C];
@@ -165,7 +177,7 @@ SS_AVX512 void attend(const T* __restrict__ q, int64_t q_head_stride, const T* _
 SS_INLINE int64_t first_token(int64_t context, int64_t window) { return window > 0 ? std::max<int64_t>(0, context - window) : 0; }
 
 template <typename T>
-using Kernel = void (*)(const T*, int64_t, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, float, T*, float*, int64_t*);
+using Kernel = void (*)(const T*, int64_t, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, float, float, T*, float*, int64_t*);
 
 template <typename T, int D, typename Dot>
 Kernel<T> kernel_for_group(int64_t group) {
@@ -192,7 +204,7 @@ Kernel<T> kernel_for(int64_t group) {
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window,
-         at::Tensor& out) {
+         double softcap, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t K = kv.size(0) / 2, N = kv.size(1), block_size = kv.size(2), W = tables.size(1), G = H / K;
   const Kernel<T> kernel = D == 64 ? kernel_for<T, 64>(G) : kernel_for<T, 128>(G);
@@ -215,7 +227,7 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables, co
       const int64_t b = i / K, h = i % K;
       kernel(qp + b * q.stride(0) + h * G * q.stride(1), q.stride(1), kvp + h * N * block_size * D,
              kvp + (K + h) * N * block_size * D, tab + b * W, first_token(len[b], window), len[b], block_size, static_cast<float>(scale),
-             op + b * H * D + h * G * D, scores.get(), offsets.get());
+             static_cast<float>(softcap), op + b * H * D + h * G * D, scores.get(), offsets.get());
     }
   });
 }
@@ -223,7 +235,7 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables, co
 }  // namespace
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale, int64_t window) {
+                                  const at::Tensor& context_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [rows, heads, head_dim] with contiguous head_dim, got ", q.sizes());
   TORCH_CHECK(kv.dim() == 4 && kv.is_contiguous() && kv.size(0) >= 2 && kv.size(0) % 2 == 0 && kv.size(3) == q.size(2),
               "kv must be a contiguous layer pool [2 * kv_heads, blocks, block_size, head_dim], got ", kv.sizes());
@@ -236,6 +248,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
                   block_tables.size(0) == q.size(0),
               "block_tables must be contiguous int64 [rows, blocks]");
   TORCH_CHECK(window >= 0, "window must be a number of tokens, or 0 for none, got ", window);
+  TORCH_CHECK(softcap >= 0, "softcap must be positive, or 0 for none, got ", softcap);
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.dim() == 1 && context_lens.is_contiguous() &&
                   context_lens.size(0) == q.size(0),
               "context_lens must be contiguous int64 [rows]");
@@ -249,7 +262,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   }
   at::Tensor out = at::empty({B, q.size(1) * q.size(2)}, q.options());
   if (B == 0) return out;
-  dispatch_kernel_dtype(q.scalar_type(), [&](auto tag) { run<decltype(tag)>(q, kv, block_tables, context_lens, scale, window, out); });
+  dispatch_kernel_dtype(q.scalar_type(), [&](auto tag) { run<decltype(tag)>(q, kv, block_tables, context_lens, scale, window, softcap, out); });
   return out;
 }
 

@@ -28,7 +28,7 @@ bool supported(c10::ScalarType dtype, int64_t head_dim, int64_t group) {
 
 TORCH_LIBRARY(stageserve, m) {
   m.def("supported(ScalarType dtype, int head_dim, int group) -> bool", &stageserve::supported);
-  m.def("paged_decode_attention(Tensor q, Tensor kv, Tensor block_tables, Tensor context_lens, float scale, int window=0) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor kv, Tensor block_tables, Tensor context_lens, float scale, int window=0, float softcap=0) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");

@@ -95,6 +95,15 @@ SS_AVX512 SS_INLINE __m512 exp16(__m512 x) {
 
 // log(x) for positive normal x (Cephes' logf: x = m 2^e with m in [sqrt(1/2), sqrt(2)), a degree-9
 // polynomial in m - 1; relative error ~1e-7, within an ulp or two of torch's).
+// tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 1]: no overflow for any x; absolute
+// error ~1e-7 (the cancellation in 1 - e near 0 costs relative, not absolute, accuracy).
+SS_AVX512 SS_INLINE __m512 tanh16(__m512 x) {
+  const __m512 sign_bit = _mm512_set1_ps(-0.0f);
+  const __m512 e = exp16(_mm512_mul_ps(_mm512_set1_ps(-2.0f), _mm512_andnot_ps(sign_bit, x)));
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(_mm512_set1_ps(1.0f), e), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+  return _mm512_or_ps(t, _mm512_and_ps(sign_bit, x));
+}
+
 SS_AVX512 SS_INLINE __m512 log16(__m512 x) {
   __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src);  // [1, 2)
   __m512 e = _mm512_getexp_ps(x);
