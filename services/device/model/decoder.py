@@ -116,7 +116,7 @@ class DecoderModel:
         tied = config.tie_word_embeddings
         self.lm_head = linear(("model.embed_tokens.weight" if tied else "lm_head.weight",))
         embed = weights["model.embed_tokens.weight"]
-        if tied and isinstance(self.lm_head, QuantizedLinear) and not self.lm_head.int4:
+        if tied and isinstance(self.lm_head, QuantizedLinear) and self.lm_head.format == "int8":
             self.embed = self.lm_head  # the tied table is looked up in the head's int8 rows: one copy
         else:  # a tied head is packed separately from the embedding table on CPU (one more vocab x hidden copy)
             self.embed = (embed.dequantize() if isinstance(embed, QuantizedWeight) else embed).to(self.device, self.dtype)  # [vocab, hidden]
