@@ -16,6 +16,7 @@ every block of a windowed sequence: freeing the blocks every window has left is 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from stageserve.device.model.kv_cache import PagedKVCache
 from stageserve.device.model.linear import Linear
 from stageserve.device.model.rope import apply_rope, rope_tables, rotary_row_order
 from stageserve.device.model.weights import expected_shapes, load_weights
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -95,6 +98,7 @@ class DecoderModel:
         )
         amx = self.cpu_kernels and amx_allowed  # decode-sized bf16 linears on AMX where the CPU has it (see Linear)
         self.linear_formats: Counter[str] = Counter()
+        self.unkernelled_formats: set[str] = set()  # quantized formats dequantized because no kernel here takes them
 
         order = rotary_row_order(config)
         if order is not None:  # partial rotary as whole-head RoPE over rearranged q/k rows (see rotary_row_order)
@@ -122,6 +126,10 @@ class DecoderModel:
             self.embed = (embed.dequantize() if isinstance(embed, QuantizedWeight) else embed).to(self.device, self.dtype)  # [vocab, hidden]
         self.norm = w("model.norm.weight")
         self.layers = [self._layer(f"model.layers.{i}.", weights, w, linear) for i in range(config.num_layers)]
+        if self.unkernelled_formats:
+            log.info("linears of format %s dequantized to %s: no quantized kernel on this CPU takes them (int5 and the K-quants "
+                     "but Q4_K need the VNNI kernel: AVX512-VNNI, stageserve's CPU kernels, 16-row panels)",
+                     ", ".join(sorted(self.unkernelled_formats)), str(self.dtype).removeprefix("torch."))
         # AMX-packed copies (where the CPU has AMX) ran the many-row inputs 2-4x faster than the
         # kernel (docs/benchmarks.md): there `auto` keeps every copy timed faster, as before; the
         # budget of one dense copy applies to oneDNN's copies (a CPU without AMX).
@@ -152,7 +160,10 @@ class DecoderModel:
         """One linear over ``parts`` stacked along the output features: on a weight-only kernel where
         ``weight_format`` and the parts allow it (CPU only), else dense in the activation dtype."""
         kernel = quant.kernel_weight(parts, weight_format) if self.device.type == "cpu" else None
-        if kernel is None or not fits(kernel, self.cpu_kernels_allowed):
+        if kernel is not None and not fits(kernel, self.cpu_kernels_allowed):
+            self.unkernelled_formats.add(quant.format_name(kernel))
+            kernel = None
+        if kernel is None:
             self.linear_formats[str(self.dtype).removeprefix("torch.")] += 1
             dense = torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]).to(self.device, self.dtype)
             return Linear(dense, bias, amx=amx, gated=gated)

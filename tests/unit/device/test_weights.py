@@ -17,6 +17,7 @@ from stageserve.model_files import embedded_model_path
 
 Q = gguf.GGMLQuantizationType
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 64, 2, 1, 32, 64, 96
+K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # gguf-py dequantizes these but does not quantize them
 
 
 def _llamacpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -31,11 +32,10 @@ def write_gguf(path: Path, types: dict[str, gguf.GGMLQuantizationType] | None = 
 
 
 def _random_blocks(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
-    """Random bytes for a type gguf-py cannot quantize (K-quants), with every float16 scale set to a small finite value."""
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, size=(int(np.prod(shape)) // block, size), dtype=np.uint8)
-    blocks[:, -2:] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)  # Q6_K's d is its last two bytes
-    return blocks.reshape(shape[0], -1)
+    """Random bytes for a type gguf-py cannot quantize (K-quants), with every float16 factor a small finite value."""
+    from tests.unit.device.test_quant import random_blocks
+
+    return random_blocks(qtype, shape[0], shape[1], seed=int(rng.integers(2**31)))
 
 
 def _write_tiny_gguf(path: Path, arch: str = "llama", types: dict | None = None, ffn: int = FFN) -> dict[str, np.ndarray]:
@@ -81,7 +81,7 @@ def _write_tiny_gguf(path: Path, arch: str = "llama", types: dict | None = None,
             writer.add_tensor(name, stored)
             expected[hf_name] = value
             continue
-        packed = _random_blocks(shape, qtype, rng) if qtype in (Q.Q6_K, Q.Q4_K) else quantize(stored, qtype)
+        packed = _random_blocks(shape, qtype, rng) if qtype in K_QUANTS else quantize(stored, qtype)
         writer.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=qtype)
         roundtrip = dequantize(packed, qtype).reshape(shape)
         if name == "blk.0.attn_q.weight":  # un-permute the reference the same way HF does
