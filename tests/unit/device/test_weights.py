@@ -25,10 +25,12 @@ def _llamacpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path: Path, types: dict[str, gguf.GGMLQuantizationType] | None = None, ffn: int = FFN) -> dict[str, np.ndarray]:
+def write_gguf(path: Path, types: dict[str, gguf.GGMLQuantizationType] | None = None, ffn: int = FFN,
+               hidden: int = HIDDEN) -> dict[str, np.ndarray]:
     """A one-layer llama GGUF like ``_write_tiny_gguf``'s with the tensor types in ``types`` changed
-    (gguf name: type; K-quants get random blocks) and an MLP width of ``ffn``; the expected values."""
-    return _write_tiny_gguf(path, types=types or {}, ffn=ffn)
+    (gguf name: type; K-quants get random blocks), an MLP width of ``ffn`` and a hidden size of
+    ``hidden`` (the attention's width stays ``HEADS * HEAD_DIM``); the expected values."""
+    return _write_tiny_gguf(path, types=types or {}, ffn=ffn, hidden=hidden)
 
 
 def _random_blocks(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
@@ -38,7 +40,7 @@ def _random_blocks(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType, rng
     return random_blocks(qtype, shape[0], shape[1], seed=int(rng.integers(2**31)))
 
 
-def _write_tiny_gguf(path: Path, arch: str = "llama", types: dict | None = None, ffn: int = FFN) -> dict[str, np.ndarray]:
+def _write_tiny_gguf(path: Path, arch: str = "llama", types: dict | None = None, ffn: int = FFN, hidden: int = HIDDEN) -> dict[str, np.ndarray]:
     """Write a one-layer llama GGUF whose tensors use F32/F16/BF16/Q8_0/Q4_0/Q4_1.
 
     Returns the HF-named float32 values the loader must produce (quantization error included).
@@ -47,7 +49,7 @@ def _write_tiny_gguf(path: Path, arch: str = "llama", types: dict | None = None,
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     writer.add_context_length(128)
-    writer.add_embedding_length(HIDDEN)
+    writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(ffn)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
@@ -56,17 +58,17 @@ def _write_tiny_gguf(path: Path, arch: str = "llama", types: dict | None = None,
     writer.add_vocab_size(VOCAB)
     writer.add_eos_token_id(2)
     plan = {  # gguf name: (hf name, shape, type)
-        "token_embd.weight": ("model.embed_tokens.weight", (VOCAB, HIDDEN), Q.Q8_0),
-        "output_norm.weight": ("model.norm.weight", (HIDDEN,), Q.F32),
-        "blk.0.attn_norm.weight": ("model.layers.0.input_layernorm.weight", (HIDDEN,), Q.F32),
-        "blk.0.ffn_norm.weight": ("model.layers.0.post_attention_layernorm.weight", (HIDDEN,), Q.F32),
-        "blk.0.attn_q.weight": ("model.layers.0.self_attn.q_proj.weight", (HEADS * HEAD_DIM, HIDDEN), Q.Q4_0),
-        "blk.0.attn_k.weight": ("model.layers.0.self_attn.k_proj.weight", (KV_HEADS * HEAD_DIM, HIDDEN), Q.Q4_1),
-        "blk.0.attn_v.weight": ("model.layers.0.self_attn.v_proj.weight", (KV_HEADS * HEAD_DIM, HIDDEN), Q.F16),
-        "blk.0.attn_output.weight": ("model.layers.0.self_attn.o_proj.weight", (HIDDEN, HEADS * HEAD_DIM), Q.BF16),
-        "blk.0.ffn_gate.weight": ("model.layers.0.mlp.gate_proj.weight", (ffn, HIDDEN), Q.Q8_0),
-        "blk.0.ffn_up.weight": ("model.layers.0.mlp.up_proj.weight", (ffn, HIDDEN), Q.Q4_1),
-        "blk.0.ffn_down.weight": ("model.layers.0.mlp.down_proj.weight", (HIDDEN, ffn), Q.Q4_0),
+        "token_embd.weight": ("model.embed_tokens.weight", (VOCAB, hidden), Q.Q8_0),
+        "output_norm.weight": ("model.norm.weight", (hidden,), Q.F32),
+        "blk.0.attn_norm.weight": ("model.layers.0.input_layernorm.weight", (hidden,), Q.F32),
+        "blk.0.ffn_norm.weight": ("model.layers.0.post_attention_layernorm.weight", (hidden,), Q.F32),
+        "blk.0.attn_q.weight": ("model.layers.0.self_attn.q_proj.weight", (HEADS * HEAD_DIM, hidden), Q.Q4_0),
+        "blk.0.attn_k.weight": ("model.layers.0.self_attn.k_proj.weight", (KV_HEADS * HEAD_DIM, hidden), Q.Q4_1),
+        "blk.0.attn_v.weight": ("model.layers.0.self_attn.v_proj.weight", (KV_HEADS * HEAD_DIM, hidden), Q.F16),
+        "blk.0.attn_output.weight": ("model.layers.0.self_attn.o_proj.weight", (hidden, HEADS * HEAD_DIM), Q.BF16),
+        "blk.0.ffn_gate.weight": ("model.layers.0.mlp.gate_proj.weight", (ffn, hidden), Q.Q8_0),
+        "blk.0.ffn_up.weight": ("model.layers.0.mlp.up_proj.weight", (ffn, hidden), Q.Q4_1),
+        "blk.0.ffn_down.weight": ("model.layers.0.mlp.down_proj.weight", (hidden, ffn), Q.Q4_0),
     }
     plan = {name: (hf_name, shape, (types or {}).get(name, qtype)) for name, (hf_name, shape, qtype) in plan.items()}
     expected = {}
@@ -85,9 +87,9 @@ def _write_tiny_gguf(path: Path, arch: str = "llama", types: dict | None = None,
         writer.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=qtype)
         roundtrip = dequantize(packed, qtype).reshape(shape)
         if name == "blk.0.attn_q.weight":  # un-permute the reference the same way HF does
-            roundtrip = roundtrip.reshape(HEADS, HEAD_DIM // 2, 2, HIDDEN).swapaxes(1, 2).reshape(shape)
+            roundtrip = roundtrip.reshape(HEADS, HEAD_DIM // 2, 2, hidden).swapaxes(1, 2).reshape(shape)
         elif name == "blk.0.attn_k.weight":
-            roundtrip = roundtrip.reshape(KV_HEADS, HEAD_DIM // 2, 2, HIDDEN).swapaxes(1, 2).reshape(shape)
+            roundtrip = roundtrip.reshape(KV_HEADS, HEAD_DIM // 2, 2, hidden).swapaxes(1, 2).reshape(shape)
         expected[hf_name] = roundtrip
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
