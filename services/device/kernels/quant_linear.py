@@ -2,8 +2,10 @@
 with its packed layout (the formats, from GGUF or rounded from float weights: `quant`).
 
 - `VnniKernel`: stageserve's own (``cpu_kernels.quant_linear``, csrc/quant_linear.cpp) on x86-64
-  CPUs with AVX512-VNNI (Intel Xeon since Cascade Lake, AMD EPYC since Zen 4). int4 and int8 weights
-  keep GGUF's groups of 32 with float16 scales, so Q4_0, Q4_1 and Q8_0 map exactly. Each input row
+  CPUs with AVX512-VNNI (Intel Xeon since Cascade Lake, AMD EPYC since Zen 4). int4, int5 and int8
+  weights keep GGUF's groups of 32 with float16 scales, so Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 map
+  exactly; Q4_K, Q5_K and Q6_K keep llama.cpp's super-blocks of 256 (ggml-quants.c) with their
+  sub-block scales a byte each, and map exactly too (layouts and their bytes: `VnniKernel`). Each input row
   is quantized per group of 32 as llama.cpp quantizes activations for its Q4/Q8 dot products
   (ggml-quants.c, ``quantize_row_q8_0``: ``s = max |x| / 127``, here rounding to nearest even), and
   by default a second int8 level takes what the first rounded off (``input_bits=16``): each input

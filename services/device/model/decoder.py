@@ -79,9 +79,10 @@ class DecoderModel:
         linears of decode-sized inputs on AMX where the CPU has it (``self.amx_linears``;
         ``amx_allowed=False`` keeps them on oneDNN, without the AMX copy of the weights); ``False``
         keeps the pure-torch path (for comparison). ``weight_format`` (``flags.WEIGHT_FORMATS``):
-        which linears run on weight-only int4/int8 kernels (CPU only; see `quant.kernel_weight`;
+        which linears run on weight-only quantized kernels (CPU only; see `quant.kernel_weight`;
         the VNNI one only with ``cpu_kernels_allowed``, else torch's, `quant_linear.kernel_for`);
-        ``self.linear_formats`` counts the linears by the format they run in. ``dense_copy``
+        ``self.linear_formats`` counts the linears by the format they run in (``self.unkernelled_formats``: the
+        quantized formats dequantized because no kernel on this CPU takes them, logged). ``dense_copy``
         (``auto``, ``all`` or ``none``): which quantized linears also keep one dense copy (AMX-packed where
         the CPU has AMX, else oneDNN's) for inputs of more rows than their kernel takes: ``auto``
         those where it is faster on this CPU (`dense_copies.choose`), oneDNN's within one dense copy

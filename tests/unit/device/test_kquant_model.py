@@ -6,6 +6,8 @@ value), and by nothing else; a decode row's tokens and logits alone equal those 
 
 from __future__ import annotations
 
+import logging
+
 import gguf
 import pytest
 import torch
@@ -31,7 +33,7 @@ FORMATS = {"q4_k_m": {"q5_k": 1, "int5": 1, "q4_k": 1, "q6_k": 1, "int8": 1}, "q
 PROMPTS = [[1, 5, 9, 33, 70], [3, 3, 3], [90, 12, 44, 8, 61, 17, 2], [40]]
 NEW_TOKENS = 32
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.has_avx512_vnni(), reason="the K-quant kernels need AVX512-VNNI")
+needs_vnni = pytest.mark.skipif(not cpu_kernels.has_avx512_vnni(), reason="the VNNI kernel needs AVX512-VNNI")
 
 
 @pytest.fixture(scope="module", params=list(FILES))
@@ -43,6 +45,7 @@ def models(request, tmp_path_factory) -> dict[str, DecoderModel]:
     return built
 
 
+@needs_vnni
 def test_the_weights_hold_about_the_files_bytes(models):
     """The start-up line's figure (`weight_bytes`) against the float32 model: at most 0.3x (6.5625 / 32 bits for Q6_K, plus the norms)."""
     quantized, dense = models["auto"], models["dequantize"]
@@ -50,6 +53,7 @@ def test_the_weights_hold_about_the_files_bytes(models):
     assert quantized.weight_bytes() < dense.weight_bytes()
 
 
+@needs_vnni
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_tokens_equal_the_dequantized_runs(models, prompt):
     (tokens, logits), (ref_tokens, ref_logits) = (greedy(models[fmt], prompt, NEW_TOKENS) for fmt in ("auto", "dequantize"))
@@ -58,6 +62,7 @@ def test_greedy_tokens_equal_the_dequantized_runs(models, prompt):
     assert ((logits - ref_logits).abs() <= 5e-3 * ref_logits.abs().amax(-1, keepdim=True)).all()
 
 
+@needs_vnni
 def test_a_decode_row_gives_the_same_logits_alone_and_in_a_batch(models):
     """Four sequences decoded together, one step of four rows each time, against each decoded alone."""
     model = models["auto"]
@@ -78,3 +83,17 @@ def test_a_decode_row_gives_the_same_logits_alone_and_in_a_batch(models):
     together = decode(PROMPTS, 8)
     for i, prompt in enumerate(PROMPTS):
         assert torch.equal(decode([prompt], 8)[:, 0], together[:, i]), i
+
+
+def test_without_vnni_q4_k_runs_on_torchs_int4_kernel_and_the_rest_is_dequantized_with_a_log_line(tmp_path, monkeypatch, caplog):
+    """As on a CPU without AVX512-VNNI: Q4_K gate/up on torch's int4 kernel (where Q4_0 would run), the
+    Q8_0 head on its int8 one; int5, Q5_K (the fused q/k/v) and Q6_K dense, named in one log line."""
+    monkeypatch.setattr(cpu_kernels, "has_avx512_vnni", lambda: False)
+    path = tmp_path / "q4_k_m.gguf"
+    write_gguf(path, FILES["q4_k_m"], ffn=FFN, hidden=HIDDEN)
+    with caplog.at_level(logging.INFO, logger="stageserve.device.model.decoder"):
+        model = DecoderModel.from_path(path, torch.float32, "cpu", weight_format="auto", dense_copy="none")
+    assert model.linear_formats == {"float32": 3, "q4_k": 1, "int8": 1}
+    assert "linears of format int5, q5_k, q6_k dequantized to float32" in caplog.text
+    dense = DecoderModel.from_path(path, torch.float32, "cpu")
+    assert greedy(model, PROMPTS[0], 8)[0] == greedy(dense, PROMPTS[0], 8)[0]
