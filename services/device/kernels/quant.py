@@ -14,14 +14,16 @@ and become, once at load, one of these formats with groups of 32 along K (GGUF's
   asymmetric min/max groups for int4 (as Q4_1 quantizes), symmetric groups for int8 (as Q8_0 does).
 
 The parts of one fused linear (q/k/v, gate/up) of different block types meet in the narrowest
-format that holds all of them exactly (`_concat`): Q4_K_M files store attn_v as Q6_K (or, where K
-is not a multiple of 256, Q8_0) beside Q4_K (Q5_0) q and k. Where a kernel rounds further (float16
+format that holds all of them exactly, or run side by side where none does (`_concat`): Q4_K_M
+files store attn_v as Q6_K (or, where K is not a multiple of 256, Q8_0) beside Q4_K (Q5_0) q and k. Where a kernel rounds further (float16
 scales, torch's kernels' bfloat16 scales or per-row int8) is said in `quant_linear`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+
 import gguf
 import torch
 
@@ -253,15 +255,30 @@ def round_symmetric_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.int8), scale
 
 
-KernelWeight = Int4Weight | Int5Weight | Int8Weight | KQuantWeight
+@dataclasses.dataclass(frozen=True)
+class StackedWeight:
+    """Consecutive row ranges of one linear in formats no single one holds exactly (Q4_K beside Q6_K),
+    each ``[N_i, K]`` in its own format and run on its own kernel, the outputs side by side."""
+
+    parts: tuple[Int4Weight | Int5Weight | Int8Weight | KQuantWeight, ...]
+
+
+KernelWeight = Int4Weight | Int5Weight | Int8Weight | KQuantWeight | StackedWeight
+
+
+def weight_shape(weight: KernelWeight) -> tuple[int, int]:
+    """``(N, K)`` of a kernel-format weight."""
+    if isinstance(weight, StackedWeight):
+        return sum(weight_shape(p)[0] for p in weight.parts), weight_shape(weight.parts[0])[1]
+    return tuple(weight.q.shape)
 
 
 def kernel_weight(parts: list[torch.Tensor | QuantizedWeight], weight_format: str) -> KernelWeight | None:
     """The parts of one linear (stacked along N) in the kernel format ``weight_format`` asks for; ``None`` for dense.
 
     ``auto``: GGUF Q4_0/Q4_1 → int4, Q5_0/Q5_1 → int5, Q8_0 → int8, Q4_K/Q5_K/Q6_K → K-quant; parts
-    of different formats in the narrowest that holds them all exactly (`_concat`), else dense; dense
-    when any part is a float tensor. ``int4`` / ``int8``: every weight in that format (GGUF types of
+    of different formats in the narrowest that holds them all exactly, else side by side (`_concat`);
+    dense when any part is a float tensor. ``int4`` / ``int8``: every weight in that format (GGUF types of
     that format mapped exactly, anything else rounded from its float values). ``dequantize``: always ``None``.
 
     Raises:
@@ -289,11 +306,11 @@ def _convert(part: torch.Tensor | QuantizedWeight, weight_format: str) -> Kernel
     return int4_from_float(dense) if weight_format == "int4" else int8_from_float(dense)
 
 
-def _concat(parts: list[KernelWeight]) -> KernelWeight | None:
-    """The parts stacked along N (q/k/v, gate/up) in one format, or ``None`` when none holds them all
-    exactly. int4 values are int5 values; a symmetric int4/int5 part (Q4_0, Q5_0: ``offset = -8 / -16
-    scale``) is int8 ``q - 8 / q - 16``; Q4_K values are Q5_K values. Q4_K/Q5_K (a minimum per
-    sub-block) and Q6_K (none, scales per 16) hold no other."""
+def _concat(parts: list[KernelWeight]) -> KernelWeight:
+    """The parts stacked along N (q/k/v, gate/up) in one format where one holds them all exactly, else
+    as a `StackedWeight` of runs of one format. int4 values are int5 values; a symmetric int4/int5
+    part (Q4_0, Q5_0: ``offset = -8 / -16 scale``) is int8 ``q - 8 / q - 16``; Q4_K values are Q5_K
+    values. Q4_K/Q5_K (a minimum per sub-block) and Q6_K (none, scales per 16) hold no other."""
     kinds = {format_name(p) for p in parts}
     if len(kinds) > 1:
         if kinds <= {"int4", "int5"}:
@@ -304,7 +321,8 @@ def _concat(parts: list[KernelWeight]) -> KernelWeight | None:
         elif kinds == {"q4_k", "q5_k"}:
             parts = [dataclasses.replace(p, qtype=Q.Q5_K) for p in parts]
         else:
-            return None
+            runs = [list(run) for _, run in itertools.groupby(parts, format_name)]
+            return StackedWeight(tuple(_concat(run) for run in runs))
     first = parts[0]
     fields = [f.name for f in dataclasses.fields(first) if f.name != "qtype"]
     stacked = {name: torch.cat([getattr(p, name) for p in parts]) for name in fields}
@@ -316,7 +334,9 @@ def _symmetric(weight: Int4Weight | Int5Weight) -> bool:
 
 
 def format_name(weight: KernelWeight) -> str:
-    """``"int4"``, ``"int5"``, ``"int8"``, ``"q4_k"``, ``"q5_k"`` or ``"q6_k"``."""
+    """``"int4"``, ``"int5"``, ``"int8"``, ``"q4_k"``, ``"q5_k"`` or ``"q6_k"``; a `StackedWeight`'s joined by ``+``."""
+    if isinstance(weight, StackedWeight):
+        return "+".join(format_name(p) for p in weight.parts)
     if isinstance(weight, KQuantWeight):
         return weight.qtype.name.lower()
     return {Int4Weight: "int4", Int5Weight: "int5", Int8Weight: "int8"}[type(weight)]

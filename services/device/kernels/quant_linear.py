@@ -48,7 +48,8 @@ import torch
 import torch.nn.functional as F
 
 from stageserve.device.kernels import cpu_kernels
-from stageserve.device.kernels.quant import GROUP, SUPER, Int4Weight, Int5Weight, Int8Weight, KernelWeight, KQuantWeight, format_name, round_symmetric_int8
+from stageserve.device.kernels.quant import (GROUP, SUPER, Int4Weight, Int5Weight, Int8Weight, KernelWeight, KQuantWeight, StackedWeight,
+                                             format_name, round_symmetric_int8, weight_shape)
 
 LANES = 16  # output rows per panel of the VNNI layout (one per int32 lane)
 VNNI_MAX_ROWS = {8: 8, 16: 8}  # by input bits, measured (docs/benchmarks.md): about where the AMX copy starts to win
@@ -60,7 +61,7 @@ TORCH_MAX_ROWS = 4
 
 
 def kernel_for(weight: KernelWeight, dtype: torch.dtype, input_bits: int = 16,
-               own_kernels: bool = True) -> VnniKernel | TorchInt4Kernel | TorchInt8Kernel:
+               own_kernels: bool = True) -> VnniKernel | TorchInt4Kernel | TorchInt8Kernel | StackedKernel:
     """The fastest kernel this CPU has for ``weight`` with ``dtype`` activations (`VnniKernel` where
     it runs and ``own_kernels`` allows stageserve's CPU kernels, with ``input_bits``; torch's kernels
     take the activations as they are: int4, Q4_K as int4 (`as_int4`), and int8).
@@ -68,6 +69,8 @@ def kernel_for(weight: KernelWeight, dtype: torch.dtype, input_bits: int = 16,
     Raises:
         ValueError: a weight only `VnniKernel` takes (int5, Q5_K, Q6_K) where it does not run (see `fits`).
     """
+    if isinstance(weight, StackedWeight):
+        return StackedKernel([kernel_for(p, dtype, input_bits, own_kernels) for p in weight.parts])
     if _vnni(own_kernels) and weight.q.shape[0] % LANES == 0:
         return VnniKernel(weight, dtype, input_bits)
     if isinstance(weight, Int8Weight):
@@ -81,7 +84,10 @@ def kernel_for(weight: KernelWeight, dtype: torch.dtype, input_bits: int = 16,
 def fits(weight: KernelWeight, own_kernels: bool = True) -> bool:
     """Whether the kernel `kernel_for` picks takes ``weight`` ``[N, K]`` (K a multiple of 32, or of
     256 for a K-quant, by construction): `VnniKernel` needs N % 16 == 0; without it, torch's int4
-    kernel (int4 and Q4_K) N % 64 == 0, torch's int8 any N, and int5, Q5_K and Q6_K have none."""
+    kernel (int4 and Q4_K) N % 64 == 0, torch's int8 any N, and int5, Q5_K and Q6_K have none; a
+    `StackedWeight` where every part fits."""
+    if isinstance(weight, StackedWeight):
+        return all(fits(p, own_kernels) for p in weight.parts)
     n = weight.q.shape[0]
     if _vnni(own_kernels):
         return n % LANES == 0
@@ -121,6 +127,8 @@ class VnniKernel:
     Bytes per weight against the GGUF file's: Q4_K 4.625 / 4.5 bits, Q5_K 5.625 / 5.5, Q6_K 6.5625 / 6.5625,
     Q5_0 6 / 5.5, Q5_1 6 / 6 (the one-byte sub-block scales against ggml's 6-bit packing; Q5_0 stores its ``m``).
     """
+
+    any_rows = True  # a bounded cost per further row (QuantizedLinear)
 
     def __init__(self, weight: KernelWeight, dtype: torch.dtype, input_bits: int = 16) -> None:
         """Pack ``weight`` (N a multiple of 16); ``dtype`` is the activations' (bfloat16 or float32);
@@ -222,11 +230,35 @@ class VnniKernel:
         return (q.view(-1, groups, GROUP).float() * d[..., None]).view(len(ids), groups * GROUP).to(self.dtype)
 
 
+class StackedKernel:
+    """The kernels of a `quant.StackedWeight`'s row ranges, their outputs side by side; each row's result
+    is still independent of the other input rows."""
+
+    def __init__(self, kernels: list[VnniKernel | TorchInt4Kernel | TorchInt8Kernel]) -> None:
+        self.kernels = kernels
+        self.dtype = kernels[0].dtype
+        self.max_rows = min(k.max_rows for k in kernels)
+        self.any_rows = all(k.any_rows for k in kernels)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, K] of ``dtype`` -> [T, N]."""
+        return torch.cat([k(x) for k in self.kernels], -1)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors the kernels hold (for memory accounting)."""
+        return [t for k in self.kernels for t in k.tensors()]
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as ``dtype`` ``[N, K]``, each range from its kernel."""
+        return torch.cat([k.dense_weight() for k in self.kernels])
+
+
 class TorchInt4Kernel:
     """int4 weights for ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (N a multiple of 64): ``packed``
     uint8 ``[N / 64, K, 32]`` (as torch packs it), ``scale`` ``[K / 32, N, 2]`` (scale, zero) in ``dtype``."""
 
     max_rows = TORCH_MAX_ROWS
+    any_rows = False  # it dequantizes the weight for every row (QuantizedLinear)
 
     def __init__(self, weight: Int4Weight, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -259,6 +291,7 @@ class TorchInt8Kernel:
     one scale per row, ``scale`` ``[N]`` in ``dtype`` (see the module docstring)."""
 
     max_rows = TORCH_MAX_ROWS
+    any_rows = False  # it dequantizes the weight for every row (QuantizedLinear)
 
     def __init__(self, weight: Int8Weight, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -307,11 +340,11 @@ class QuantizedLinear:
             ValueError: a weight no kernel here takes (see `fits`).
         """
         if not fits(weight, own_kernels):
-            raise ValueError(f"no quantized kernel on this CPU takes a {format_name(weight)} weight of {weight.q.shape[0]} rows (see quant_linear.fits)")
+            raise ValueError(f"no quantized kernel on this CPU takes a {format_name(weight)} weight of {weight_shape(weight)[0]} rows (see quant_linear.fits)")
         self.format = format_name(weight)  # quant.format_name: int4, int5, int8, q4_k, q5_k or q6_k
         self.bias = bias
         self.kernel = kernel_for(weight, dtype, input_bits, own_kernels)
-        self.shape: tuple[int, int] = tuple(weight.q.shape)  # [N, K]
+        self.shape: tuple[int, int] = weight_shape(weight)  # [N, K]
         self._make_dense = make_dense
         self.dense = None
 
@@ -348,7 +381,7 @@ class QuantizedLinear:
         if x.shape[0] > self.kernel.max_rows:
             if self.dense is not None:
                 return self.dense(x)
-            if not isinstance(self.kernel, VnniKernel):
+            if not self.kernel.any_rows:
                 return F.linear(x, self.dense_weight(), self.bias)
         y = self.kernel(x)
         return y if self.bias is None else y + self.bias

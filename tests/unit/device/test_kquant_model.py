@@ -22,14 +22,14 @@ from tests.unit.device.test_weights import write_gguf
 Q = gguf.GGMLQuantizationType
 HIDDEN, FFN = 256, 512  # multiples of the K-quants' super-block of 256
 FILES = {  # as llama.cpp's Q4_K_M and Q6_K mixes: K-quants where K is a multiple of 256, Q5_0 / Q8_0 where not (o: K = 64)
-    "q4_k_m": {"blk.0.attn_q.weight": Q.Q4_K, "blk.0.attn_k.weight": Q.Q4_K, "blk.0.attn_v.weight": Q.Q5_K,
-               "blk.0.attn_output.weight": Q.Q5_0, "blk.0.ffn_gate.weight": Q.Q4_K, "blk.0.ffn_up.weight": Q.Q4_K,
+    "q4_k_m": {"blk.0.attn_q.weight": Q.Q4_K, "blk.0.attn_k.weight": Q.Q4_K, "blk.0.attn_v.weight": Q.Q6_K,
+               "blk.0.attn_output.weight": Q.Q5_0, "blk.0.ffn_gate.weight": Q.Q4_K, "blk.0.ffn_up.weight": Q.Q5_K,
                "blk.0.ffn_down.weight": Q.Q6_K},
     "q6_k": {"blk.0.attn_q.weight": Q.Q6_K, "blk.0.attn_k.weight": Q.Q6_K, "blk.0.attn_v.weight": Q.Q6_K,
              "blk.0.attn_output.weight": Q.Q8_0, "blk.0.ffn_gate.weight": Q.Q6_K, "blk.0.ffn_up.weight": Q.Q6_K,
              "blk.0.ffn_down.weight": Q.Q6_K},
 }
-FORMATS = {"q4_k_m": {"q5_k": 1, "int5": 1, "q4_k": 1, "q6_k": 1, "int8": 1}, "q6_k": {"q6_k": 3, "int8": 2}}
+FORMATS = {"q4_k_m": {"q4_k+q6_k": 1, "int5": 1, "q5_k": 1, "q6_k": 1, "int8": 1}, "q6_k": {"q6_k": 3, "int8": 2}}
 PROMPTS = [[1, 5, 9, 33, 70], [3, 3, 3], [90, 12, 44, 8, 61, 17, 2], [40]]
 NEW_TOKENS = 32
 
@@ -85,15 +85,15 @@ def test_a_decode_row_gives_the_same_logits_alone_and_in_a_batch(models):
         assert torch.equal(decode([prompt], 8)[:, 0], together[:, i]), i
 
 
-def test_without_vnni_q4_k_runs_on_torchs_int4_kernel_and_the_rest_is_dequantized_with_a_log_line(tmp_path, monkeypatch, caplog):
-    """As on a CPU without AVX512-VNNI: Q4_K gate/up on torch's int4 kernel (where Q4_0 would run), the
-    Q8_0 head on its int8 one; int5, Q5_K (the fused q/k/v) and Q6_K dense, named in one log line."""
+def test_without_vnni_the_formats_without_a_kernel_are_dequantized_with_a_log_line(tmp_path, monkeypatch, caplog):
+    """As on a CPU without AVX512-VNNI: the Q8_0 head on torch's int8 kernel; int5, Q5_K (the fused gate/up:
+    Q4_K in Q5_K) and Q6_K (with Q4_K beside it: q/k/v) dense, named in one log line."""
     monkeypatch.setattr(cpu_kernels, "has_avx512_vnni", lambda: False)
     path = tmp_path / "q4_k_m.gguf"
     write_gguf(path, FILES["q4_k_m"], ffn=FFN, hidden=HIDDEN)
     with caplog.at_level(logging.INFO, logger="stageserve.device.model.decoder"):
         model = DecoderModel.from_path(path, torch.float32, "cpu", weight_format="auto", dense_copy="none")
-    assert model.linear_formats == {"float32": 3, "q4_k": 1, "int8": 1}
-    assert "linears of format int5, q5_k, q6_k dequantized to float32" in caplog.text
+    assert model.linear_formats == {"float32": 4, "int8": 1}
+    assert "linears of format int5, q4_k+q6_k, q5_k, q6_k dequantized to float32" in caplog.text
     dense = DecoderModel.from_path(path, torch.float32, "cpu")
     assert greedy(model, PROMPTS[0], 8)[0] == greedy(dense, PROMPTS[0], 8)[0]

@@ -157,7 +157,7 @@ def test_parts_are_stacked_and_mixed_or_float_parts_stay_dense():
     stacked = quant.kernel_weight([q4_0, q4_1], "auto")
     expected = torch.cat([q4_0.dequantize(), q4_1.dequantize()])
     torch.testing.assert_close(QuantizedLinear(stacked, None, torch.float32).dense_weight(), expected, rtol=0, atol=1e-7)
-    assert quant.kernel_weight([q4_1, q8], "auto") is None  # Q4_1's minimum: no int8 values
+    assert quant.format_name(quant.kernel_weight([q4_1, q8], "auto")) == "int4+int8"  # Q4_1's minimum: no int8 values, side by side
     assert quant.kernel_weight([q4_0, torch.zeros(N, K)], "auto") is None  # auto never quantizes float weights
     assert quant.kernel_weight([q4_0], "dequantize") is None
     assert quant.format_name(quant.kernel_weight([q4_1, q8], "int4")) == "int4"  # explicit formats convert everything
@@ -249,24 +249,27 @@ def test_without_vnni_q4_k_runs_on_torchs_int4_kernel_and_the_other_new_types_fi
         assert not fits(quant.kernel_weight([_random_weight(qtype)], "auto"))
 
 
-def test_fused_parts_of_mixed_types_meet_in_the_narrowest_exact_format():
+def test_fused_parts_of_mixed_types_meet_in_the_narrowest_exact_format_or_run_side_by_side():
     """Q4_K_M files mix types within one fused linear (q/k Q5_0 beside v Q8_0; Q4_K beside Q6_K)."""
-    def stacked(*parts):
-        return quant.kernel_weight(list(parts), "auto")
-
-    def check(kernel, parts, name):
+    def check(parts, name):
+        kernel = quant.kernel_weight(parts, "auto")
         assert quant.format_name(kernel) == name
         if VNNI:
-            expected = torch.cat([p.dequantize() for p in parts])
-            assert torch.equal(QuantizedLinear(kernel, None, torch.float32).dense_weight(), expected)
+            linear = QuantizedLinear(kernel, None, torch.float32)
+            reference = torch.cat([p.dequantize() for p in parts])
+            assert torch.equal(linear.dense_weight(), reference)
+            x = torch.randn(11, reference.shape[1])
+            assert ((linear(x) - x @ reference.T).abs() <= _bound(linear, reference, x, 16) + 1e-5 * (x.abs() @ reference.abs().T)).all()
+            alone = torch.cat([linear(x[r:r + 1]) for r in range(len(x))])
+            assert torch.equal(linear(x[:8]), alone[:8])  # batch invariance
 
     q4_0, q4_1, q5_0, q5_1, q8_0 = (_gguf_weight(t) for t in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0))
-    check(stacked(q4_1, q5_1), [q4_1, q5_1], "int5")
-    check(stacked(q5_0, q4_0, q8_0), [q5_0, q4_0, q8_0], "int8")  # symmetric blocks are int8 values
-    assert stacked(q5_1, q8_0) is None  # Q5_1's minimum: no int8 values
+    check([q4_1, q5_1], "int5")
+    check([q5_0, q4_0, q8_0], "int8")  # symmetric blocks are int8 values
+    check([q5_1, q8_0], "int5+int8")  # Q5_1's minimum: no int8 values
     q4_k, q5_k, q6_k = (_random_weight(t, seed=i) for i, t in enumerate((Q.Q4_K, Q.Q5_K, Q.Q6_K)))
-    check(stacked(q4_k, q5_k), [q4_k, q5_k], "q5_k")
-    assert stacked(q4_k, q6_k) is None
+    check([q4_k, q5_k], "q5_k")
+    check([q4_k, q4_k, q6_k], "q4_k+q6_k")
 
 
 @pytest.mark.parametrize("gated", [False, True])
