@@ -186,22 +186,18 @@ class KQuantWeight:
         return (d[..., None] * q - dm[..., None]).view(n, k)
 
 
-def int4_from_gguf(weight: QuantizedWeight) -> Int4Weight:
-    """Q4_0/Q4_1 blocks as `Int4Weight`, exactly (see the module docstring)."""
+def offset_groups_from_gguf(weight: QuantizedWeight) -> Int4Weight | Int5Weight:
+    """Q4_0/Q4_1 blocks as `Int4Weight`, Q5_0/Q5_1 as `Int5Weight`, exactly (see the module docstring)."""
     n, groups = weight.blocks.shape[:2]
     blocks = weight.blocks.reshape(n * groups, -1)
     d = _f16_column(blocks, 0).view(n, groups)
-    offset = -8 * d if weight.qtype == Q.Q4_0 else _f16_column(blocks, 2).view(n, groups)
-    return Int4Weight(_nibbles(blocks).view(n, groups * GROUP), d, offset)
-
-
-def int5_from_gguf(weight: QuantizedWeight) -> Int5Weight:
-    """Q5_0/Q5_1 blocks as `Int5Weight`, exactly (see the module docstring)."""
-    n, groups = weight.blocks.shape[:2]
-    blocks = weight.blocks.reshape(n * groups, -1)
-    d = _f16_column(blocks, 0).view(n, groups)
-    offset = -16 * d if weight.qtype == Q.Q5_0 else _f16_column(blocks, 2).view(n, groups)
-    return Int5Weight(_q5_values(blocks).view(n, groups * GROUP), d, offset)
+    four = weight.qtype in (Q.Q4_0, Q.Q4_1)
+    if weight.qtype in (Q.Q4_0, Q.Q5_0):
+        offset = (-8 if four else -16) * d
+    else:
+        offset = _f16_column(blocks, 2).view(n, groups)
+    q = (_nibbles(blocks) if four else _q5_values(blocks)).view(n, groups * GROUP)
+    return (Int4Weight if four else Int5Weight)(q, d, offset)
 
 
 def int8_from_gguf(weight: QuantizedWeight) -> Int8Weight:
@@ -293,8 +289,8 @@ def kernel_weight(parts: list[torch.Tensor | QuantizedWeight], weight_format: st
     return _concat([_convert(p, weight_format) for p in parts])
 
 
-_FROM_GGUF = {Q.Q4_0: ("int4", int4_from_gguf), Q.Q4_1: ("int4", int4_from_gguf), Q.Q5_0: ("int5", int5_from_gguf),
-              Q.Q5_1: ("int5", int5_from_gguf), Q.Q8_0: ("int8", int8_from_gguf)} | {t: ("k", kquant_from_gguf) for t in K_TYPES}
+_FROM_GGUF = {Q.Q4_0: ("int4", offset_groups_from_gguf), Q.Q4_1: ("int4", offset_groups_from_gguf), Q.Q5_0: ("int5", offset_groups_from_gguf),
+              Q.Q5_1: ("int5", offset_groups_from_gguf), Q.Q8_0: ("int8", int8_from_gguf)} | {t: ("k", kquant_from_gguf) for t in K_TYPES}
 
 
 def _convert(part: torch.Tensor | QuantizedWeight, weight_format: str) -> KernelWeight:
