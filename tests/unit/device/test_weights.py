@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import gguf
@@ -118,6 +119,21 @@ def test_embedded_gguf_loads_with_expected_config():
     assert config.tie_word_embeddings and config.rope_theta == 100000.0
     assert weights["model.layers.29.mlp.down_proj.weight"].shape == (576, 1536)
     assert all(t.dtype == torch.bfloat16 for t in weights.values())
+
+
+def test_a_block_tensor_whose_rows_are_not_whole_blocks_is_refused(tmp_path):
+    """A Q6_K tensor's dims rewritten from 256 x 64 to 128 x 128 (the same bytes): rows of 128 values
+    are half a super-block, refused by name (gguf-py's writer itself refuses to write one)."""
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, {"blk.0.ffn_down.weight": Q.Q6_K}, ffn=256)
+    data = bytearray(path.read_bytes())
+    name = b"blk.0.ffn_down.weight"
+    dims = data.index(name) + len(name) + 4  # the name, then n_dims (uint32), then the dims (uint64, ne0 first)
+    assert struct.unpack_from("<2Q", data, dims) == (256, 64)
+    struct.pack_into("<2Q", data, dims, 128, 128)
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match=r"bad\.gguf: tensor 'blk\.0\.ffn_down\.weight' of type Q6_K: rows of 128 values are not whole blocks of 256"):
+        load_weights(path, torch.float32)
 
 
 @pytest.mark.parametrize("keep_bytes", [10, 4000, 50_000_000])
