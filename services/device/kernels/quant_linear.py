@@ -52,6 +52,8 @@ from stageserve.device.kernels.quant import (GROUP, SUPER, Int4Weight, Int5Weigh
                                              format_name, round_symmetric_int8, weight_shape)
 
 LANES = 16  # output rows per panel of the VNNI layout (one per int32 lane)
+# the VNNI kernel's scale layouts (csrc/quant_linear.cpp `Scheme`): per group of 32, Q4_K/Q5_K's, Q6_K's
+GROUP_SCALES, K_MIN_SCALES, K_SYMMETRIC_SCALES = 0, 1, 2
 VNNI_MAX_ROWS = {8: 8, 16: 8}  # by input bits, measured (docs/benchmarks.md): about where the AMX copy starts to win
 INT4_ROW_BLOCK = 64  # torch's int4 CPU kernel packs rows in blocks of 64 ([N / 64, K, 32] bytes)
 # torch's kernels (docs/benchmarks.md#quantized-weights: CPU time of a model's 120 linears on one thread,
@@ -118,10 +120,10 @@ class VnniKernel:
     ``8 c + 4 + j`` in the high one (operands ``2 c`` and ``2 c + 1``), then for 5 and 6 bits one and
     two 64-byte planes of bit 4 and bit 5, bit ``t`` of plane byte ``b`` for operand ``t``'s byte
     ``b``; int8: 8 chunks, byte ``4 i + j`` of chunk ``c`` = ``q + 128`` of row ``i``'s input ``4 c + j``.
-    ``scales`` (``scheme`` 0, int4/int5/int8) float16 ``[N / 16, K / 32, 2, 16]``: per panel and group
-    the 16 rows' ``d``, then their ``m``, with ``w = d * q + m`` (int8: ``m = -128 d``); (``scheme``
-    1, Q4_K/Q5_K) uint8 ``[N / 16, K / 256, 320]``: per panel and super-block the 16 rows' float16
-    ``d``, then ``dmin``, then per group their ``sc``, then ``m``; (``scheme`` 2, Q6_K) uint8 ``[N / 16,
+    ``scales`` (``GROUP_SCALES``, int4/int5/int8) float16 ``[N / 16, K / 32, 2, 16]``: per panel and group
+    the 16 rows' ``d``, then their ``m``, with ``w = d * q + m`` (int8: ``m = -128 d``); (``K_MIN_SCALES``,
+    Q4_K/Q5_K) uint8 ``[N / 16, K / 256, 320]``: per panel and super-block the 16 rows' float16
+    ``d``, then ``dmin``, then per group their ``sc``, then ``m``; (``K_SYMMETRIC_SCALES``, Q6_K) uint8 ``[N / 16,
     K / 256, 288]``: the 16 rows' float16 ``d``, then per 16 inputs their int8 ``sc``.
 
     Bytes per weight against the GGUF file's: Q4_K 4.625 / 4.5 bits, Q5_K 5.625 / 5.5, Q6_K 6.5625 / 6.5625,
@@ -137,7 +139,7 @@ class VnniKernel:
         self.dtype, self.input_bits = dtype, input_bits
         self.bits = {Int4Weight: 4, Int5Weight: 5, Int8Weight: 8}.get(type(weight)) or weight.bits
         self.qtype = weight.qtype if isinstance(weight, KQuantWeight) else None
-        self.scheme = 0 if self.qtype is None else 2 if self.bits == 6 else 1
+        self.scheme = GROUP_SCALES if self.qtype is None else K_SYMMETRIC_SCALES if self.bits == 6 else K_MIN_SCALES
         self.max_rows = VNNI_MAX_ROWS[input_bits]
         n, k = weight.q.shape
         panels, groups = n // LANES, k // GROUP
@@ -151,7 +153,7 @@ class VnniKernel:
             for bit in range(4, self.bits):
                 parts.append((((operands >> bit) & 1) << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8))
             self.packed = torch.cat(parts, -1).contiguous()
-        if self.scheme == 0:
+        if self.scheme == GROUP_SCALES:
             d, m = weight.scale, -128 * weight.scale if self.bits == 8 else weight.offset
             self.scales = torch.stack((d, m), -1).view(panels, LANES, groups, 2).permute(0, 2, 3, 1).to(torch.float16).contiguous()
         else:
@@ -161,7 +163,7 @@ class VnniKernel:
                 t = t.view(panels, LANES, supers, -1).permute(0, 2, 3, 1).contiguous()
                 return t.view(torch.uint8).reshape(panels, supers, -1)
 
-            if self.scheme == 1:
+            if self.scheme == K_MIN_SCALES:
                 sub = torch.stack((weight.sc.view(n, supers, 8), weight.m.view(n, supers, 8)), -1).view(n, supers * 16)
                 self.scales = torch.cat((lanes_last(weight.d), lanes_last(weight.dmin), lanes_last(sub)), -1).contiguous()
             else:
@@ -190,18 +192,19 @@ class VnniKernel:
         return q.permute(0, 4, 1, 2, 3, 5).reshape(panels * LANES, groups * GROUP)
 
     def _scales(self) -> tuple[torch.Tensor, ...]:
-        """Scheme 0: ``d``, ``m`` float32 ``[N, K / 32]``; 1: ``d``, ``dmin`` float16 ``[N, K / 256]``,
-        ``sc``, ``m`` uint8 ``[N, K / 32]``; 2: ``d`` float16 ``[N, K / 256]``, ``sc`` int8 ``[N, K / 16]``."""
+        """``GROUP_SCALES``: ``d``, ``m`` float32 ``[N, K / 32]``; ``K_MIN_SCALES``: ``d``, ``dmin`` float16
+        ``[N, K / 256]``, ``sc``, ``m`` uint8 ``[N, K / 32]``; ``K_SYMMETRIC_SCALES``: ``d`` float16 ``[N, K / 256]``,
+        ``sc`` int8 ``[N, K / 16]``."""
         panels, groups = self.packed.shape[:2]
         n = panels * LANES
-        if self.scheme == 0:
+        if self.scheme == GROUP_SCALES:
             return self.scales.float().permute(0, 3, 1, 2).reshape(n, groups, 2).unbind(-1)
         supers = groups * GROUP // SUPER
 
         def rows_first(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # uint8 [panels, supers, j * 16 * itemsize] -> [N, supers * j]
             return t.contiguous().view(dtype).view(panels, supers, -1, LANES).permute(0, 3, 1, 2).reshape(n, -1)
 
-        if self.scheme == 1:
+        if self.scheme == K_MIN_SCALES:
             sub = rows_first(self.scales[..., 64:], torch.uint8).view(n, supers, 8, 2)
             return (rows_first(self.scales[..., :32], torch.float16), rows_first(self.scales[..., 32:64], torch.float16),
                     sub[..., 0].reshape(n, -1), sub[..., 1].reshape(n, -1))
@@ -211,10 +214,10 @@ class VnniKernel:
         """The weight as ``dtype`` ``[N, K]``: ``d * q + m`` (K-quants: `KQuantWeight.dequantize`) in float32, rounded once."""
         q = self._values()
         n, k = q.shape
-        if self.scheme == 0:
+        if self.scheme == GROUP_SCALES:
             d, m = self._scales()
             return torch.addcmul(m[..., None], q.view(n, -1, GROUP).float(), d[..., None]).view(n, k).to(self.dtype)
-        if self.scheme == 1:
+        if self.scheme == K_MIN_SCALES:
             d, dmin, sc, m = self._scales()
         else:
             (d, sc), dmin = self._scales(), torch.empty(n, 0, dtype=torch.float16)
