@@ -112,6 +112,8 @@ def _read(buffer: mmap.mmap, path: Path) -> tuple[dict[str, Any], list[GGUFTenso
         dims = [reader.scalar("<Q") for _ in range(reader.scalar("<I"))]
         qtype, offset = gguf.GGMLQuantizationType(reader.scalar("<I")), reader.scalar("<Q")
         block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        if dims and dims[0] % block:
+            raise GGUFHeaderError(f"{path}: tensor {name!r} of type {qtype.name}: rows of {dims[0]} values are not whole blocks of {block}")
         infos.append(GGUFTensor(name, tuple(reversed(dims)), qtype, offset, math.prod(dims) // block * block_bytes))
     alignment = int(fields.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
     data_start = -(-reader.pos // alignment) * alignment

@@ -244,18 +244,20 @@ def has_avx512_vnni() -> bool:
     return load_cpu_kernels() and torch.ops.stageserve.has_avx512_vnni()
 
 
-def quant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bits: int, input_bits: int = 8) -> torch.Tensor:
-    """``x @ W.T`` for a 4- or 8-bit weight in groups of 32 along K (``w = d * q + m`` per group),
-    ``x`` quantized per row to int8 groups of 32 inside (``input_bits=16``: plus a second int8 level
-    for the first's rounding error, ``x ~ s (256 p + p')``, at twice the integer work), the dots on
-    AVX512-VNNI. A row's result does not depend on the other rows of ``x``.
+def quant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bits: int, input_bits: int = 8, scheme: int = 0) -> torch.Tensor:
+    """``x @ W.T`` for a 4-, 5-, 6- or 8-bit weight in groups of 32 along K (``w = d * q + m`` per
+    group, or llama.cpp's K-quant super-blocks of 256), ``x`` quantized per row to int8 groups of 32
+    inside (``input_bits=16``: plus a second int8 level for the first's rounding error,
+    ``x ~ s (256 p + p')``, at twice the integer work), the dots on AVX512-VNNI. A row's result does
+    not depend on the other rows of ``x``.
 
-    ``x`` ``[M, K]`` bfloat16 or float32 contiguous; ``packed`` uint8 ``[N / 16, K / 32, 256]``
-    (``bits=4``) or ``[N / 16, K / 32, 512]`` (``bits=8``) and ``scales`` float16 ``[N / 16, K / 32,
-    2, 16]`` as ``quant_linear.VnniKernel`` lays them out -> ``[M, N]`` in ``x``'s dtype (fp32 sums,
+    ``x`` ``[M, K]`` bfloat16 or float32 contiguous; ``packed`` uint8 ``[N / 16, K / 32, 64 * bits]``
+    and ``scales`` as ``quant_linear.VnniKernel`` lays them out for ``scheme`` (0: float16 ``[N / 16,
+    K / 32, 2, 16]`` for bits 4, 5, 8; 1, Q4_K/Q5_K: uint8 ``[N / 16, K / 256, 320]`` for bits 4, 5; 2,
+    Q6_K: uint8 ``[N / 16, K / 256, 288]`` for bits 6) -> ``[M, N]`` in ``x``'s dtype (fp32 sums,
     rounded once). Raises ``RuntimeError`` for other shapes or dtypes, or without AVX512-VNNI.
     """
-    return torch.ops.stageserve.quant_linear(x, packed, scales, bits, input_bits)
+    return torch.ops.stageserve.quant_linear(x, packed, scales, bits, input_bits, scheme)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -57,8 +57,7 @@ class ShapeTiming:
     def describe(self, kept: int) -> str:
         """One shape's part of the log line: how many of its linears keep a copy, and the two timings."""
         n, k = self.linears[0].shape
-        fmt = "int4" if self.linears[0].int4 else "int8"
-        return f"{kept} of {len(self.linears)} {n}x{k} {fmt} ({self.kernel_ms:.2f} ms on the kernel, {self.dense_ms:.2f} ms dense)"
+        return f"{kept} of {len(self.linears)} {n}x{k} {self.linears[0].format} ({self.kernel_ms:.2f} ms on the kernel, {self.dense_ms:.2f} ms dense)"
 
 
 def time_on_kernel_and_dense(linear: QuantizedLinear, rows: int, repeats: int = REPEATS) -> tuple[float, float]:
@@ -101,7 +100,7 @@ def cache_path(linears: Sequence[QuantizedLinear], rows: int) -> Path:
 
 def _shape_key(linear: QuantizedLinear) -> str:
     n, k = linear.shape
-    return f"{n}x{k} {'int4' if linear.int4 else 'int8'}{' bias' if linear.bias is not None else ''}"
+    return f"{n}x{k} {linear.format}{' bias' if linear.bias is not None else ''}"
 
 
 def _read_timings(path: Path, keys: set[str]) -> dict[str, list[float]] | None:

@@ -2,8 +2,10 @@
 with its packed layout (the formats, from GGUF or rounded from float weights: `quant`).
 
 - `VnniKernel`: stageserve's own (``cpu_kernels.quant_linear``, csrc/quant_linear.cpp) on x86-64
-  CPUs with AVX512-VNNI (Intel Xeon since Cascade Lake, AMD EPYC since Zen 4). int4 and int8 weights
-  keep GGUF's groups of 32 with float16 scales, so Q4_0, Q4_1 and Q8_0 map exactly. Each input row
+  CPUs with AVX512-VNNI (Intel Xeon since Cascade Lake, AMD EPYC since Zen 4). int4, int5 and int8
+  weights keep GGUF's groups of 32 with float16 scales, so Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 map
+  exactly; Q4_K, Q5_K and Q6_K keep llama.cpp's super-blocks of 256 (ggml-quants.c) with their
+  sub-block scales a byte each, and map exactly too (layouts and their bytes: `VnniKernel`). Each input row
   is quantized per group of 32 as llama.cpp quantizes activations for its Q4/Q8 dot products
   (ggml-quants.c, ``quantize_row_q8_0``: ``s = max |x| / 127``, here rounding to nearest even), and
   by default a second int8 level takes what the first rounded off (``input_bits=16``): each input
@@ -46,9 +48,12 @@ import torch
 import torch.nn.functional as F
 
 from stageserve.device.kernels import cpu_kernels
-from stageserve.device.kernels.quant import GROUP, Int4Weight, Int8Weight, round_symmetric_int8
+from stageserve.device.kernels.quant import (GROUP, SUPER, Int4Weight, Int5Weight, Int8Weight, KernelWeight, KQuantWeight, StackedWeight,
+                                             format_name, round_symmetric_int8, weight_shape)
 
 LANES = 16  # output rows per panel of the VNNI layout (one per int32 lane)
+# the VNNI kernel's scale layouts (csrc/quant_linear.cpp `Scheme`): per group of 32, Q4_K/Q5_K's, Q6_K's
+GROUP_SCALES, K_MIN_SCALES, K_SYMMETRIC_SCALES = 0, 1, 2
 VNNI_MAX_ROWS = {8: 8, 16: 8}  # by input bits, measured (docs/benchmarks.md): about where the AMX copy starts to win
 INT4_ROW_BLOCK = 64  # torch's int4 CPU kernel packs rows in blocks of 64 ([N / 64, K, 32] bytes)
 # torch's kernels (docs/benchmarks.md#quantized-weights: CPU time of a model's 120 linears on one thread,
@@ -57,23 +62,50 @@ INT4_ROW_BLOCK = 64  # torch's int4 CPU kernel packs rows in blocks of 64 ([N / 
 TORCH_MAX_ROWS = 4
 
 
-def kernel_for(weight: Int4Weight | Int8Weight, dtype: torch.dtype, input_bits: int = 16,
-               own_kernels: bool = True) -> VnniKernel | TorchInt4Kernel | TorchInt8Kernel:
+def kernel_for(weight: KernelWeight, dtype: torch.dtype, input_bits: int = 16,
+               own_kernels: bool = True) -> VnniKernel | TorchInt4Kernel | TorchInt8Kernel | StackedKernel:
     """The fastest kernel this CPU has for ``weight`` with ``dtype`` activations (`VnniKernel` where
     it runs and ``own_kernels`` allows stageserve's CPU kernels, with ``input_bits``; torch's kernels
-    take the activations as they are)."""
+    take the activations as they are: int4, Q4_K as int4 (`as_int4`), and int8).
+
+    Raises:
+        ValueError: a weight only `VnniKernel` takes (int5, Q5_K, Q6_K) where it does not run (see `fits`).
+    """
+    if isinstance(weight, StackedWeight):
+        return StackedKernel([kernel_for(p, dtype, input_bits, own_kernels) for p in weight.parts])
     if _vnni(own_kernels) and weight.q.shape[0] % LANES == 0:
         return VnniKernel(weight, dtype, input_bits)
-    return TorchInt4Kernel(weight, dtype) if isinstance(weight, Int4Weight) else TorchInt8Kernel(weight, dtype)
+    if isinstance(weight, Int8Weight):
+        return TorchInt8Kernel(weight, dtype)
+    int4 = as_int4(weight)
+    if int4 is None:
+        raise ValueError(f"torch's kernels take no {format_name(weight)} weight (see quant_linear.fits)")
+    return TorchInt4Kernel(int4, dtype)
 
 
-def fits(weight: Int4Weight | Int8Weight, own_kernels: bool = True) -> bool:
-    """Whether the kernel `kernel_for` picks takes ``weight`` ``[N, K]`` (K a multiple of 32 by
-    construction): `VnniKernel` needs N % 16 == 0, torch's int4 kernel N % 64 == 0, torch's int8 any N."""
+def fits(weight: KernelWeight, own_kernels: bool = True) -> bool:
+    """Whether the kernel `kernel_for` picks takes ``weight`` ``[N, K]`` (K a multiple of 32, or of
+    256 for a K-quant, by construction): `VnniKernel` needs N % 16 == 0; without it, torch's int4
+    kernel (int4 and Q4_K) N % 64 == 0, torch's int8 any N, and int5, Q5_K and Q6_K have none; a
+    `StackedWeight` where every part fits."""
+    if isinstance(weight, StackedWeight):
+        return all(fits(p, own_kernels) for p in weight.parts)
     n = weight.q.shape[0]
     if _vnni(own_kernels):
         return n % LANES == 0
-    return isinstance(weight, Int8Weight) or n % INT4_ROW_BLOCK == 0
+    return isinstance(weight, Int8Weight) or (as_int4(weight) is not None and n % INT4_ROW_BLOCK == 0)
+
+
+def as_int4(weight: KernelWeight) -> Int4Weight | None:
+    """``weight`` as `Int4Weight` where it is one: int4, or Q4_K (``scale = d sc``, ``offset = -dmin m``
+    per sub-block of 32, exact in float32); ``None`` for other formats."""
+    if isinstance(weight, Int4Weight):
+        return weight
+    if isinstance(weight, KQuantWeight) and weight.bits == 4:
+        per_group = SUPER // GROUP
+        scale = weight.d.float().repeat_interleave(per_group, 1) * weight.sc.float()
+        return Int4Weight(weight.q, scale, -(weight.dmin.float().repeat_interleave(per_group, 1) * weight.m.float()))
+    return None
 
 
 def _vnni(own_kernels: bool) -> bool:
@@ -81,53 +113,116 @@ def _vnni(own_kernels: bool) -> bool:
 
 
 class VnniKernel:
-    """int4 or int8 weights in 16-row panels for ``cpu_kernels.quant_linear`` (see the module docstring).
+    """4- to 8-bit weights in 16-row panels for ``cpu_kernels.quant_linear`` (see the module docstring).
 
-    ``packed`` uint8 ``[N / 16, K / 32, 256]`` (int4: per group, 4 chunks of 64 bytes, byte
-    ``4 i + j`` of chunk ``c`` = row ``i``'s input ``8 c + j`` in the low nibble, ``8 c + 4 + j`` in
-    the high one) or ``[N / 16, K / 32, 512]`` (int8: 8 chunks, byte ``4 i + j`` of chunk ``c`` =
-    ``q + 128`` of row ``i``'s input ``4 c + j``); ``scales`` float16 ``[N / 16, K / 32, 2, 16]``:
-    per panel and group the 16 rows' ``d``, then their ``m``, with ``w = d * q + m`` (int8: ``m = -128 d``).
+    ``packed`` uint8 ``[N / 16, K / 32, 64 * bits]``: int4/int5, Q4_K/Q5_K/Q6_K per group, 4 chunks
+    of 64 bytes, byte ``4 i + j`` of chunk ``c`` = row ``i``'s input ``8 c + j`` in the low nibble,
+    ``8 c + 4 + j`` in the high one (operands ``2 c`` and ``2 c + 1``), then for 5 and 6 bits one and
+    two 64-byte planes of bit 4 and bit 5, bit ``t`` of plane byte ``b`` for operand ``t``'s byte
+    ``b``; int8: 8 chunks, byte ``4 i + j`` of chunk ``c`` = ``q + 128`` of row ``i``'s input ``4 c + j``.
+    ``scales`` (``GROUP_SCALES``, int4/int5/int8) float16 ``[N / 16, K / 32, 2, 16]``: per panel and group
+    the 16 rows' ``d``, then their ``m``, with ``w = d * q + m`` (int8: ``m = -128 d``); (``K_MIN_SCALES``,
+    Q4_K/Q5_K) uint8 ``[N / 16, K / 256, 320]``: per panel and super-block the 16 rows' float16
+    ``d``, then ``dmin``, then per group their ``sc``, then ``m``; (``K_SYMMETRIC_SCALES``, Q6_K) uint8 ``[N / 16,
+    K / 256, 288]``: the 16 rows' float16 ``d``, then per 16 inputs their int8 ``sc``.
+
+    Bytes per weight against the GGUF file's: Q4_K 4.625 / 4.5 bits, Q5_K 5.625 / 5.5, Q6_K 6.5625 / 6.5625,
+    Q5_0 6 / 5.5, Q5_1 6 / 6 (the one-byte sub-block scales against ggml's 6-bit packing; Q5_0 stores its ``m``).
     """
 
-    def __init__(self, weight: Int4Weight | Int8Weight, dtype: torch.dtype, input_bits: int = 16) -> None:
+    any_rows = True  # a bounded cost per further row (QuantizedLinear)
+
+    def __init__(self, weight: KernelWeight, dtype: torch.dtype, input_bits: int = 16) -> None:
         """Pack ``weight`` (N a multiple of 16); ``dtype`` is the activations' (bfloat16 or float32);
         ``input_bits`` 16 or 8: two or one int8 levels per input (``cpu_kernels.quant_linear``; the
         module docstring says why two), the second doubling the integer work."""
-        self.dtype, self.bits, self.input_bits = dtype, 4 if isinstance(weight, Int4Weight) else 8, input_bits
+        self.dtype, self.input_bits = dtype, input_bits
+        self.bits = {Int4Weight: 4, Int5Weight: 5, Int8Weight: 8}.get(type(weight)) or weight.bits
+        self.qtype = weight.qtype if isinstance(weight, KQuantWeight) else None
+        self.scheme = GROUP_SCALES if self.qtype is None else K_SYMMETRIC_SCALES if self.bits == 6 else K_MIN_SCALES
         self.max_rows = VNNI_MAX_ROWS[input_bits]
         n, k = weight.q.shape
         panels, groups = n // LANES, k // GROUP
-        if self.bits == 4:
-            d, m = weight.scale, weight.offset
-            q = weight.q.view(panels, LANES, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # panel, group, chunk, nibble, row, input
-            self.packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(panels, groups, 256).contiguous()
-        else:
-            d, m = weight.scale, -128 * weight.scale
+        if self.bits == 8:
             u = (weight.q.view(torch.uint8) ^ 0x80).view(panels, LANES, groups, 8, 4)  # q + 128 as unsigned bytes
             self.packed = u.permute(0, 2, 3, 1, 4).reshape(panels, groups, 512).contiguous()
-        self.scales = torch.stack((d, m), -1).view(panels, LANES, groups, 2).permute(0, 2, 3, 1).to(torch.float16).contiguous()
+        else:
+            q = weight.q.view(panels, LANES, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # panel, group, chunk, nibble, row, input
+            parts = [((q[:, :, :, 0] & 0x0F) | ((q[:, :, :, 1] & 0x0F) << 4)).reshape(panels, groups, 256)]
+            operands = q.permute(0, 1, 4, 5, 2, 3).reshape(panels, groups, 64, 8)  # panel, group, byte 4 i + j, operand 2 c + h
+            for bit in range(4, self.bits):
+                parts.append((((operands >> bit) & 1) << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8))
+            self.packed = torch.cat(parts, -1).contiguous()
+        if self.scheme == GROUP_SCALES:
+            d, m = weight.scale, -128 * weight.scale if self.bits == 8 else weight.offset
+            self.scales = torch.stack((d, m), -1).view(panels, LANES, groups, 2).permute(0, 2, 3, 1).to(torch.float16).contiguous()
+        else:
+            supers = k // SUPER
+
+            def lanes_last(t: torch.Tensor) -> torch.Tensor:  # [N, supers * j] -> uint8 [panels, supers, j * 16 * itemsize]
+                t = t.view(panels, LANES, supers, -1).permute(0, 2, 3, 1).contiguous()
+                return t.view(torch.uint8).reshape(panels, supers, -1)
+
+            if self.scheme == K_MIN_SCALES:
+                sub = torch.stack((weight.sc.view(n, supers, 8), weight.m.view(n, supers, 8)), -1).view(n, supers * 16)
+                self.scales = torch.cat((lanes_last(weight.d), lanes_last(weight.dmin), lanes_last(sub)), -1).contiguous()
+            else:
+                self.scales = torch.cat((lanes_last(weight.d), lanes_last(weight.sc)), -1).contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, K] of ``dtype`` -> ``x @ w.T`` [T, N]."""
-        return cpu_kernels.quant_linear(x.contiguous(), self.packed, self.scales, self.bits, self.input_bits)
+        return cpu_kernels.quant_linear(x.contiguous(), self.packed, self.scales, self.bits, self.input_bits, self.scheme)
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors the kernel holds (for memory accounting)."""
         return [self.packed, self.scales]
 
-    def dense_weight(self) -> torch.Tensor:
-        """The weight as ``dtype`` ``[N, K]``: ``d * q + m`` in float32, rounded once."""
+    def _values(self) -> torch.Tensor:
+        """The weight's integer values ``q`` uint8 ``[N, K]`` as packed (int8: ``q + 128``)."""
         panels, groups = self.packed.shape[:2]
-        if self.bits == 4:
-            chunks = self.packed.view(panels, groups, 4, 1, LANES, 4)
-            q = torch.cat((chunks & 0x0F, chunks >> 4), 3)  # panel, group, chunk, nibble, row, input
-            q = q.permute(0, 4, 1, 2, 3, 5)
+        if self.bits == 8:
+            q = self.packed.view(panels, groups, 8, LANES, 4).permute(0, 3, 1, 2, 4)  # panel, row, group, chunk, input
+            return q.reshape(panels * LANES, groups * GROUP)
+        chunks = self.packed[..., :256].view(panels, groups, 4, 1, LANES, 4)
+        q = torch.cat((chunks & 0x0F, chunks >> 4), 3)  # panel, group, chunk, nibble, row, input
+        for plane in range(self.bits - 4):
+            bits = self.packed[..., 256 + 64 * plane : 320 + 64 * plane].view(panels, groups, LANES, 4, 1)
+            bit = (bits >> torch.arange(8, dtype=torch.uint8)) & 1  # panel, group, row, input, operand 2 c + h
+            q = q | (bit.view(panels, groups, LANES, 4, 4, 2).permute(0, 1, 4, 5, 2, 3) << (4 + plane))
+        return q.permute(0, 4, 1, 2, 3, 5).reshape(panels * LANES, groups * GROUP)
+
+    def _scales(self) -> tuple[torch.Tensor, ...]:
+        """``GROUP_SCALES``: ``d``, ``m`` float32 ``[N, K / 32]``; ``K_MIN_SCALES``: ``d``, ``dmin`` float16
+        ``[N, K / 256]``, ``sc``, ``m`` uint8 ``[N, K / 32]``; ``K_SYMMETRIC_SCALES``: ``d`` float16 ``[N, K / 256]``,
+        ``sc`` int8 ``[N, K / 16]``."""
+        panels, groups = self.packed.shape[:2]
+        n = panels * LANES
+        if self.scheme == GROUP_SCALES:
+            return self.scales.float().permute(0, 3, 1, 2).reshape(n, groups, 2).unbind(-1)
+        supers = groups * GROUP // SUPER
+
+        def rows_first(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # uint8 [panels, supers, j * 16 * itemsize] -> [N, supers * j]
+            return t.contiguous().view(dtype).view(panels, supers, -1, LANES).permute(0, 3, 1, 2).reshape(n, -1)
+
+        if self.scheme == K_MIN_SCALES:
+            sub = rows_first(self.scales[..., 64:], torch.uint8).view(n, supers, 8, 2)
+            return (rows_first(self.scales[..., :32], torch.float16), rows_first(self.scales[..., 32:64], torch.float16),
+                    sub[..., 0].reshape(n, -1), sub[..., 1].reshape(n, -1))
+        return rows_first(self.scales[..., :32], torch.float16), rows_first(self.scales[..., 32:], torch.int8)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as ``dtype`` ``[N, K]``: ``d * q + m`` (K-quants: `KQuantWeight.dequantize`) in float32, rounded once."""
+        q = self._values()
+        n, k = q.shape
+        if self.scheme == GROUP_SCALES:
+            d, m = self._scales()
+            return torch.addcmul(m[..., None], q.view(n, -1, GROUP).float(), d[..., None]).view(n, k).to(self.dtype)
+        if self.scheme == K_MIN_SCALES:
+            d, dmin, sc, m = self._scales()
         else:
-            q = (self.packed.view(panels, groups, 8, LANES, 4)).permute(0, 3, 1, 2, 4)  # panel, row, group, chunk, input
-        q = q.reshape(panels * LANES, groups, GROUP).float()
-        d, m = self.scales.float().permute(0, 3, 1, 2).reshape(panels * LANES, groups, 2).unbind(-1)
-        return torch.addcmul(m[..., None], q, d[..., None]).view(panels * LANES, groups * GROUP).to(self.dtype)
+            (d, sc), dmin = self._scales(), torch.empty(n, 0, dtype=torch.float16)
+            m = torch.empty(n, 0, dtype=torch.uint8)
+        return KQuantWeight(self.qtype, q, d, sc, dmin, m).dequantize().to(self.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [T] int64 of an int8 weight, dequantized: [T, K] of ``dtype`` (a tied embedding table)."""
@@ -138,11 +233,35 @@ class VnniKernel:
         return (q.view(-1, groups, GROUP).float() * d[..., None]).view(len(ids), groups * GROUP).to(self.dtype)
 
 
+class StackedKernel:
+    """The kernels of a `quant.StackedWeight`'s row ranges, their outputs side by side; each row's result
+    is still independent of the other input rows."""
+
+    def __init__(self, kernels: list[VnniKernel | TorchInt4Kernel | TorchInt8Kernel]) -> None:
+        self.kernels = kernels
+        self.dtype = kernels[0].dtype
+        self.max_rows = min(k.max_rows for k in kernels)
+        self.any_rows = all(k.any_rows for k in kernels)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, K] of ``dtype`` -> [T, N]."""
+        return torch.cat([k(x) for k in self.kernels], -1)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors the kernels hold (for memory accounting)."""
+        return [t for k in self.kernels for t in k.tensors()]
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as ``dtype`` ``[N, K]``, each range from its kernel."""
+        return torch.cat([k.dense_weight() for k in self.kernels])
+
+
 class TorchInt4Kernel:
     """int4 weights for ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (N a multiple of 64): ``packed``
     uint8 ``[N / 64, K, 32]`` (as torch packs it), ``scale`` ``[K / 32, N, 2]`` (scale, zero) in ``dtype``."""
 
     max_rows = TORCH_MAX_ROWS
+    any_rows = False  # it dequantizes the weight for every row (QuantizedLinear)
 
     def __init__(self, weight: Int4Weight, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -175,6 +294,7 @@ class TorchInt8Kernel:
     one scale per row, ``scale`` ``[N]`` in ``dtype`` (see the module docstring)."""
 
     max_rows = TORCH_MAX_ROWS
+    any_rows = False  # it dequantizes the weight for every row (QuantizedLinear)
 
     def __init__(self, weight: Int8Weight, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -201,7 +321,7 @@ class TorchInt8Kernel:
 
 
 class QuantizedLinear:
-    """``y = x @ w.T + bias`` with ``w`` held as int4 or int8 on the fastest kernel this CPU has (`kernel_for`).
+    """``y = x @ w.T + bias`` with ``w`` held quantized (`quant.KernelWeight`) on the fastest kernel this CPU has (`kernel_for`).
 
     Inputs of at most the kernel's ``max_rows`` rows (measured, above) run on it. Larger ones run on
     a dense copy where the linear keeps one (`keep_dense_copy`; `dense_copies` chooses which do),
@@ -212,7 +332,7 @@ class QuantizedLinear:
     kernel's own values (`dense_weight`).
     """
 
-    def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype,
+    def __init__(self, weight: KernelWeight, bias: torch.Tensor | None, dtype: torch.dtype,
                  make_dense: Callable[[torch.Tensor], Any] | None = None, input_bits: int = 16, own_kernels: bool = True) -> None:
         """``weight`` in a format `fits` takes, ``bias`` [N] of ``dtype`` or ``None``; ``dtype`` is the
         activations'. ``make_dense``: builds the dense linear (e.g. ``model.linear.Linear``) from the
@@ -223,11 +343,11 @@ class QuantizedLinear:
             ValueError: a weight no kernel here takes (see `fits`).
         """
         if not fits(weight, own_kernels):
-            raise ValueError(f"no quantized kernel on this CPU takes a weight of {weight.q.shape[0]} rows (see quant_linear.fits)")
-        self.int4 = isinstance(weight, Int4Weight)
+            raise ValueError(f"no quantized kernel on this CPU takes a {format_name(weight)} weight of {weight_shape(weight)[0]} rows (see quant_linear.fits)")
+        self.format = format_name(weight)  # quant.format_name: int4, int5, int8, q4_k, q5_k or q6_k
         self.bias = bias
         self.kernel = kernel_for(weight, dtype, input_bits, own_kernels)
-        self.shape: tuple[int, int] = tuple(weight.q.shape)  # [N, K]
+        self.shape: tuple[int, int] = weight_shape(weight)  # [N, K]
         self._make_dense = make_dense
         self.dense = None
 
@@ -264,7 +384,7 @@ class QuantizedLinear:
         if x.shape[0] > self.kernel.max_rows:
             if self.dense is not None:
                 return self.dense(x)
-            if not isinstance(self.kernel, VnniKernel):
+            if not self.kernel.any_rows:
                 return F.linear(x, self.dense_weight(), self.bias)
         y = self.kernel(x)
         return y if self.bias is None else y + self.bias

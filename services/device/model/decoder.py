@@ -21,6 +21,7 @@ not done yet.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ from stageserve.device.model.kv_cache import PagedKVCache
 from stageserve.device.model.linear import Linear
 from stageserve.device.model.rope import apply_rope, layer_rope_tables, rotary_row_order
 from stageserve.device.model.weights import expected_shapes, load_weights
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,9 +86,10 @@ class DecoderModel:
         linears of decode-sized inputs on AMX where the CPU has it (``self.amx_linears``;
         ``amx_allowed=False`` keeps them on oneDNN, without the AMX copy of the weights); ``False``
         keeps the pure-torch path (for comparison). ``weight_format`` (``flags.WEIGHT_FORMATS``):
-        which linears run on weight-only int4/int8 kernels (CPU only; see `quant.kernel_weight`;
+        which linears run on weight-only quantized kernels (CPU only; see `quant.kernel_weight`;
         the VNNI one only with ``cpu_kernels_allowed``, else torch's, `quant_linear.kernel_for`);
-        ``self.linear_formats`` counts the linears by the format they run in. ``dense_copy``
+        ``self.linear_formats`` counts the linears by the format they run in (``self.unkernelled_formats``: the
+        quantized formats dequantized because no kernel on this CPU takes them, logged). ``dense_copy``
         (``auto``, ``all`` or ``none``): which quantized linears also keep one dense copy (AMX-packed where
         the CPU has AMX, else oneDNN's) for inputs of more rows than their kernel takes: ``auto``
         those where it is faster on this CPU (`dense_copies.choose`), oneDNN's within one dense copy
@@ -102,6 +106,7 @@ class DecoderModel:
         )
         amx = self.cpu_kernels and amx_allowed  # decode-sized bf16 linears on AMX where the CPU has it (see Linear)
         self.linear_formats: Counter[str] = Counter()
+        self.unkernelled_formats: set[str] = set()  # quantized formats dequantized because no kernel here takes them
 
         order = rotary_row_order(config)
         if order is not None:  # partial rotary as whole-head RoPE over rearranged q/k rows (see rotary_row_order)
@@ -123,12 +128,16 @@ class DecoderModel:
         tied = config.tie_word_embeddings
         self.lm_head = linear(("model.embed_tokens.weight" if tied else "lm_head.weight",))
         embed = weights["model.embed_tokens.weight"]
-        if tied and isinstance(self.lm_head, QuantizedLinear) and not self.lm_head.int4:
+        if tied and isinstance(self.lm_head, QuantizedLinear) and self.lm_head.format == "int8":
             self.embed = self.lm_head  # the tied table is looked up in the head's int8 rows: one copy
         else:  # a tied head is packed separately from the embedding table on CPU (one more vocab x hidden copy)
             self.embed = (embed.dequantize() if isinstance(embed, QuantizedWeight) else embed).to(self.device, self.dtype)  # [vocab, hidden]
         self.norm = w("model.norm.weight")
         self.layers = [self._layer(f"model.layers.{i}.", weights, w, linear) for i in range(config.num_layers)]
+        if self.unkernelled_formats:
+            log.info("linears of format %s dequantized to %s: no quantized kernel on this CPU takes them (int5 and the K-quants "
+                     "but Q4_K need the VNNI kernel: AVX512-VNNI, stageserve's CPU kernels, 16-row panels)",
+                     ", ".join(sorted(self.unkernelled_formats)), str(self.dtype).removeprefix("torch."))
         # AMX-packed copies (where the CPU has AMX) ran the many-row inputs 2-4x faster than the
         # kernel (docs/benchmarks.md): there `auto` keeps every copy timed faster, as before; the
         # budget of one dense copy applies to oneDNN's copies (a CPU without AMX).
@@ -165,7 +174,10 @@ class DecoderModel:
         """One linear over ``parts`` stacked along the output features: on a weight-only kernel where
         ``weight_format`` and the parts allow it (CPU only), else dense in the activation dtype."""
         kernel = quant.kernel_weight(parts, weight_format) if self.device.type == "cpu" else None
-        if kernel is None or not fits(kernel, self.cpu_kernels_allowed):
+        if kernel is not None and not fits(kernel, self.cpu_kernels_allowed):
+            self.unkernelled_formats.add(quant.format_name(kernel))
+            kernel = None
+        if kernel is None:
             self.linear_formats[str(self.dtype).removeprefix("torch.")] += 1
             dense = torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]).to(self.device, self.dtype)
             return Linear(dense, bias, amx=amx, gated=gated)

@@ -63,12 +63,13 @@ _GGUF_ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_s
 def load_weights(path: Path, dtype: torch.dtype, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight]]:
     """Read a model's config and weights as CPU tensors of ``dtype`` under HF names.
 
-    ``path`` is a ``.gguf`` file (F32/F16/BF16/Q8_0/Q4_0/Q4_1/K-quants, dequantized with
-    ``gguf.quants.dequantize``) or an HF directory (``config.json`` plus one or more
+    ``path`` is a ``.gguf`` file (F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/K-quants/IQ formats, dequantized
+    as ``gguf.quants.dequantize`` does) or an HF directory (``config.json`` plus one or more
     ``*.safetensors``). Every tensor of ``expected_shapes(config)`` is present with that shape;
     ``model.layers.{i}.self_attn.o_proj.bias`` may also be present. ``keep_quantized``: a GGUF's 2-D
-    Q4_0/Q4_1/Q8_0 tensors come back as they are stored (`QuantizedWeight`, Q/K rows already
-    un-permuted) instead of dequantized; other block types (K-quants) are dequantized, and logged.
+    tensors of `quant.KEPT_TYPES` (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K) come back as they are stored
+    (`QuantizedWeight`, Q/K rows already un-permuted) instead of dequantized; other block types (Q2_K,
+    Q3_K, IQ formats) are dequantized, and logged.
 
     Raises:
         ModelLoadError: unsupported architecture, missing or misshapen tensor, or a corrupt or
@@ -223,8 +224,9 @@ _FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gg
 def _dequantize(raw: torch.Tensor, info: GGUFTensor, path: Path) -> torch.Tensor:
     """GGUF tensor bytes (uint8 [nbytes]) -> float tensor of ``info.shape``.
 
-    Q8_0/Q4_0/Q4_1 decode vectorised in torch (multi-threaded, ``QuantizedWeight.dequantize``);
-    other block types go through ``gguf.quants.dequantize`` (numpy).
+    Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K decode vectorised in torch (multi-threaded,
+    ``QuantizedWeight.dequantize``, bit for bit as gguf); other block types go through
+    ``gguf.quants.dequantize`` (numpy).
     """
     t, shape = gguf.GGMLQuantizationType, info.shape
     if info.qtype in _FLOAT_TYPES:

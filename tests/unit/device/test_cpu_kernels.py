@@ -125,8 +125,14 @@ def test_quantized_decode_step_runs_every_linear_on_quant_linear():
 def test_quant_linear_refuses_what_it_cannot_run():
     packed, scales = torch.zeros(2, 2, 256, dtype=torch.uint8), torch.zeros(2, 2, 2, 16, dtype=torch.float16)
     assert cpu_kernels.quant_linear(torch.zeros(0, 64), packed, scales, 4).shape == (0, 32)
-    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+    with pytest.raises(RuntimeError, match="bits 2 do not go with scheme 0"):
         cpu_kernels.quant_linear(torch.zeros(1, 64), packed, scales, 2)
+    with pytest.raises(RuntimeError, match="bits 4 do not go with scheme 2"):  # Q6_K's scheme is 6-bit
+        cpu_kernels.quant_linear(torch.zeros(1, 64), packed, scales, 4, 16, 2)
+    with pytest.raises(RuntimeError, match="scheme must be 0"):
+        cpu_kernels.quant_linear(torch.zeros(1, 64), packed, scales, 4, 16, 3)
+    with pytest.raises(RuntimeError, match="K must be a multiple of 256"):  # K-quant super-blocks
+        cpu_kernels.quant_linear(torch.zeros(1, 64), packed, torch.zeros(2, 1, 320, dtype=torch.uint8), 4, 16, 1)
     with pytest.raises(RuntimeError, match="input_bits must be 8 or 16"):
         cpu_kernels.quant_linear(torch.zeros(1, 64), packed, scales, 4, 4)
     with pytest.raises(RuntimeError, match="packed must be uint8"):
@@ -135,6 +141,8 @@ def test_quant_linear_refuses_what_it_cannot_run():
         cpu_kernels.quant_linear(torch.zeros(1, 64), packed, scales, 8)  # an int4 layout read as int8
     with pytest.raises(RuntimeError, match="scales must be float16"):
         cpu_kernels.quant_linear(torch.zeros(1, 64), packed, scales.float(), 4)
+    with pytest.raises(RuntimeError, match="scales must be float16"):  # K-quant scales of the wrong size
+        cpu_kernels.quant_linear(torch.zeros(1, 256), torch.zeros(2, 8, 256, dtype=torch.uint8), torch.zeros(2, 1, 288, dtype=torch.uint8), 4, 16, 1)
     with pytest.raises(RuntimeError, match="x must be"):
         cpu_kernels.quant_linear(torch.zeros(1, 64).half(), packed, scales, 4)
 

@@ -10,7 +10,8 @@ weight's group of 32, ``R`` of its row, ``X`` the largest ``|x|`` of each input'
   bfloat16: ``2**-6 * (|x| @ G.T)``.
 - the VNNI kernel quantizes each input to int8 in groups of 32, at most ``X / 254`` per input with
   one level (``input_bits=8``): ``(X / 254) @ |w|.T`` on top (``quant_linear.VnniKernel``; its
-  default two levels are tested against a 127 times tighter bound below).
+  default two levels are tested against a 127 times tighter bound below). The same for every block
+  type: Q5_0/Q5_1 and the K-quants (Q4_K/Q5_K/Q6_K) hold GGUF's values exactly too.
 - torch's int8 kernel requantizes Q8_0 per row to ``R / 127``, at most ``R / 254`` per weight:
   ``(|x| @ R.T) / 254`` on top.
 """
@@ -27,11 +28,15 @@ from gguf.quants import quantize
 
 from stageserve.device.kernels import cpu_kernels, quant
 from stageserve.device.kernels.quant import QuantizedWeight
-from stageserve.device.kernels.quant_linear import QuantizedLinear, TorchInt8Kernel, VnniKernel, fits
+from stageserve.device.kernels.quant_linear import QuantizedLinear, TorchInt4Kernel, TorchInt8Kernel, VnniKernel, fits
 
 Q = gguf.GGMLQuantizationType
 N, K = 192, 96  # three of torch's int4 kernel's 64-row blocks, three groups of 32
+K_SUPER = 512  # two K-quant super-blocks of 256
 VNNI = cpu_kernels.has_avx512_vnni()
+NEW_TYPES = [Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]  # gguf-py quantizes Q5_0/Q5_1, not the K-quants
+# where each type's float16 factors sit in its block (d, and m or dmin)
+F16_BYTES = {Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q2_K: (80, 82), Q.Q3_K: (108,)}
 
 
 def _gguf_weight(qtype: gguf.GGMLQuantizationType, seed: int = 0) -> QuantizedWeight:
@@ -42,18 +47,33 @@ def _gguf_weight(qtype: gguf.GGMLQuantizationType, seed: int = 0) -> QuantizedWe
     return quant.from_gguf_bytes(raw, qtype, (N, K))
 
 
+def random_blocks(qtype: gguf.GGMLQuantizationType, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """Valid random blocks of ``qtype`` for a ``[rows, k]`` weight, uint8 ``[rows, bytes]``: random
+    bytes, with every float16 factor set to a finite random value of about 0.01."""
+    rng = np.random.default_rng(seed)
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows, k // block, nbytes), dtype=np.uint8)
+    for byte in F16_BYTES[qtype]:
+        blocks[..., byte : byte + 2] = (rng.standard_normal((rows, k // block, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
 
 
-def _bound(linear: QuantizedLinear, reference: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _random_weight(qtype: gguf.GGMLQuantizationType, rows: int = N, seed: int = 0) -> QuantizedWeight:
+    """A random [rows, K_SUPER] weight of ``qtype`` from `random_blocks`."""
+    return quant.from_gguf_bytes(torch.from_numpy(random_blocks(qtype, rows, K_SUPER, seed).reshape(-1)), qtype, (rows, K_SUPER))
+
+
+def _bound(linear: QuantizedLinear, reference: torch.Tensor, x: torch.Tensor, input_bits: int = 8) -> torch.Tensor:
     """The error bound of ``linear(x)`` against ``x @ reference.T`` (see the module docstring)."""
     x = x.float()
-    group_max = reference.abs().view(N, K // 32, 32).amax(-1).repeat_interleave(32, 1)
+    n, k = reference.shape
+    group_max = reference.abs().view(n, k // 32, 32).amax(-1).repeat_interleave(32, 1)
     bound = (1e-5 if linear.kernel.dtype == torch.float32 else 2**-6) * (x.abs() @ group_max.T) + 1e-6
     if isinstance(linear.kernel, VnniKernel) and (x.shape[0] <= linear.kernel.max_rows or linear.dense is None):
-        input_max = x.abs().view(-1, K // 32, 32).amax(-1).repeat_interleave(32, 1)
-        bound = bound + (input_max / 254) @ reference.abs().T
+        input_max = x.abs().view(-1, k // 32, 32).amax(-1).repeat_interleave(32, 1)
+        bound = bound + (input_max / 254 / (127 if input_bits == 16 else 1)) @ reference.abs().T
     if isinstance(linear.kernel, TorchInt8Kernel):  # the dense weight is the requantized one too
-        bound = bound + (x.abs() @ reference.abs().amax(-1, keepdim=True).expand(N, K).T) / 254
+        bound = bound + (x.abs() @ reference.abs().amax(-1, keepdim=True).expand(n, k).T) / 254
     return bound
 
 
@@ -137,10 +157,10 @@ def test_parts_are_stacked_and_mixed_or_float_parts_stay_dense():
     stacked = quant.kernel_weight([q4_0, q4_1], "auto")
     expected = torch.cat([q4_0.dequantize(), q4_1.dequantize()])
     torch.testing.assert_close(QuantizedLinear(stacked, None, torch.float32).dense_weight(), expected, rtol=0, atol=1e-7)
-    assert quant.kernel_weight([q4_0, q8], "auto") is None  # int4 and int8 parts: no common kernel
+    assert quant.format_name(quant.kernel_weight([q4_1, q8], "auto")) == "int4+int8"  # Q4_1's minimum: no int8 values, side by side
     assert quant.kernel_weight([q4_0, torch.zeros(N, K)], "auto") is None  # auto never quantizes float weights
     assert quant.kernel_weight([q4_0], "dequantize") is None
-    assert quant.format_name(quant.kernel_weight([q4_0, q8], "int4")) == "int4"  # explicit formats convert everything
+    assert quant.format_name(quant.kernel_weight([q4_1, q8], "int4")) == "int4"  # explicit formats convert everything
     assert not fits(quant.kernel_weight([torch.zeros(40, 64)], "int4"))  # 40 rows: not a whole number of 16-row panels (or torch's 64-row blocks)
     with pytest.raises(ValueError, match="no quantized kernel"):
         QuantizedLinear(quant.kernel_weight([torch.zeros(40, 64)], "int4"), None, torch.float32)
@@ -155,18 +175,101 @@ def test_int8_rows_serve_as_the_tied_embedding_table():
     torch.testing.assert_close(linear.embedding(ids), linear.dense_weight()[ids])
 
 
-def test_k_quant_tensors_are_dequantized_with_a_log_line(tmp_path, caplog):
-    """A Q6_K tensor has no kernel here: the loader dequantizes it and says so; Q4_0 stays as stored."""
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q3_K])
+def test_k_quant_tensors_stay_as_stored_and_the_others_are_dequantized_with_a_log_line(tmp_path, caplog, qtype):
+    """Q6_K (and Q4_0) stay as stored; a Q3_K tensor has no kernel here: the loader dequantizes it and says so."""
     from stageserve.device.model.weights import load_weights
     from tests.unit.device.test_weights import write_gguf
 
     path = tmp_path / "k.gguf"
-    write_gguf(path, {"blk.0.ffn_down.weight": Q.Q6_K, "blk.0.ffn_gate.weight": Q.Q4_0}, ffn=256)
+    write_gguf(path, {"blk.0.ffn_down.weight": qtype, "blk.0.ffn_gate.weight": Q.Q4_0}, ffn=256)
     with caplog.at_level(logging.INFO, logger="stageserve.device.model.weights"):
         _, weights = load_weights(path, torch.float32, keep_quantized=True)
     assert isinstance(weights["model.layers.0.mlp.gate_proj.weight"], QuantizedWeight)
-    assert weights["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32
-    assert "Q6_K dequantized to float32" in caplog.text
+    down = weights["model.layers.0.mlp.down_proj.weight"]
+    if qtype == Q.Q6_K:
+        assert down.qtype == Q.Q6_K and "dequantized" not in caplog.text
+    else:
+        assert down.dtype == torch.float32 and "Q3_K dequantized to float32" in caplog.text
+
+
+@pytest.mark.parametrize("qtype", NEW_TYPES)
+def test_q5_and_k_quant_blocks_dequantize_as_gguf_does_bit_for_bit(qtype):
+    """`QuantizedWeight.dequantize` (the loader's) equals ``gguf.quants.dequantize`` bit for bit, the
+    kernel's weight rebuilt from its packed layout (what inputs of many rows run on) value for value
+    (Q5_0's ``d q - 16 d`` gives +0 where gguf's ``d (q - 16)`` gives -0 for a negative ``d``)."""
+    blocks = random_blocks(qtype, N, K_SUPER, seed=3)
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
+    weight = quant.from_gguf_bytes(torch.from_numpy(blocks.reshape(-1)), qtype, (N, K_SUPER))
+    assert weight.shape == (N, K_SUPER)
+    assert torch.equal(weight.dequantize().view(torch.int32), expected.view(torch.int32))
+    linear = QuantizedLinear(quant.kernel_weight([weight], "auto"), None, torch.float32)
+    if isinstance(linear.kernel, VnniKernel):
+        assert torch.equal(linear.dense_weight(), expected)
+
+
+@pytest.mark.skipif(not VNNI, reason="the VNNI kernel needs AVX512-VNNI")
+@pytest.mark.parametrize("qtype", NEW_TYPES)
+@pytest.mark.parametrize("input_bits", [8, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])  # 13: a pass of 8 and one of 5, on the kernel itself (no dense copy)
+def test_q5_and_k_quant_linears_match_the_gguf_dequantized_reference(qtype, input_bits, dtype, rows):
+    weight = _random_weight(qtype)
+    reference = weight.dequantize()
+    linear = QuantizedLinear(quant.kernel_weight([weight], "auto"), None, dtype, input_bits=input_bits)
+    assert isinstance(linear.kernel, VnniKernel) and linear.format == ("int5" if qtype in (Q.Q5_0, Q.Q5_1) else qtype.name.lower())
+    x = torch.randn(rows, K_SUPER).to(dtype)
+    got = linear(x).float()
+    assert got.shape == (rows, N) and linear(x).dtype == dtype
+    assert ((got - x.float() @ reference.T).abs() <= _bound(linear, reference, x, input_bits)).all()
+
+
+@pytest.mark.skipif(not VNNI, reason="the VNNI kernel needs AVX512-VNNI")
+@pytest.mark.parametrize("qtype", NEW_TYPES)
+def test_a_q5_or_k_quant_row_gives_the_same_bits_alone_and_among_other_rows(qtype):
+    """Batch invariance, as for Q4/Q8 above: each row of a 2- to 11-row input is bit-equal to it alone."""
+    linear = QuantizedLinear(quant.kernel_weight([_random_weight(qtype)], "auto"), None, torch.bfloat16)
+    x = torch.randn(11, K_SUPER).bfloat16()
+    alone = torch.cat([linear.kernel(x[r:r + 1]) for r in range(len(x))])
+    for rows in range(2, len(x) + 1):
+        assert torch.equal(linear.kernel(x[:rows]), alone[:rows]), rows
+
+
+def test_without_vnni_q4_k_runs_on_torchs_int4_kernel_and_the_other_new_types_fit_no_kernel(monkeypatch):
+    """On a CPU without AVX512-VNNI, Q4_K runs where Q4_0 does (torch's int4 kernel, d sc and dmin m as
+    its scale and offset); int5, Q5_K and Q6_K have no kernel there (the model dequantizes them)."""
+    monkeypatch.setattr(cpu_kernels, "has_avx512_vnni", lambda: False)
+    weight = _random_weight(Q.Q4_K)
+    reference = weight.dequantize()
+    linear = QuantizedLinear(quant.kernel_weight([weight], "auto"), None, torch.bfloat16)
+    assert isinstance(linear.kernel, TorchInt4Kernel)
+    x = torch.randn(3, K_SUPER).bfloat16()
+    assert ((linear(x).float() - x.float() @ reference.T).abs() <= _bound(linear, reference, x)).all()
+    for qtype in (Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K):
+        assert not fits(quant.kernel_weight([_random_weight(qtype)], "auto"))
+
+
+def test_fused_parts_of_mixed_types_meet_in_the_narrowest_exact_format_or_run_side_by_side():
+    """Q4_K_M files mix types within one fused linear (q/k Q5_0 beside v Q8_0; Q4_K beside Q6_K)."""
+    def check(parts, name):
+        kernel = quant.kernel_weight(parts, "auto")
+        assert quant.format_name(kernel) == name
+        if VNNI:
+            linear = QuantizedLinear(kernel, None, torch.float32)
+            reference = torch.cat([p.dequantize() for p in parts])
+            assert torch.equal(linear.dense_weight(), reference)
+            x = torch.randn(11, reference.shape[1])
+            assert ((linear(x) - x @ reference.T).abs() <= _bound(linear, reference, x, 16) + 1e-5 * (x.abs() @ reference.abs().T)).all()
+            alone = torch.cat([linear(x[r:r + 1]) for r in range(len(x))])
+            assert torch.equal(linear(x[:8]), alone[:8])  # batch invariance
+
+    q4_0, q4_1, q5_0, q5_1, q8_0 = (_gguf_weight(t) for t in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0))
+    check([q4_1, q5_1], "int5")
+    check([q5_0, q4_0, q8_0], "int8")  # symmetric blocks are int8 values
+    check([q5_1, q8_0], "int5+int8")  # Q5_1's minimum: no int8 values
+    q4_k, q5_k, q6_k = (_random_weight(t, seed=i) for i, t in enumerate((Q.Q4_K, Q.Q5_K, Q.Q6_K)))
+    check([q4_k, q5_k], "q5_k")
+    check([q4_k, q4_k, q6_k], "q4_k+q6_k")
 
 
 @pytest.mark.parametrize("gated", [False, True])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import gguf
@@ -17,6 +18,7 @@ from stageserve.model_files import embedded_model_path
 
 Q = gguf.GGMLQuantizationType
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 64, 2, 1, 32, 64, 96
+K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # gguf-py dequantizes these but does not quantize them
 
 
 def _llamacpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -24,21 +26,22 @@ def _llamacpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path: Path, types: dict[str, gguf.GGMLQuantizationType] | None = None, ffn: int = FFN) -> dict[str, np.ndarray]:
+def write_gguf(path: Path, types: dict[str, gguf.GGMLQuantizationType] | None = None, ffn: int = FFN,
+               hidden: int = HIDDEN) -> dict[str, np.ndarray]:
     """A one-layer llama GGUF like ``_write_tiny_gguf``'s with the tensor types in ``types`` changed
-    (gguf name: type; K-quants get random blocks) and an MLP width of ``ffn``; the expected values."""
-    return _write_tiny_gguf(path, types=types or {}, ffn=ffn)
+    (gguf name: type; K-quants get random blocks), an MLP width of ``ffn`` and a hidden size of
+    ``hidden`` (the attention's width stays ``HEADS * HEAD_DIM``); the expected values."""
+    return _write_tiny_gguf(path, types=types or {}, ffn=ffn, hidden=hidden)
 
 
 def _random_blocks(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
-    """Random bytes for a type gguf-py cannot quantize (K-quants), with every float16 scale set to a small finite value."""
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, size=(int(np.prod(shape)) // block, size), dtype=np.uint8)
-    blocks[:, -2:] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)  # Q6_K's d is its last two bytes
-    return blocks.reshape(shape[0], -1)
+    """Random bytes for a type gguf-py cannot quantize (K-quants), with every float16 factor a small finite value."""
+    from tests.unit.device.test_quant import random_blocks
+
+    return random_blocks(qtype, shape[0], shape[1], seed=int(rng.integers(2**31)))
 
 
-def _write_tiny_gguf(path: Path, arch: str = "llama", types: dict | None = None, ffn: int = FFN) -> dict[str, np.ndarray]:
+def _write_tiny_gguf(path: Path, arch: str = "llama", types: dict | None = None, ffn: int = FFN, hidden: int = HIDDEN) -> dict[str, np.ndarray]:
     """Write a one-layer llama GGUF whose tensors use F32/F16/BF16/Q8_0/Q4_0/Q4_1.
 
     Returns the HF-named float32 values the loader must produce (quantization error included).
@@ -47,7 +50,7 @@ def _write_tiny_gguf(path: Path, arch: str = "llama", types: dict | None = None,
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     writer.add_context_length(128)
-    writer.add_embedding_length(HIDDEN)
+    writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(ffn)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
@@ -56,17 +59,17 @@ def _write_tiny_gguf(path: Path, arch: str = "llama", types: dict | None = None,
     writer.add_vocab_size(VOCAB)
     writer.add_eos_token_id(2)
     plan = {  # gguf name: (hf name, shape, type)
-        "token_embd.weight": ("model.embed_tokens.weight", (VOCAB, HIDDEN), Q.Q8_0),
-        "output_norm.weight": ("model.norm.weight", (HIDDEN,), Q.F32),
-        "blk.0.attn_norm.weight": ("model.layers.0.input_layernorm.weight", (HIDDEN,), Q.F32),
-        "blk.0.ffn_norm.weight": ("model.layers.0.post_attention_layernorm.weight", (HIDDEN,), Q.F32),
-        "blk.0.attn_q.weight": ("model.layers.0.self_attn.q_proj.weight", (HEADS * HEAD_DIM, HIDDEN), Q.Q4_0),
-        "blk.0.attn_k.weight": ("model.layers.0.self_attn.k_proj.weight", (KV_HEADS * HEAD_DIM, HIDDEN), Q.Q4_1),
-        "blk.0.attn_v.weight": ("model.layers.0.self_attn.v_proj.weight", (KV_HEADS * HEAD_DIM, HIDDEN), Q.F16),
-        "blk.0.attn_output.weight": ("model.layers.0.self_attn.o_proj.weight", (HIDDEN, HEADS * HEAD_DIM), Q.BF16),
-        "blk.0.ffn_gate.weight": ("model.layers.0.mlp.gate_proj.weight", (ffn, HIDDEN), Q.Q8_0),
-        "blk.0.ffn_up.weight": ("model.layers.0.mlp.up_proj.weight", (ffn, HIDDEN), Q.Q4_1),
-        "blk.0.ffn_down.weight": ("model.layers.0.mlp.down_proj.weight", (HIDDEN, ffn), Q.Q4_0),
+        "token_embd.weight": ("model.embed_tokens.weight", (VOCAB, hidden), Q.Q8_0),
+        "output_norm.weight": ("model.norm.weight", (hidden,), Q.F32),
+        "blk.0.attn_norm.weight": ("model.layers.0.input_layernorm.weight", (hidden,), Q.F32),
+        "blk.0.ffn_norm.weight": ("model.layers.0.post_attention_layernorm.weight", (hidden,), Q.F32),
+        "blk.0.attn_q.weight": ("model.layers.0.self_attn.q_proj.weight", (HEADS * HEAD_DIM, hidden), Q.Q4_0),
+        "blk.0.attn_k.weight": ("model.layers.0.self_attn.k_proj.weight", (KV_HEADS * HEAD_DIM, hidden), Q.Q4_1),
+        "blk.0.attn_v.weight": ("model.layers.0.self_attn.v_proj.weight", (KV_HEADS * HEAD_DIM, hidden), Q.F16),
+        "blk.0.attn_output.weight": ("model.layers.0.self_attn.o_proj.weight", (hidden, HEADS * HEAD_DIM), Q.BF16),
+        "blk.0.ffn_gate.weight": ("model.layers.0.mlp.gate_proj.weight", (ffn, hidden), Q.Q8_0),
+        "blk.0.ffn_up.weight": ("model.layers.0.mlp.up_proj.weight", (ffn, hidden), Q.Q4_1),
+        "blk.0.ffn_down.weight": ("model.layers.0.mlp.down_proj.weight", (hidden, ffn), Q.Q4_0),
     }
     plan = {name: (hf_name, shape, (types or {}).get(name, qtype)) for name, (hf_name, shape, qtype) in plan.items()}
     expected = {}
@@ -81,13 +84,13 @@ def _write_tiny_gguf(path: Path, arch: str = "llama", types: dict | None = None,
             writer.add_tensor(name, stored)
             expected[hf_name] = value
             continue
-        packed = _random_blocks(shape, qtype, rng) if qtype in (Q.Q6_K, Q.Q4_K) else quantize(stored, qtype)
+        packed = _random_blocks(shape, qtype, rng) if qtype in K_QUANTS else quantize(stored, qtype)
         writer.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=qtype)
         roundtrip = dequantize(packed, qtype).reshape(shape)
         if name == "blk.0.attn_q.weight":  # un-permute the reference the same way HF does
-            roundtrip = roundtrip.reshape(HEADS, HEAD_DIM // 2, 2, HIDDEN).swapaxes(1, 2).reshape(shape)
+            roundtrip = roundtrip.reshape(HEADS, HEAD_DIM // 2, 2, hidden).swapaxes(1, 2).reshape(shape)
         elif name == "blk.0.attn_k.weight":
-            roundtrip = roundtrip.reshape(KV_HEADS, HEAD_DIM // 2, 2, HIDDEN).swapaxes(1, 2).reshape(shape)
+            roundtrip = roundtrip.reshape(KV_HEADS, HEAD_DIM // 2, 2, hidden).swapaxes(1, 2).reshape(shape)
         expected[hf_name] = roundtrip
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -116,6 +119,21 @@ def test_embedded_gguf_loads_with_expected_config():
     assert config.tie_word_embeddings and config.rope_theta == 100000.0
     assert weights["model.layers.29.mlp.down_proj.weight"].shape == (576, 1536)
     assert all(t.dtype == torch.bfloat16 for t in weights.values())
+
+
+def test_a_block_tensor_whose_rows_are_not_whole_blocks_is_refused(tmp_path):
+    """A Q6_K tensor's dims rewritten from 256 x 64 to 128 x 128 (the same bytes): rows of 128 values
+    are half a super-block, refused by name (gguf-py's writer itself refuses to write one)."""
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, {"blk.0.ffn_down.weight": Q.Q6_K}, ffn=256)
+    data = bytearray(path.read_bytes())
+    name = b"blk.0.ffn_down.weight"
+    dims = data.index(name) + len(name) + 4  # the name, then n_dims (uint32), then the dims (uint64, ne0 first)
+    assert struct.unpack_from("<2Q", data, dims) == (256, 64)
+    struct.pack_into("<2Q", data, dims, 128, 128)
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match=r"bad\.gguf: tensor 'blk\.0\.ffn_down\.weight' of type Q6_K: rows of 128 values are not whole blocks of 256"):
+        load_weights(path, torch.float32)
 
 
 @pytest.mark.parametrize("keep_bytes", [10, 4000, 50_000_000])

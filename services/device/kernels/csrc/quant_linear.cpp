@@ -1,8 +1,13 @@
-// Weight-only quantized linear for inputs of a few rows: 4- or 8-bit weights in groups of 32 along K
-// (w = d * q + m per group, d and m float16) times activations quantized per row to int8 in groups of
-// 32 (x ~ s * p, s = max |x| / 127), the integer dot products on AVX512-VNNI (VPDPBUSD: 64 u8 x s8
-// products per instruction). This is llama.cpp's scheme for Q4_0/Q4_1/Q8_0 x Q8_0/Q8_1 (ggml-quants.c,
-// ggml_vec_dot_q4_1_q8_1): per group, sum_k w_k x_k = s (d * sum_k q_k p_k + m * sum_k p_k).
+// Weight-only quantized linear for inputs of a few rows: 4-, 5-, 6- or 8-bit weights in groups of 32
+// along K times activations quantized per row to int8 in groups of 32 (x ~ s * p, s = max |x| / 127),
+// the integer dot products on AVX512-VNNI (VPDPBUSD: 64 u8 x s8 products per instruction). Per group,
+// w = d * q + m with d and m float16 (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0), or llama.cpp's K-quant super-blocks
+// of 256 (ggml-quants.c, dequantize_row_q4_K / _q5_K / _q6_K): Q4_K/Q5_K w = (d sc) q - (dmin m) with
+// float16 d, dmin per super-block and 6-bit sc, m per group of 32; Q6_K w = (d sc) (q - 32) with int8 sc
+// per 16 inputs. This is llama.cpp's scheme for Q4_0/Q4_1/Q8_0 x Q8_0/Q8_1 (ggml_vec_dot_q4_1_q8_1):
+// per group, sum_k w_k x_k = s (d * sum_k q_k p_k + m * sum_k p_k); its K-quant dots
+// (ggml_vec_dot_q4_K_q8_K) take one input scale per 256, here it stays per 32 (the Q4 path's rounding),
+// and d sc, dmin m (exact in float32) are formed per group in float.
 // input_bits = 16 adds a second int8 level for what the first leaves: x rounded to a 257th of that
 // step, x ~ s (256 p + p') with s = max |x| / 32639 (32639 = 256 * 127 + 127), both p and p' int8, an
 // error of at most max |x| / 65278 (the previous second level, s' = max |x - s p| / 127, gave at most
@@ -14,12 +19,13 @@
 // 4 / 6 / 8 rows, the same at 1.
 //
 // Layout (quant_linear.py `VnniKernel` packs it): the weight in panels of 16 output rows, each panel's
-// groups of 32 inputs consecutive; within a group, 64-byte chunks holding 4 inputs of each of the 16 rows
-// (byte 4 i + j = row i, input j), i.e. one VPDPBUSD operand per chunk with the row in the int32 lane.
-// 4-bit: chunk c (of 4) holds inputs 8c..8c+3 in its low nibbles, 8c+4..8c+7 in its high ones. 8-bit:
-// chunk c (of 8) holds inputs 4c..4c+3 as q + 128 (unsigned; m = -128 d restores the sign). Scales:
-// per panel and group, 16 d then 16 m (float16). Every lane sums its own row, so there is no
-// horizontal reduction; a thread takes whole panels.
+// groups of 32 inputs consecutive (64 * bits bytes each); within a group, 64-byte chunks holding 4
+// inputs of each of the 16 rows (byte 4 i + j = row i, input j), i.e. one VPDPBUSD operand per chunk
+// with the row in the int32 lane. 4- to 6-bit: chunk c (of 4) holds inputs 8c..8c+3 in its low
+// nibbles, 8c+4..8c+7 in its high ones (operands 2c and 2c + 1), then 5 and 6 bits add one and two
+// 64-byte bit planes, bit t of plane byte b being bit 4 (5) of operand t's byte b. 8-bit: chunk c (of
+// 8) holds inputs 4c..4c+3 as q + 128 (unsigned; m = -128 d restores the sign). Scales: see `Scheme`
+// and ops.h. Every lane sums its own row, so there is no horizontal reduction; a thread takes whole panels.
 
 #include "ops.h"
 #include "vec.h"
@@ -43,8 +49,19 @@ bool cpu_has_avx512_vnni() {
 
 namespace {
 
+// How a panel's scales are laid out (the op's `scheme`): per group of 32 (float16 d, m), or per
+// K-quant super-block of 256 (ggml's Q4_K/Q5_K: float16 d, dmin and 6-bit sub-block sc, m; Q6_K: float16 d
+// and int8 sc per 16 inputs).
+enum class Scheme : int64_t { kGroup = 0, kSuperMin = 1, kSuperSymmetric = 2 };
+
 constexpr int64_t kGroup = 32;     // inputs per scale
 constexpr int64_t kLanes = 16;     // output rows per panel (one per int32 lane)
+constexpr int64_t kSuper = 256;    // inputs per K-quant super-block (ggml's QK_K)
+constexpr int64_t kGroupsPerSuper = kSuper / kGroup;
+// Bytes of one panel's scales per super-block: Q4_K/Q5_K 16 d + 16 dmin (float16), then per group 16 sc
+// + 16 m (uint8); Q6_K 16 d (float16), then per half-group of 16 inputs 16 sc (int8).
+constexpr int64_t kMinScaleBytes = 4 * kLanes + kGroupsPerSuper * 2 * kLanes;
+constexpr int64_t kSymScaleBytes = 2 * kLanes + 2 * kGroupsPerSuper * kLanes;
 // Input rows sharing one pass over a panel (up to `VNNI_MAX_ROWS`, so a call unpacks each panel once):
 // a row holds one int32 sum per level and a float one, 24 of the 32 zmm registers at two levels.
 // Against passes of 4 (thread CPU time, 1 thread, interleaved): 2 levels, 6 / 8 rows, 0.84 / 0.93 of
@@ -58,11 +75,13 @@ constexpr int64_t kPrefetchBytes = 8192;
 // The activation rows as int8 groups, group-major so that a pass addresses its rows at fixed offsets
 // from one pointer: p [K / 32, levels * M, 32] (row r's level l at levels * r + l); per group and row
 // the integer v = p (one level) or 256 p + p' (two), s the value of one unit of v and s_sum = s * sum v,
-// both [K / 32, M].
+// both [K / 32, M], and the integer sums of v over the group's two halves, v_half [K / 32, M, 2]
+// (Q6_K's sub-blocks of 16 take their -32 offset in integers).
 struct Int8Rows {
   int64_t rows;
   std::vector<int8_t> p;
   std::vector<float> s, s_sum;
+  std::vector<int32_t> v_half;
 };
 
 // One group of 32 values (a, b) of input row `row` into group g of `out`: v = round(x / s) to nearest
@@ -90,8 +109,11 @@ SS_AVX512 SS_INLINE void quantize_group(__m512 a, __m512 b, Int8Rows& out, int64
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + kGroup + 16), _mm512_cvtsepi32_epi8(_mm512_sub_epi32(vb, _mm512_slli_epi32(hb, 8))));
   }
   const float s = amax / kUnits;
+  const int32_t sum_a = _mm512_reduce_add_epi32(va), sum_b = _mm512_reduce_add_epi32(vb);
   out.s[g * out.rows + row] = s;
-  out.s_sum[g * out.rows + row] = s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(va, vb)));
+  out.s_sum[g * out.rows + row] = s * static_cast<float>(sum_a + sum_b);
+  out.v_half[(g * out.rows + row) * 2] = sum_a;
+  out.v_half[(g * out.rows + row) * 2 + 1] = sum_b;
 }
 
 template <int kLevels, typename T>
@@ -101,6 +123,7 @@ SS_AVX512 void quantize_rows(const T* x, int64_t rows, int64_t k, Int8Rows& out)
   out.p.resize(kLevels * rows * k);
   out.s.resize(rows * groups);
   out.s_sum.resize(rows * groups);
+  out.v_half.resize(2 * rows * groups);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
       quantize_group<kLevels>(load16(x + r * k + g * kGroup), load16(x + r * k + g * kGroup + 16), out, r, g);
@@ -114,13 +137,25 @@ SS_VNNI SS_INLINE __m512i dot4(__m512i acc, __m512i weights, const int8_t* p) { 
   return _mm512_dpbusd_epi32(acc, weights, _mm512_set1_epi32(four));
 }
 
+SS_VNNI SS_INLINE __m512 half16(const uint8_t* p) {  // 16 float16 -> float32
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Operand `t`'s bit 4 (or 5) from a bit plane: byte b of the plane holds bit t for operand t's byte b.
+SS_VNNI SS_INLINE __m512i add_plane_bit(__m512i operand, __m512i plane, int t, int value) {
+  const __mmask64 set = _mm512_test_epi8_mask(plane, _mm512_set1_epi8(static_cast<char>(1 << t)));
+  return _mm512_mask_add_epi8(operand, set, operand, _mm512_set1_epi8(static_cast<char>(value)));
+}
+
 // One panel (16 output rows) times R input rows (from row `first`), all groups. The integer sums are
 // exact, so how they are split does not change a row's result; per row and group the float work is
-// the same whatever R: v's dot in one int32 (256 * level 1 + level 2), one conversion, two FMAs.
-template <int kBits, int kLevels, int R, typename T>
-SS_VNNI void panel_rows(const uint8_t* panel, const c10::Half* scales, const Int8Rows& x, int64_t first, int64_t k,
+// the same whatever R: v's dot in one int32 (256 * level 1 + level 2), one conversion, two FMAs (Q6_K:
+// per half-group, one conversion and one FMA, its -32 offset subtracted in integers).
+template <int kBits, Scheme kScheme, int kLevels, int R, typename T>
+SS_VNNI void panel_rows(const uint8_t* panel, const uint8_t* scales, const Int8Rows& x, int64_t first, int64_t k,
                         T* y, int64_t n) {
-  constexpr int64_t kChunks = kBits == 4 ? 4 : 8;
+  constexpr int64_t kChunks = kBits == 8 ? 8 : 4;  // 64-byte VPDPBUSD operands (4-6 bits: nibble pairs) per group
+  constexpr int kSubs = kScheme == Scheme::kSuperSymmetric ? 2 : 1;  // weight scales per group
   // Independent VPDPBUSD chains per level: with fewer than 4 in all, their latency, not their
   // throughput, would bound the pass, so each level's is split in two.
   constexpr int kSplit = R * kLevels < 4 ? 2 : 1;
@@ -128,86 +163,142 @@ SS_VNNI void panel_rows(const uint8_t* panel, const c10::Half* scales, const Int
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* w = panel + g * kChunks * 64;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 2 * kLanes)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 2 * kLanes + kLanes)));
-    __m512i sums[R][kLevels][kSplit];
-    for (int r = 0; r < R; ++r)
-      for (int l = 0; l < kLevels; ++l)
-        for (int h = 0; h < kSplit; ++h) sums[r][l][h] = _mm512_setzero_si512();
-    for (int64_t c = 0; c < kChunks; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + c * 64), _MM_HINT_T0);
-      const __m512i chunk = _mm512_loadu_si512(w + c * 64);
-      const __m512i low = kBits == 4 ? _mm512_and_si512(chunk, _mm512_set1_epi8(0x0F)) : chunk;
-      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(chunk, 4), _mm512_set1_epi8(0x0F));
-      for (int r = 0; r < R; ++r) {
-        for (int l = 0; l < kLevels; ++l) {
-          const int8_t* p = x.p.data() + ((g * x.rows + first + r) * kLevels + l) * kGroup;
-          if constexpr (kBits == 4) {
-            sums[r][l][0] = dot4(sums[r][l][0], low, p + c * 8);
-            sums[r][l][kSplit - 1] = dot4(sums[r][l][kSplit - 1], high, p + c * 8 + 4);
-          } else {
-            sums[r][l][c % kSplit] = dot4(sums[r][l][c % kSplit], low, p + c * 4);
+    const uint8_t* w = panel + g * 64 * kBits;
+    // per lane: w = d * q + m (group scales, Q4_K/Q5_K), or d_half * (q - 32) (Q6_K)
+    __m512 d[kSubs], m = _mm512_setzero_ps();
+    if constexpr (kScheme == Scheme::kGroup) {
+      d[0] = half16(scales + g * 4 * kLanes);
+      m = half16(scales + g * 4 * kLanes + 2 * kLanes);
+    } else if constexpr (kScheme == Scheme::kSuperMin) {  // d * sc and dmin * m, each exact in float32 (11 x 6 bits)
+      const uint8_t* super = scales + (g / kGroupsPerSuper) * kMinScaleBytes;
+      const uint8_t* sub = super + 4 * kLanes + (g % kGroupsPerSuper) * 2 * kLanes;
+      const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub))));
+      const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + kLanes))));
+      d[0] = _mm512_mul_ps(half16(super), sc);
+      m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(half16(super + 2 * kLanes), mn));
+    } else {  // d * sc exact in float32 (11 x 8 bits)
+      const uint8_t* super = scales + (g / kGroupsPerSuper) * kSymScaleBytes;
+      const __m512 dsuper = half16(super);
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* sub = super + 2 * kLanes + (2 * (g % kGroupsPerSuper) + h) * kLanes;
+        d[h] = _mm512_mul_ps(dsuper, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub)))));
+      }
+    }
+    __m512i plane[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    if constexpr (kBits == 5 || kBits == 6) {
+      for (int b = 0; b < kBits - 4; ++b) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + (4 + b) * 64), _MM_HINT_T0);
+        plane[b] = _mm512_loadu_si512(w + (4 + b) * 64);
+      }
+    }
+    for (int sub = 0; sub < kSubs; ++sub) {
+      __m512i sums[R][kLevels][kSplit];
+      for (int r = 0; r < R; ++r)
+        for (int l = 0; l < kLevels; ++l)
+          for (int h = 0; h < kSplit; ++h) sums[r][l][h] = _mm512_setzero_si512();
+      for (int64_t c = sub * kChunks / kSubs; c < (sub + 1) * kChunks / kSubs; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + c * 64), _MM_HINT_T0);
+        const __m512i chunk = _mm512_loadu_si512(w + c * 64);
+        __m512i low = kBits == 8 ? chunk : _mm512_and_si512(chunk, _mm512_set1_epi8(0x0F));
+        __m512i high = _mm512_and_si512(_mm512_srli_epi16(chunk, 4), _mm512_set1_epi8(0x0F));
+        if constexpr (kBits == 5 || kBits == 6) {
+          for (int b = 0; b < kBits - 4; ++b) {
+            low = add_plane_bit(low, plane[b], 2 * c, 16 << b);
+            high = add_plane_bit(high, plane[b], 2 * c + 1, 16 << b);
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          for (int l = 0; l < kLevels; ++l) {
+            const int8_t* p = x.p.data() + ((g * x.rows + first + r) * kLevels + l) * kGroup;
+            if constexpr (kBits == 8) {
+              sums[r][l][c % kSplit] = dot4(sums[r][l][c % kSplit], low, p + c * 4);
+            } else {
+              sums[r][l][0] = dot4(sums[r][l][0], low, p + c * 8);
+              sums[r][l][kSplit - 1] = dot4(sums[r][l][kSplit - 1], high, p + c * 8 + 4);
+            }
           }
         }
       }
-    }
-    for (int r = 0; r < R; ++r) {
-      __m512i level[kLevels];
-      for (int l = 0; l < kLevels; ++l) level[l] = kSplit == 2 ? _mm512_add_epi32(sums[r][l][0], sums[r][l][kSplit - 1]) : sums[r][l][0];
-      // |256 * level 1 + level 2| <= 32 * 255 * 32639 < 2^31; its conversion rounds to float32 (above 2^24) the same everywhere.
-      const __m512i dots = kLevels == 2 ? _mm512_add_epi32(_mm512_slli_epi32(level[0], 8), level[kLevels - 1]) : level[0];
-      const int64_t i = g * x.rows + first + r;
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(d, _mm512_set1_ps(x.s[i])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s_sum[i]), acc[r]);
+      for (int r = 0; r < R; ++r) {
+        __m512i level[kLevels];
+        for (int l = 0; l < kLevels; ++l) level[l] = kSplit == 2 ? _mm512_add_epi32(sums[r][l][0], sums[r][l][kSplit - 1]) : sums[r][l][0];
+        // |256 * level 1 + level 2| <= 32 * 255 * 32639 < 2^31; its conversion rounds to float32 (above 2^24) the same everywhere.
+        __m512i dots = kLevels == 2 ? _mm512_add_epi32(_mm512_slli_epi32(level[0], 8), level[kLevels - 1]) : level[0];
+        const int64_t i = g * x.rows + first + r;
+        if constexpr (kScheme == Scheme::kSuperSymmetric) {  // sum (q - 32) v over the half: |.| <= 16 * 32 * 32639 < 2^24, exact
+          dots = _mm512_sub_epi32(dots, _mm512_set1_epi32(32 * x.v_half[2 * i + sub]));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(d[sub], _mm512_set1_ps(x.s[i])), acc[r]);
+        } else {
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(d[0], _mm512_set1_ps(x.s[i])), acc[r]);
+          acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s_sum[i]), acc[r]);
+        }
+      }
     }
   }
   for (int r = 0; r < R; ++r) store16(y + (first + r) * n, acc[r]);
 }
 
 // The last `rows` (< kPassRows) input rows through one panel, in one pass of that many.
-template <int kBits, int kLevels, int R, typename T>
-SS_VNNI void panel_tail(const uint8_t* panel_bytes, const c10::Half* scales, const Int8Rows& x, int64_t first, int64_t rows,
+template <int kBits, Scheme kScheme, int kLevels, int R, typename T>
+SS_VNNI void panel_tail(const uint8_t* panel_bytes, const uint8_t* scales, const Int8Rows& x, int64_t first, int64_t rows,
                         int64_t k, T* y, int64_t n) {
   if constexpr (R > 0) {
-    if (rows == R) panel_rows<kBits, kLevels, R>(panel_bytes, scales, x, first, k, y, n);
-    else panel_tail<kBits, kLevels, R - 1>(panel_bytes, scales, x, first, rows, k, y, n);
+    if (rows == R) panel_rows<kBits, kScheme, kLevels, R>(panel_bytes, scales, x, first, k, y, n);
+    else panel_tail<kBits, kScheme, kLevels, R - 1>(panel_bytes, scales, x, first, rows, k, y, n);
   }
 }
 
 // All `rows` input rows through one panel, kPassRows at a time.
-template <int kBits, int kLevels, typename T>
-SS_VNNI void panel(const uint8_t* panel_bytes, const c10::Half* scales, const Int8Rows& x, int64_t rows, int64_t k, T* y, int64_t n) {
+template <int kBits, Scheme kScheme, int kLevels, typename T>
+SS_VNNI void panel(const uint8_t* panel_bytes, const uint8_t* scales, const Int8Rows& x, int64_t rows, int64_t k, T* y, int64_t n) {
   int64_t r = 0;
-  for (; r + kPassRows <= rows; r += kPassRows) panel_rows<kBits, kLevels, kPassRows>(panel_bytes, scales, x, r, k, y, n);
+  for (; r + kPassRows <= rows; r += kPassRows) panel_rows<kBits, kScheme, kLevels, kPassRows>(panel_bytes, scales, x, r, k, y, n);
   // the weight panel is in L1 by now: the tail re-reads it from there
-  panel_tail<kBits, kLevels, kPassRows - 1>(panel_bytes, scales, x, r, rows - r, k, y, n);
+  panel_tail<kBits, kScheme, kLevels, kPassRows - 1>(panel_bytes, scales, x, r, rows - r, k, y, n);
 }
 
+// The formats the op takes, as (bits, scheme) pairs.
 template <int kLevels, typename T>
-SS_VNNI void panel_any_bits(int64_t bits, const uint8_t* panel_bytes, const c10::Half* scales, const Int8Rows& x, int64_t rows,
-                            int64_t k, T* y, int64_t n) {
-  if (bits == 4) panel<4, kLevels>(panel_bytes, scales, x, rows, k, y, n);
-  else panel<8, kLevels>(panel_bytes, scales, x, rows, k, y, n);
+SS_VNNI void panel_any_format(int64_t bits, Scheme scheme, const uint8_t* panel_bytes, const uint8_t* scales, const Int8Rows& x,
+                              int64_t rows, int64_t k, T* y, int64_t n) {
+  if (scheme == Scheme::kGroup) {
+    if (bits == 4) panel<4, Scheme::kGroup, kLevels>(panel_bytes, scales, x, rows, k, y, n);
+    else if (bits == 5) panel<5, Scheme::kGroup, kLevels>(panel_bytes, scales, x, rows, k, y, n);
+    else panel<8, Scheme::kGroup, kLevels>(panel_bytes, scales, x, rows, k, y, n);
+  } else if (scheme == Scheme::kSuperMin) {
+    if (bits == 4) panel<4, Scheme::kSuperMin, kLevels>(panel_bytes, scales, x, rows, k, y, n);
+    else panel<5, Scheme::kSuperMin, kLevels>(panel_bytes, scales, x, rows, k, y, n);
+  } else {
+    panel<6, Scheme::kSuperSymmetric, kLevels>(panel_bytes, scales, x, rows, k, y, n);
+  }
 }
 
 }  // namespace
 
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t bits, int64_t input_bits) {
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t bits, int64_t input_bits,
+                        int64_t scheme_code) {
   TORCH_CHECK(cpu_has_avx512_vnni(), "quant_linear needs AVX512-VNNI (check has_avx512_vnni first)");
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(scheme_code >= 0 && scheme_code <= 2, "quant_linear: scheme must be 0 (group), 1 (Q4_K/Q5_K) or 2 (Q6_K), got ", scheme_code);
+  const Scheme scheme = static_cast<Scheme>(scheme_code);
+  const bool bits_ok = scheme == Scheme::kGroup ? (bits == 4 || bits == 5 || bits == 8)
+                       : scheme == Scheme::kSuperMin ? (bits == 4 || bits == 5) : bits == 6;
+  TORCH_CHECK(bits_ok, "quant_linear: bits ", bits, " do not go with scheme ", scheme_code, " (group: 4, 5, 8; Q4_K/Q5_K: 4, 5; Q6_K: 6)");
   TORCH_CHECK(input_bits == 8 || input_bits == 16, "quant_linear: input_bits must be 8 or 16, got ", input_bits);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && is_kernel_dtype(x.scalar_type()), "quant_linear: x must be [M, K] contiguous bfloat16 or float32");
   const int64_t rows = x.size(0), k = x.size(1), groups = k / kGroup;
-  const int64_t panel_bytes = groups * kGroup * kLanes * bits / 8;
-  TORCH_CHECK(k % kGroup == 0, "quant_linear: K must be a multiple of 32, got ", k);
+  const int64_t group_bytes = kGroup * kLanes * bits / 8, panel_bytes = groups * group_bytes;
+  TORCH_CHECK(k % (scheme == Scheme::kGroup ? kGroup : kSuper) == 0, "quant_linear: K must be a multiple of ",
+              scheme == Scheme::kGroup ? kGroup : kSuper, " for scheme ", scheme_code, ", got ", k);
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(1) == groups &&
-                  packed.size(2) == kGroup * kLanes * bits / 8,
-              "quant_linear: packed must be uint8 [N / 16, K / 32, ", kGroup * kLanes * bits / 8, "] for K = ", k, ", got ", packed.sizes());
+                  packed.size(2) == group_bytes,
+              "quant_linear: packed must be uint8 [N / 16, K / 32, ", group_bytes, "] for K = ", k, ", got ", packed.sizes());
   const int64_t panels = packed.size(0), n = panels * kLanes;
-  TORCH_CHECK(scales.dim() == 4 && scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.size(0) == panels &&
-                  scales.size(1) == groups && scales.size(2) == 2 && scales.size(3) == kLanes,
-              "quant_linear: scales must be float16 [N / 16, K / 32, 2, 16], got ", scales.sizes());
+  const int64_t scale_bytes = scheme == Scheme::kGroup ? groups * 4 * kLanes
+                              : (k / kSuper) * (scheme == Scheme::kSuperMin ? kMinScaleBytes : kSymScaleBytes);
+  TORCH_CHECK(scales.is_contiguous() && scales.size(0) == panels && scales.nbytes() == panels * scale_bytes &&
+                  (scheme == Scheme::kGroup ? scales.scalar_type() == at::kHalf : scales.scalar_type() == at::kByte),
+              "quant_linear: scales must be float16 [N / 16, K / 32, 2, 16] (group) or uint8 [N / 16, K / 256, ",
+              scheme == Scheme::kSuperSymmetric ? kSymScaleBytes : kMinScaleBytes, "] (K-quants), got ", scales.sizes(), " ", scales.scalar_type());
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
   Int8Rows quantized;
@@ -217,16 +308,16 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
     if (levels == 1) quantize_rows<1>(x.data_ptr<T>(), rows, k, quantized);
     else quantize_rows<2>(x.data_ptr<T>(), rows, k, quantized);
     const uint8_t* weights = packed.data_ptr<uint8_t>();
-    const c10::Half* scale = scales.data_ptr<c10::Half>();
+    const uint8_t* scale = static_cast<const uint8_t*>(scales.data_ptr());
     T* out = y.data_ptr<T>();
     // ~64 KB of weights per thread at least: one panel of a small layer is a few KB.
     const int64_t grain = std::max<int64_t>(1, 65536 / panel_bytes);
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const uint8_t* w = weights + p * panel_bytes;
-        const c10::Half* s = scale + p * groups * 2 * kLanes;
-        if (levels == 1) panel_any_bits<1>(bits, w, s, quantized, rows, k, out + p * kLanes, n);
-        else panel_any_bits<2>(bits, w, s, quantized, rows, k, out + p * kLanes, n);
+        const uint8_t* s = scale + p * scale_bytes;
+        if (levels == 1) panel_any_format<1>(bits, scheme, w, s, quantized, rows, k, out + p * kLanes, n);
+        else panel_any_format<2>(bits, scheme, w, s, quantized, rows, k, out + p * kLanes, n);
       }
     });
   });

@@ -37,7 +37,7 @@ TORCH_LIBRARY(stageserve, m) {
   m.def("gumbel_argmax(Tensor logits, Tensor temperature, Tensor? cutoff, Tensor seed, Tensor step_index) -> Tensor");
   m.def("has_amx() -> bool", &stageserve::cpu_has_amx);
   m.def("has_avx512_vnni() -> bool", &stageserve::cpu_has_avx512_vnni);
-  m.def("quant_linear(Tensor x, Tensor packed, Tensor scales, int bits, int input_bits) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor packed, Tensor scales, int bits, int input_bits, int scheme=0) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("amx_swiglu(Tensor x, Tensor packed) -> Tensor");
   m.def("rope_and_cache(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor positions, Tensor(a!) kv, Tensor slot_mapping, int num_heads) -> Tensor");
