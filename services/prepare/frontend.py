@@ -11,7 +11,9 @@ placed like any request and end independently; the request ends when the last on
 A request id belongs to the API key that created it (its ``owner``): the scheduler knows it as
 :func:`~stageserve.prepare.validation.scoped_request_id`, so the duplicate check and ``Abort`` see
 only the caller's own ids, and another key's running id is simply unknown. Without keys every
-id is unscoped, as before.
+id is unscoped, as before. The owner is also the request's prefix-cache tenant (its blocks are
+shared only with the same key's requests) unless the deployment shares the cache across keys
+(``--prefix-cache-sharing shared``): a hit would tell one tenant what another sent.
 """
 
 from __future__ import annotations
@@ -139,11 +141,14 @@ class GenerationFrontend:
     long prompt does not hold up every other stream's chunks. ``sampling_defaults`` (the model's,
     ``sampling_defaults.py``) fill what a request leaves unset. ``served_names`` (``--served-model-name``)
     are the names clients know the model by, the first one shown; none: the device's model name.
+    ``share_prefix_cache``: requests of different API keys share prefix-cache blocks (default: each
+    key's are its own).
     """
 
     def __init__(self, router: DeviceRouter, tokenizer, waker: LoopWaker, served_names: tuple[str, ...] = (),
-                 sampling_defaults: prepare_pb2.GenerateRequest | None = None) -> None:
+                 sampling_defaults: prepare_pb2.GenerateRequest | None = None, share_prefix_cache: bool = False) -> None:
         self.router = router
+        self.share_prefix_cache = share_prefix_cache
         self.tokenizer = tokenizer
         self.waker = waker
         self.served_names = served_names
@@ -166,6 +171,8 @@ class GenerationFrontend:
         scoped_id = scoped_request_id(owner, request_id)
         try:
             validated, n = await asyncio.get_running_loop().run_in_executor(None, self._validate, request, scoped_id)
+            if owner and not self.share_prefix_cache:
+                validated = replace(validated, cache_tenant=owner)
             # On the loop, with no await until the caller holds the submission: a task cancelled
             # in between would leave choices running for no one.
             handles: list[RequestHandle] = []

@@ -178,7 +178,7 @@ class Scheduler:
         """The hash chain of ``request``'s full prompt blocks (none with prefix caching off)."""
         if not self.config.enable_prefix_caching:
             return []
-        namespace = cache_namespace(self.config.model_identity, request.cache_salt)
+        namespace = cache_namespace(self.config.model_identity, request.cache_salt, request.cache_tenant)
         return chain_hashes(request.prompt_token_ids, self.config.kv_block_size, namespace)
 
     def prefix_hit(self, request: GenerationRequest, hashes: list[BlockHash] | None = None) -> list[int]:

@@ -64,6 +64,8 @@ class GenerationRequest:
         sampling: concrete sampling parameters for the device.
         stop: stop conditions for reclaim (``max_tokens`` and ``prompt_tokens`` filled in).
         cache_salt: prefix-cache blocks are shared only between requests of the same salt.
+        cache_tenant: ... and of the same tenant: the API key's name under ``--prefix-cache-sharing
+            per-key`` (the default), "" without keys or with ``shared``.
         constraint: the structured-output constraint, checked (it parses); ``None`` = free text.
     """
 
@@ -73,6 +75,7 @@ class GenerationRequest:
     sampling: common_pb2.SamplingParams
     stop: common_pb2.StopParams
     cache_salt: str = ""
+    cache_tenant: str = ""
     constraint: common_pb2.Constraint | None = None
 
     @property
