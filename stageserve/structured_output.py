@@ -24,6 +24,10 @@ MAX_CONSTRAINT_CHARS = 65536
 """Characters of a json_schema, regex or grammar, and of a choice's options together, at most."""
 MAX_CHOICE_OPTIONS = 256
 """Options of a choice constraint, at most."""
+MAX_JSON_DEPTH = 64
+"""Nesting of a JSON value a client sends (a ``json_schema``, tool parameters, template kwargs), at
+most: objects and arrays inside each other, ``{}`` being 1. Refused before compiling: a schema's
+compile time (which the device spends) and the parsers' recursion grow with its depth."""
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 """``json_object``: any JSON object (xgrammar's strict mode still allows any property here)."""
 
@@ -104,11 +108,34 @@ def _source_text(constraint: common_pb2.Constraint, kind: str) -> str:
     return "root ::= " + " | ".join(json.dumps(option) for option in options)
 
 
+def nested_deeper_than(value: object, limit: int) -> bool:
+    """Whether ``value`` (parsed JSON) nests objects and arrays more than ``limit`` deep (iterative:
+    no recursion limit of its own)."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+def too_deep(field: str, limit: int = MAX_JSON_DEPTH) -> str:
+    """The refusal of a JSON value of ``field`` nested deeper than ``limit``."""
+    return f"{field}: nested deeper than the maximum of {limit} levels of objects and arrays"
+
+
 def _check_json(text: str) -> None:
-    """Python's JSON parser names line and column, which xgrammar's message does not."""
+    """Python's JSON parser names line and column, which xgrammar's message does not; the depth is
+    checked before xgrammar (whose converter recurses) sees the schema."""
     try:
         schema = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConstraintError(f"constraint.json_schema: not JSON ({exc})") from None
+    except RecursionError:  # deeper than the parser's own recursion allows: far past the limit
+        raise ConstraintError(too_deep("constraint.json_schema")) from None
+    if nested_deeper_than(schema, MAX_JSON_DEPTH):
+        raise ConstraintError(too_deep("constraint.json_schema"))
     if not isinstance(schema, (dict, bool)):
         raise ConstraintError(f"constraint.json_schema: a schema is a JSON object (or true/false), got {type(schema).__name__}")

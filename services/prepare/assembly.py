@@ -90,7 +90,8 @@ def _serve_apis(args: argparse.Namespace, server, tokenizer, sampling_defaults, 
     )
     router = DeviceRouter(connector.sessions, metrics, lambda: server.stop_requested)
     metrics.watch_engine(router.current_load)
-    frontend = GenerationFrontend(router, tokenizer, LoopWaker(server.loop), tuple(args.served_model_name), sampling_defaults)
+    frontend = GenerationFrontend(router, tokenizer, LoopWaker(server.loop), tuple(args.served_model_name), sampling_defaults,
+                                  share_prefix_cache=args.prefix_cache_sharing == "shared")
     server.add_servicer(prepare_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(frontend, args.reasoning_parser))
     server.start([SERVICE_NAME])
     try:

@@ -11,6 +11,7 @@ from stageserve.server import add_service_arguments
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9101
+PREFIX_CACHE_SHARING = ("per-key", "shared")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                         help="prefill every prompt in full: no KV blocks shared between requests (default: a prompt starts at"
                              " its longest cached prefix of full blocks)")
+    parser.add_argument("--prefix-cache-sharing", choices=PREFIX_CACHE_SHARING, default="per-key",
+                        help="with --api-keys-file: per-key = a key's requests reuse only that key's cached blocks (a hit"
+                             " would tell one tenant what another sent); shared = every key's requests share them, for"
+                             " tenants that trust each other (default: %(default)s; without keys the cache is shared)")
     parser.add_argument("--step-timeout", type=float, default=60.0, metavar="SECONDS",
                         help="a step not published by reclaim within this time ends that device's session: its requests fail "
                              "with UNAVAILABLE (default: %(default)s)")

@@ -11,7 +11,9 @@ placed like any request and end independently; the request ends when the last on
 A request id belongs to the API key that created it (its ``owner``): the scheduler knows it as
 :func:`~stageserve.prepare.validation.scoped_request_id`, so the duplicate check and ``Abort`` see
 only the caller's own ids, and another key's running id is simply unknown. Without keys every
-id is unscoped, as before.
+id is unscoped, as before. The owner is also the request's prefix-cache tenant (its blocks are
+shared only with the same key's requests) unless the deployment shares the cache across keys
+(``--prefix-cache-sharing shared``): a hit would tell one tenant what another sent.
 """
 
 from __future__ import annotations
@@ -142,11 +144,14 @@ class GenerationFrontend:
     long prompt does not hold up every other stream's chunks. ``sampling_defaults`` (the model's,
     ``sampling_defaults.py``) fill what a request leaves unset. ``served_names`` (``--served-model-name``)
     are the names clients know the model by, the first one shown; none: the device's model name.
+    ``share_prefix_cache``: requests of different API keys share prefix-cache blocks (default: each
+    key's are its own).
     """
 
     def __init__(self, router: DeviceRouter, tokenizer, waker: LoopWaker, served_names: tuple[str, ...] = (),
-                 sampling_defaults: prepare_pb2.GenerateRequest | None = None) -> None:
+                 sampling_defaults: prepare_pb2.GenerateRequest | None = None, share_prefix_cache: bool = False) -> None:
         self.router = router
+        self.share_prefix_cache = share_prefix_cache
         self.tokenizer = tokenizer
         self.waker = waker
         self.served_names = served_names
@@ -169,7 +174,7 @@ class GenerationFrontend:
         scoped_id = scoped_request_id(owner, request_id)
         try:
             validated, n = await asyncio.get_running_loop().run_in_executor(None, self._validate, request, scoped_id)
-            handles = self._place(choice_requests(validated, n), caller, scoped_id)
+            handles = self._place(choice_requests(self._in_tenant_cache(validated, owner), n), caller, scoped_id)
         except RequestError as error:
             self._refused(error, request_id)
             raise
@@ -188,6 +193,7 @@ class GenerationFrontend:
         scoped_id = scoped_request_id(owner, request_id)
         try:
             requests = await asyncio.get_running_loop().run_in_executor(None, self._validate_embedding, request, scoped_id)
+            requests = [self._in_tenant_cache(r, owner) for r in requests]
             submission = Submission(request_id, self._place(requests, caller, scoped_id), self.router)
         except RequestError as error:
             self._refused(error, request_id)
@@ -220,6 +226,10 @@ class GenerationFrontend:
                 self.router.cancel(handle)
             raise
         return handles
+
+    def _in_tenant_cache(self, request: GenerationRequest, owner: str) -> GenerationRequest:
+        """``request`` in its API key's own prefix-cache namespace, unless the cache is shared across keys."""
+        return replace(request, cache_tenant=owner) if owner and not self.share_prefix_cache else request
 
     def _refused(self, error: RequestError, request_id: str) -> None:
         self.router.metrics.request_refused(error.code.name)

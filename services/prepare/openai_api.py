@@ -23,7 +23,9 @@ Security: with API keys (the same :class:`~stageserve.security.guard.AccessPolic
 every route needs ``Authorization: Bearer KEY`` (``/health`` only with ``--no-open-health``):
 401 without a key or with an unknown one (the OpenAI SDK's ``AuthenticationError``); the key's
 request ids are its own, as on gRPC. A body over ``limits.MAX_REQUEST_BYTES`` is refused with 413
-before it is parsed. With ``--tls-cert``/``--tls-key`` uvicorn serves HTTPS.
+before it is parsed; a body nested deeper than `MAX_BODY_DEPTH`, or holding a lone surrogate
+(``"\\ud800"``), is refused with 400. The connection-level bounds (header timeout, keep-alive,
+concurrency, framing) are ``http_edge.py``'s. With ``--tls-cert``/``--tls-key`` uvicorn serves HTTPS.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from stageserve.prepare.errors import RequestError, invalid_argument
 from stageserve.prepare.frontend import GenerationFrontend, Submission
+from stageserve.prepare.http_edge import (KEEP_ALIVE_S, MAX_CONNECTIONS, MAX_HEADER_BYTES, HeaderDeadlineProtocol,
+                                          refuse_ambiguous_framing)
 from stageserve.prepare.limits import MAX_PROMPT_TOKEN_IDS, MAX_REQUEST_BYTES, at_most, check_tokenize_bounds
 from stageserve.prepare.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeBody, EmbeddingsBody, TokenizeBody, chat_request,
                                                 completion_request)
@@ -59,9 +63,13 @@ from stageserve.prepare.tool_calls import tool_call_reader
 from stageserve.prepare.validation import tokenize_prompt, validate_request_id
 from stageserve.security.guard import HEALTH_SERVICE, OPEN, PUBLIC, AccessPolicy
 from stageserve.security.tls import TlsFiles
+from stageserve.structured_output import MAX_JSON_DEPTH, too_deep
 from stageserve.v1 import prepare_pb2
 
 HTTP_PORT_SUFFIX = ".http-port"
+MAX_BODY_DEPTH = MAX_JSON_DEPTH + 8
+"""Nesting of a request body at most: a schema's own `MAX_JSON_DEPTH` and the fields around it
+(``response_format.json_schema.schema``, ``tools[i].function.parameters``)."""
 RETRY_AFTER_S = 1
 TOO_LARGE = "REQUEST_TOO_LARGE"  # the RequestError reason of a body over MAX_REQUEST_BYTES: HTTP 413
 _HTTP_STATUS = {
@@ -277,9 +285,34 @@ async def _json(request: Request) -> object:
         if len(body) > MAX_REQUEST_BYTES:
             raise too_large
     try:
-        return json.loads(body)
+        value = json.loads(body)
     except ValueError as exc:
         raise invalid_argument(f"body: not valid JSON ({exc})") from exc
+    except RecursionError:  # nested past the parser's recursion: far past the limit
+        raise invalid_argument(too_deep("body", MAX_BODY_DEPTH)) from None
+    _check_parsed(value)
+    return value
+
+
+def _check_parsed(value: object) -> None:
+    """Refuse a parsed body nested deeper than `MAX_BODY_DEPTH`, or holding a string that is not
+    Unicode text: JSON's ``\\ud800`` escape alone parses to a lone surrogate, which no encoder (the
+    tokenizer's, protobuf's) takes. Raises RequestError (``INVALID_ARGUMENT``)."""
+    stack = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            if not node.isascii():
+                try:
+                    node.encode()
+                except UnicodeEncodeError as exc:
+                    raise invalid_argument(f"body: a string holds the lone surrogate {node[exc.start]!a} (a \\uD800-\\uDFFF"
+                                           " escape not in a high-low pair); send valid UTF-8 or paired escapes") from None
+        elif isinstance(node, (dict, list)):
+            if depth >= MAX_BODY_DEPTH:
+                raise invalid_argument(too_deep("body", MAX_BODY_DEPTH))
+            children = [*node.keys(), *node.values()] if isinstance(node, dict) else node
+            stack.extend((child, depth + 1) for child in children)
 
 
 async def _generate(frontend: GenerationFrontend, request: Request, body, grpc_request: prepare_pb2.GenerateRequest, owner: str,
@@ -379,7 +412,10 @@ class HttpServer:
     def __init__(self, app, host: str, port: int, loop: asyncio.AbstractEventLoop, port_file: Path | None = None,
                  tls: TlsFiles | None = None) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and an
+        # accepted socket inherits the listener's; with proto 0, Nagle held each response's body
+        # behind its headers until the client's delayed ACK: ~40 ms on every kept-alive request.
+        self._socket = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self._socket.bind((host, port))
@@ -388,7 +424,10 @@ class HttpServer:
             raise RuntimeError(f"--http-port: cannot listen on {host}:{port} ({exc}); choose a free port or 0") from exc
         self.port = self._socket.getsockname()[1]
         ssl = {"ssl_certfile": str(tls.cert), "ssl_keyfile": str(tls.key)} if tls is not None else {}
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, **ssl))
+        checked = refuse_ambiguous_framing(app, lambda message: error_response(invalid_argument(message)))
+        self._server = uvicorn.Server(uvicorn.Config(
+            checked, log_level="warning", lifespan="off", access_log=False, http=HeaderDeadlineProtocol, timeout_keep_alive=KEEP_ALIVE_S,
+            limit_concurrency=MAX_CONNECTIONS, h11_max_incomplete_event_size=MAX_HEADER_BYTES, **ssl))
         self._done = asyncio.run_coroutine_threadsafe(self._server.serve(sockets=[self._socket]), loop)
         if port_file is not None:
             target = http_port_file(port_file)

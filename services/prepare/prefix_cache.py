@@ -2,7 +2,8 @@
 
 A full block is named by a hash chain (as in vLLM's automatic prefix caching): block ``j`` of a
 prompt hashes its parent's hash and its own ``block_size`` token ids, and the chain starts from a
-namespace of everything else that changes the KV (the model, and the request's ``cache_salt``). Two
+namespace of everything else that changes the KV or who may see it (the model, the request's
+``cache_salt`` and, with API keys, the key that sent it: ``cache_tenant``). Two
 prompts share block ``j``'s hash exactly when they share their first ``(j + 1) * block_size``
 tokens (and namespace), so the longest run of known hashes from the start is the longest cached
 prefix. BLAKE2b with 16-byte digests: a collision would serve another prefix's KV, so a hash of
@@ -23,9 +24,14 @@ from collections.abc import Sequence
 BlockHash = bytes
 
 
-def cache_namespace(model_identity: str, cache_salt: str = "") -> bytes:
-    """The root of a request's hash chain: blocks are shared only within one model and salt."""
-    return hashlib.blake2b(f"{model_identity}\0{cache_salt}".encode(), digest_size=16).digest()
+def cache_namespace(model_identity: str, cache_salt: str = "", cache_tenant: str = "") -> bytes:
+    """The root of a request's hash chain: blocks are shared only within one model, salt and tenant.
+
+    ``cache_tenant`` (an API key's name, 64 characters at most; "" = shared by everyone) keys the
+    hash: each tenant's chains come from a hash function of its own, so no salt one tenant picks can
+    land in another's namespace, and "" gives the unkeyed hash of before.
+    """
+    return hashlib.blake2b(f"{model_identity}\0{cache_salt}".encode(), digest_size=16, key=cache_tenant.encode()).digest()
 
 
 def chain_hashes(token_ids: Sequence[int], block_size: int, namespace: bytes) -> list[BlockHash]:

@@ -179,7 +179,7 @@ class Scheduler:
         mean-pooled embedding: it needs every prompt token's hidden state, so it starts from no hit)."""
         if not self.config.enable_prefix_caching or request.pooling == common_pb2.POOLING_MEAN:
             return []
-        namespace = cache_namespace(self.config.model_identity, request.cache_salt)
+        namespace = cache_namespace(self.config.model_identity, request.cache_salt, request.cache_tenant)
         return chain_hashes(request.prompt_token_ids, self.config.kv_block_size, namespace)
 
     def prefix_hit(self, request: GenerationRequest, hashes: list[BlockHash] | None = None) -> list[int]:

@@ -33,7 +33,7 @@ from typing import Sequence
 from stageserve.prepare.errors import invalid_argument
 from stageserve.prepare.limits import MAX_CHOICES, MAX_REQUEST_ID_CHARS, at_most, check_generate_bounds
 from stageserve.sampling_rules import first_violation, logit_bias_problem
-from stageserve.structured_output import ConstraintError, constraint_grammar
+from stageserve.structured_output import MAX_JSON_DEPTH, ConstraintError, constraint_grammar, nested_deeper_than, too_deep
 from stageserve.v1 import common_pb2, prepare_pb2
 
 DEFAULT_MAX_TOKENS = 256
@@ -64,6 +64,8 @@ class GenerationRequest:
         sampling: concrete sampling parameters for the device.
         stop: stop conditions for reclaim (``max_tokens`` and ``prompt_tokens`` filled in).
         cache_salt: prefix-cache blocks are shared only between requests of the same salt.
+        cache_tenant: ... and of the same tenant: the API key's name under ``--prefix-cache-sharing
+            per-key`` (the default), "" without keys or with ``shared``.
         constraint: the structured-output constraint, checked (it parses); ``None`` = free text.
         pooling: an embedding's pooling (``common_pb2.Pooling``, ``embeddings.py``); NONE = a generation.
         output_offset: a resumed request (``resumption.py``): its prompt's last tokens that are its own output.
@@ -75,6 +77,7 @@ class GenerationRequest:
     sampling: common_pb2.SamplingParams
     stop: common_pb2.StopParams
     cache_salt: str = ""
+    cache_tenant: str = ""
     constraint: common_pb2.Constraint | None = None
     pooling: int = common_pb2.POOLING_NONE
     output_offset: int = 0
@@ -165,6 +168,10 @@ def _json_field(field: str, text: str, kind: type) -> object:
         value = json.loads(text)
     except ValueError as exc:
         raise invalid_argument(f"{field}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise invalid_argument(too_deep(field)) from None
+    if nested_deeper_than(value, MAX_JSON_DEPTH):
+        raise invalid_argument(too_deep(field))
     if not isinstance(value, kind):
         raise invalid_argument(f"{field}: must be a JSON {'object' if kind is dict else kind.__name__}, got {type(value).__name__}")
     return value

@@ -12,8 +12,10 @@
              then as public)
    public    ``stageserve.v1.Generation``: an API key (``authorization: Bearer KEY``) when
              the service has keys; ``UNAUTHENTICATED`` without one or with an unknown one
-   admin     ``stageserve.v1.Admin``: a peer with a verified client certificate, or, when the
-             service has keys, an admin key (``PERMISSION_DENIED`` for another key)
+   admin     ``stageserve.v1.Admin``: a peer with a verified client certificate (device and
+             reclaim ask for one; prepare asks public callers for none, so there it is an admin
+             key alone), or, when the service has keys, an admin key (``PERMISSION_DENIED``
+             for another key)
    internal  ``stageserve.v1.Device`` / ``Reclaim``: with TLS, a verified client certificate
              (the server requires one from the trusted CA, so the handshake already refuses
              others; ``PERMISSION_DENIED`` stands behind it). Without TLS: open, for local

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import replace
 
@@ -100,6 +101,18 @@ def test_another_cache_salt_gets_no_hit():
     assert first_row(serve(scheduler, request("b", PROMPT, salt="tenant-2")), "b")[0] == 0
     assert first_row(serve(scheduler, request("c", PROMPT)), "c")[0] == 0
     assert first_row(serve(scheduler, request("d", PROMPT, salt="tenant-1")), "d")[0] == 12
+
+
+def test_another_tenant_gets_no_hit_whatever_salt_it_picks():
+    scheduler = make_scheduler()
+    serve(scheduler, replace(request("a", PROMPT), cache_tenant="team-a"))
+    assert first_row(serve(scheduler, replace(request("b", PROMPT), cache_tenant="team-b")), "b")[0] == 0
+    assert first_row(serve(scheduler, request("c", PROMPT)), "c")[0] == 0  # the shared namespace is another one
+    assert first_row(serve(scheduler, replace(request("d", PROMPT), cache_tenant="team-a")), "d")[0] == 12
+    # The tenant keys the hash: no (salt, tenant) pair of another tenant reaches team-a's root.
+    roots = {cache_namespace("model", salt, tenant) for salt in ("", "team-a", "\0team-a") for tenant in ("", "team-a", "team-b")}
+    assert len(roots) == 9
+    assert cache_namespace("model", "s", "") == hashlib.blake2b(b"model\0s", digest_size=16).digest()  # unkeyed: as before
 
 
 def test_caching_off_never_hits():

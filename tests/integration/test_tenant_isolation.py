@@ -1,0 +1,87 @@
+"""Two API keys on one deployment (issue 34): what one tenant sends or does must neither reach the
+other nor hold it up. Real services on loopback, plaintext, keys ``team-a`` and ``team-b``."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import grpc
+import pytest
+
+from stageserve.launcher import Pipeline, ServiceProcess
+from stageserve.v1 import prepare_pb2, prepare_pb2_grpc
+
+from .conftest import launch
+from .test_generation_api import collect
+
+KEY_A = "key-of-team-a-0123456789"
+KEY_B = "key-of-team-b-0123456789"
+PREPARE_ARGS = ["--http-port", "0"]
+
+
+@pytest.fixture(scope="module")
+def tenants(tmp_path_factory):
+    """The pipeline: prepare with keys ``team-a`` and ``team-b`` and the HTTP API."""
+    folder = tmp_path_factory.mktemp("tenant-keys")
+    (folder / "api-keys").write_text(f"{KEY_A} team-a\n{KEY_B} team-b\n")
+    pipeline = launch(tmp_path_factory, "tenants", prepare_args=["--api-keys-file", str(folder / "api-keys"), *PREPARE_ARGS])
+    try:
+        yield pipeline
+    finally:
+        pipeline.stop()
+
+
+def restart_prepare(pipeline: Pipeline, args: list[str]) -> None:
+    """Replace the pipeline's prepare by one with the launch's flags and ``args`` (same device, reclaim, keys)."""
+    old = pipeline.prepare
+    old.stop()
+    launched = getattr(old, "launched_args", old.command[old.command.index("--device"):])  # after --port/--port-file/--metrics-port
+    prepare = ServiceProcess("prepare", [*launched, *args], Path(old.port_file).parent, 0, old.log_path)
+    prepare.launched_args = launched
+    prepare.start().wait_port()
+    prepare.wait_ready()
+    pipeline.prepare = prepare
+
+
+def stub_of(pipeline: Pipeline):
+    channel = grpc.insecure_channel(pipeline.prepare.address)
+    return channel, prepare_pb2_grpc.GenerationStub(channel)
+
+
+def bearer(key: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {key}")]
+
+
+def cached_tokens(stub, key: str, ids: list[int]) -> int:
+    """``usage.cached_tokens`` of a 2-token greedy request of ``key`` with prompt ``ids``."""
+    request = prepare_pb2.GenerateRequest(prompt_token_ids=ids, max_tokens=2, temperature=0.0, ignore_eos=True)
+    _, _, chunks = collect(stub.GenerateStream(request, metadata=bearer(key), timeout=120))
+    return chunks[-1].usage.cached_tokens
+
+
+def secret_prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(200, 40000) for _ in range(70)]  # 4 full blocks of 16
+
+
+def test_another_key_gets_no_prefix_cache_hit(tenants):
+    channel, stub = stub_of(tenants)
+    with channel:
+        secret = secret_prompt(1)
+        assert cached_tokens(stub, KEY_A, secret) == 0
+        assert cached_tokens(stub, KEY_A, secret) == 64  # team-a's own prefix is cached...
+        assert cached_tokens(stub, KEY_B, secret) == 0  # ...and team-b learns nothing from it
+        assert cached_tokens(stub, KEY_B, secret) == 64  # team-b's own copy, cached in its namespace
+
+
+def test_prefix_cache_sharing_shared_lets_keys_share_hits(tenants):
+    restart_prepare(tenants, ["--prefix-cache-sharing", "shared"])
+    try:
+        channel, stub = stub_of(tenants)
+        with channel:
+            secret = secret_prompt(2)
+            assert cached_tokens(stub, KEY_A, secret) == 0
+            assert cached_tokens(stub, KEY_B, secret) == 64
+    finally:
+        restart_prepare(tenants, [])
