@@ -75,6 +75,7 @@ def _serve_apis(args: argparse.Namespace, server, tokenizer, sampling_defaults, 
     from stageserve.prepare.request_handle import LoopWaker
     from stageserve.prepare.router import DeviceRouter
     from stageserve.prepare.service import SERVICE_NAME, GenerationServicer
+    from stageserve.prepare.tool_calls import pick_tool_call_parser
     from stageserve.v1 import prepare_pb2_grpc
 
     connector = PipelineConnector(
@@ -92,25 +93,25 @@ def _serve_apis(args: argparse.Namespace, server, tokenizer, sampling_defaults, 
     metrics.watch_engine(router.current_load)
     frontend = GenerationFrontend(router, tokenizer, LoopWaker(server.loop), tuple(args.served_model_name), sampling_defaults,
                                   share_prefix_cache=args.prefix_cache_sharing == "shared")
-    server.add_servicer(prepare_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(frontend, args.reasoning_parser))
+    tool_call_parser = pick_tool_call_parser(args.tool_call_parser, tokenizer.chat_template)
+    server.add_servicer(prepare_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(frontend, args.reasoning_parser, tool_call_parser))
     server.start([SERVICE_NAME])
     try:
-        http = _start_http(args, frontend, server.loop, security)
+        http = _start_http(args, frontend, server.loop, security, tool_call_parser)
     except RuntimeError:
         server.stop(0)
         raise
     return PrepareService(server, connector, router, http)
 
 
-def _start_http(args: argparse.Namespace, frontend, loop, security):
+def _start_http(args: argparse.Namespace, frontend, loop, security, tool_call_parser: str):
     """The OpenAI-compatible HTTP server when ``--http-port`` is set, else ``None``. Raises RuntimeError (cannot bind)."""
     if args.http_port is None:
         return None
     from stageserve.prepare.openai_api import HttpServer, create_app
-    from stageserve.prepare.tool_calls import pick_tool_call_parser
 
     tls = security.tls if security.tls is not None and security.tls.serves_tls else None
-    app = create_app(frontend, security.policy, pick_tool_call_parser(args.tool_call_parser, frontend.tokenizer.chat_template), args.reasoning_parser)
+    app = create_app(frontend, security.policy, tool_call_parser, args.reasoning_parser)
     http = HttpServer(app, args.host, args.http_port, loop, args.port_file, tls=tls)
     log.info("OpenAI-compatible API on %s://%s:%d/v1 (%s)", "https" if tls else "http", args.host, http.port, security.describe())
     return http

@@ -34,6 +34,7 @@ from stageserve.prepare.frontend import GenerationFrontend, Submission
 from stageserve.prepare.limits import check_tokenize_bounds
 from stageserve.prepare.reasoning import ReasoningReader, constrain_after_reasoning, reasoning_reader
 from stageserve.prepare.router import DeviceFigures
+from stageserve.prepare.tool_calls import TOOL_CALL_PARSERS, ToolCallReader
 from stageserve.prepare.validation import tokenize_prompt, validate_request_id
 from stageserve.security.guard import current_principal
 from stageserve.v1 import prepare_pb2, prepare_pb2_grpc, reclaim_pb2
@@ -77,6 +78,19 @@ def _split_reasoning(chunk: prepare_pb2.GenerateStreamResponse, thinker: Reasoni
     chunk.text, chunk.reasoning_text = answer, reasoning
 
 
+def _read_tool_calls(chunk: prepare_pb2.GenerateStreamResponse, reader: ToolCallReader | None) -> None:
+    """Move the tool calls completed in ``chunk``'s text into ``tool_calls`` (the last chunk flushes
+    what was held back); nothing without a reader."""
+    if reader is None:
+        return
+    content, calls = reader.feed(chunk.text)
+    if chunk.finish_reason:
+        rest, more = reader.finish()
+        content, calls = content + rest, calls + more
+    chunk.text = content
+    chunk.tool_calls.extend(prepare_pb2.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"]) for c in calls)
+
+
 def device_status(device: DeviceFigures) -> prepare_pb2.DeviceStatus:
     """One device's ``DeviceStatus`` (load figures 0 while detached)."""
     status = prepare_pb2.DeviceStatus(address=device.address, instance_id=device.instance_id, attached=device.attached,
@@ -99,29 +113,31 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
     ``grpc.aio`` server's loop's). ``Tokenize`` runs in the loop's default executor, so that a long
     prompt (milliseconds of chat template and tokenizer) does not hold up every other stream's chunks."""
 
-    def __init__(self, frontend: GenerationFrontend, reasoning_parser: str | None = None) -> None:
+    def __init__(self, frontend: GenerationFrontend, reasoning_parser: str | None = None, tool_call_parser: str = "hermes") -> None:
         self._frontend = frontend
         self._router = frontend.router
         self._tokenizer = frontend.tokenizer
         self._reasoning_parser = reasoning_parser  # ``separate_reasoning``'s (``reasoning.REASONING_PARSERS``); None: refused
+        self._tool_call_parser = tool_call_parser  # ``parse_tool_calls``' (``tool_calls.TOOL_CALL_PARSERS``)
 
     async def GenerateStream(self, request: prepare_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         """Stream the completion: one chunk per published step with new text or ids; the last has
         finish_reason and usage. Errors (gRPC status): INVALID_ARGUMENT, ALREADY_EXISTS,
         RESOURCE_EXHAUSTED at admission; UNAVAILABLE, INTERNAL, CANCELLED, DEADLINE_EXCEEDED later."""
         submission = await self._accept(request, context)
-        thinkers = self._thinkers(request, submission)
+        thinkers, callers = self._thinkers(request, submission), self._tool_readers(request, submission)
         async with aclosing(self._events(submission, context)) as events:  # its finally runs now, not at GC
             async for index, event in events:
                 if (chunk := stream_chunk(submission.request_id, event, index, submission.handles[index].cached_tokens)) is not None:
                     _split_reasoning(chunk, thinkers and thinkers[index])
+                    _read_tool_calls(chunk, callers and callers[index])
                     await context.write(chunk)
 
     async def Generate(self, request: prepare_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> prepare_pb2.GenerateResponse:
         """The whole completion at once: the stream's chunks joined per choice (choice 0 in the
         top-level fields, all in ``choices`` when n > 1); same errors as GenerateStream."""
         submission = await self._accept(request, context)
-        thinkers = self._thinkers(request, submission)
+        thinkers, callers = self._thinkers(request, submission), self._tool_readers(request, submission)
         choices = [prepare_pb2.GenerateStreamResponse(request_id=submission.request_id, index=i) for i in range(len(submission.handles))]
         texts: list[list[str]] = [[] for _ in choices]
         reasonings: list[list[str]] = [[] for _ in choices]
@@ -129,6 +145,7 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
             async for index, event in events:
                 if (chunk := stream_chunk(submission.request_id, event, index, submission.handles[index].cached_tokens)) is not None:
                     _split_reasoning(chunk, thinkers and thinkers[index])
+                    _read_tool_calls(chunk, callers and callers[index])
                     texts[index].append(chunk.text)
                     reasonings[index].append(chunk.reasoning_text)
                     choices[index].MergeFrom(chunk)  # appends the ids and logprobs; the last chunk sets the finish fields
@@ -138,7 +155,7 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         response = prepare_pb2.GenerateResponse(
             request_id=submission.request_id, text=first.text, token_ids=first.token_ids, logprobs=first.logprobs,
             finish_reason=first.finish_reason, stop_string=first.stop_string, choices=choices if len(choices) > 1 else [],
-            reasoning_text=first.reasoning_text,
+            reasoning_text=first.reasoning_text, tool_calls=first.tool_calls,
         )
         if first.HasField("stop_token_id"):
             response.stop_token_id = first.stop_token_id
@@ -230,6 +247,12 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         if not request.separate_reasoning:
             return None
         return [reasoning_reader(self._reasoning_parser) for _ in submission.handles]
+
+    def _tool_readers(self, request: prepare_pb2.GenerateRequest, submission: Submission) -> list[ToolCallReader] | None:
+        """One tool-call reader per choice when the request asks its calls parsed (and has tools), else ``None``."""
+        if not (request.parse_tool_calls and request.tools):
+            return None
+        return [TOOL_CALL_PARSERS[self._tool_call_parser]() for _ in submission.handles]
 
     def _tokenize(self, request: prepare_pb2.TokenizeRequest) -> prepare_pb2.TokenizeResponse:
         """``Tokenize``'s answer (in the executor). Raises RequestError (INVALID_ARGUMENT) for a bad input."""

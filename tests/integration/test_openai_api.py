@@ -495,3 +495,20 @@ def test_openai_agents_sdk_runs_a_tool(served, model, api):
 def kv_used(generation) -> int:
     info = generation.GetModelInfo(prepare_pb2.GetModelInfoRequest())
     return info.kv_blocks_total - info.kv_blocks_free
+
+
+def test_grpc_reads_the_models_tool_calls_when_asked(generation):
+    """``parse_tool_calls``: the model's ``<tool_call>`` (forced here by a choice constraint) comes
+    back as a structured call, whole and streamed; without it the text is what the model wrote."""
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    weather = prepare_pb2.Tool(name="get_weather", parameters=json.dumps(TOOL["function"]["parameters"]))
+    request = prepare_pb2.GenerateRequest(messages=[prepare_pb2.ChatMessage(role="user", content=WEATHER_CHAT[0]["content"])],
+                                          tools=[weather], temperature=0.0, max_tokens=48, parse_tool_calls=True,
+                                          constraint={"choice": {"options": [call]}})
+    whole = generation.Generate(request, timeout=60)
+    assert whole.text == "" and [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert whole.tool_calls[0].id.startswith("call_")
+    chunks = list(generation.GenerateStream(request, timeout=60))
+    assert "".join(c.text for c in chunks) == "" and [c.name for chunk in chunks for c in chunk.tool_calls] == ["get_weather"]
+    request.parse_tool_calls = False
+    assert generation.Generate(request, timeout=60).text == call
