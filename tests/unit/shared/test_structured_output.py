@@ -7,7 +7,8 @@ import json
 import pytest
 import xgrammar
 
-from stageserve.structured_output import MAX_CHOICE_OPTIONS, MAX_CONSTRAINT_CHARS, ConstraintError, constraint_grammar
+from stageserve.structured_output import (MAX_CHOICE_OPTIONS, MAX_CONSTRAINT_CHARS, MAX_JSON_DEPTH, ConstraintError, constraint_grammar,
+                                         nested_deeper_than)
 from stageserve.v1 import common_pb2
 
 
@@ -57,3 +58,26 @@ def test_bad_constraints_name_the_field_in_xgrammars_words(constraint, message):
         constraint_grammar(constraint)
     assert str(refused.value).startswith(message), str(refused.value)
     assert "/project/cpp" not in str(refused.value) and "\n" not in str(refused.value)
+
+
+def nested_schema(levels: int) -> str:
+    """A schema of ``levels`` objects each holding the next as property ``a`` (2 JSON levels each)."""
+    schema = '{"type": "string"}'
+    for _ in range(levels):
+        schema = '{"type": "object", "properties": {"a": ' + schema + '}, "required": ["a"]}'
+    return schema
+
+
+@pytest.mark.parametrize("levels", [MAX_JSON_DEPTH // 2, 700, 100_000])
+def test_a_schema_nested_past_the_depth_limit_is_refused_before_compiling(levels):
+    constraint = common_pb2.Constraint(json_schema=nested_schema(levels))
+    if levels * 2 + 1 <= MAX_JSON_DEPTH:  # 2 JSON levels a schema level, and the innermost {"type": "string"}
+        constraint_grammar(constraint)
+        return
+    with pytest.raises(ConstraintError, match=f"constraint.json_schema: nested deeper than the maximum of {MAX_JSON_DEPTH} levels"):
+        constraint_grammar(constraint)
+
+
+def test_nested_deeper_than_counts_objects_and_arrays():
+    assert not nested_deeper_than({"a": [1, {"b": []}]}, 4) and nested_deeper_than({"a": [1, {"b": []}]}, 3)
+    assert not nested_deeper_than("text", 0) and not nested_deeper_than({}, 1) and nested_deeper_than([[]], 1)
