@@ -75,6 +75,20 @@ def test_another_key_gets_no_prefix_cache_hit(tenants):
         assert cached_tokens(stub, KEY_B, secret) == 64  # team-b's own copy, cached in its namespace
 
 
+def test_a_json_schema_nested_600_deep_is_invalid_argument_naming_the_limit(tenants):
+    from stageserve.structured_output import MAX_JSON_DEPTH
+
+    schema = '{"type": "string"}'
+    for _ in range(600):
+        schema = '{"type": "object", "properties": {"a": ' + schema + '}}'
+    channel, stub = stub_of(tenants)
+    with channel, pytest.raises(grpc.RpcError) as error:
+        request = prepare_pb2.GenerateRequest(prompt="Hi", max_tokens=4, constraint={"json_schema": schema})
+        stub.Generate(request, metadata=bearer(KEY_A), timeout=60)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"nested deeper than the maximum of {MAX_JSON_DEPTH} levels" in error.value.details()
+
+
 def test_prefix_cache_sharing_shared_lets_keys_share_hits(tenants):
     restart_prepare(tenants, ["--prefix-cache-sharing", "shared"])
     try:
