@@ -62,10 +62,7 @@ def test_bad_constraints_name_the_field_in_xgrammars_words(constraint, message):
 
 def nested_schema(levels: int) -> str:
     """A schema of ``levels`` objects each holding the next as property ``a`` (2 JSON levels each)."""
-    schema = '{"type": "string"}'
-    for _ in range(levels):
-        schema = '{"type": "object", "properties": {"a": ' + schema + '}, "required": ["a"]}'
-    return schema
+    return '{"type": "object", "properties": {"a": ' * levels + '{"type": "string"}' + '}, "required": ["a"]}' * levels  # linear time
 
 
 @pytest.mark.parametrize("levels", [MAX_JSON_DEPTH // 2, 700, 100_000])
