@@ -39,19 +39,20 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def load_fast_tokenizer(model_path: Path) -> Tokenizer:
+def load_fast_tokenizer(model_path: Path) -> Tokenizer | PreTrainedTokenizerBase:
     """The Rust tokenizer of a GGUF file or a Hugging Face model directory: its ``tokenizer.json``
-    (a GGUF's: the cached one, made by :func:`load_tokenizer` first if need be), else the backend of
-    :func:`load_tokenizer`'s. Raises ValueError as :func:`load_tokenizer`."""
-    folder = _cache_dir(model_path) if model_path.is_file() else model_path
-    if not (folder / "tokenizer.json").is_file():
-        backend = getattr(load_tokenizer(model_path), "backend_tokenizer", None)  # a GGUF's cache is written now
-        if backend is not None and not (folder / "tokenizer.json").is_file():
-            return backend
+    (a GGUF's: the cached one, made by :func:`load_tokenizer` first if need be); where there is none
+    (a directory with only a slow tokenizer, an unwritable cache) :func:`load_tokenizer`'s.
+    Raises ValueError as :func:`load_tokenizer`."""
+    path = (_cache_dir(model_path) if model_path.is_file() else model_path) / "tokenizer.json"
+    if not path.is_file():
+        tokenizer = load_tokenizer(model_path)  # writes a GGUF's cache
+        if not path.is_file():
+            return tokenizer
     try:
-        return Tokenizer.from_file(str(folder / "tokenizer.json"))
+        return Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a bare Exception for a file it cannot parse
-        raise ValueError(f"cannot load a tokenizer from {folder / 'tokenizer.json'}: {exc}") from exc
+        raise ValueError(f"cannot load a tokenizer from {path}: {exc}") from exc
 
 
 def load_tokenizer(model_path: Path) -> PreTrainedTokenizerBase:

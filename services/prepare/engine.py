@@ -57,6 +57,7 @@ from stageserve.v1 import common_pb2, device_pb2, reclaim_pb2
 
 log = logging.getLogger(__name__)
 
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]  # what reclaim fails a sequence of a lost device with: resumed
 NOT_ATTACHED = "prepare is not connected to the device and reclaim services; retry shortly"
 
 
@@ -271,14 +272,14 @@ class Engine:
             if current.sent_at.pop(step_events.step_id, None) is None:
                 return  # not a step of this attachment (another subscriber's, or an earlier attachment's)
             for request, event in current.scheduler.update_from_output(step_events):
-                if event.error_code == grpc.StatusCode.UNAVAILABLE.value[0] and self._resume is not None:
+                if event.error_code:
                     handle = self._active.get(request.request_id)
-                    if handle is not None and handle.request is request:
+                    if event.error_code != _UNAVAILABLE or self._resume is None or handle is None or handle.request is not request:
+                        self._end_request(request, RequestError.from_wire(event.error_code, event.error_message))
+                    else:
                         del self._active[request.request_id]  # no terminal: it goes on elsewhere
                         orphans.append(handle)
                         reason = reason or event.error_message
-                elif event.error_code:
-                    self._end_request(request, RequestError.from_wire(event.error_code, event.error_message))
                 elif event.finish_reason:
                     self._end_request(request, event)
                 elif (handle := self._active.get(request.request_id)) is not None and handle.request is request:
@@ -307,18 +308,13 @@ class Engine:
                 active), ``RESOURCE_EXHAUSTED`` (queue full, or it can never fit the KV cache).
         """
         with self._cond:
-            current = self._require_attachment()
-            if request.request_id in self._active:
-                raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already running; use another id")
-            current.scheduler.add_request(request)
             accepted_ns = clock_ns()
             handle = RequestHandle(request, RequestObserver(self._metrics, self._tracer, request.request_id, accepted_ns), accepted_ns)
-            self._active[request.request_id] = handle
+            self._queue(request, handle)
             self._metrics.prompt_tokens.inc(request.num_prompt_tokens)
             if self._tracer.enabled:
                 for name in ("request.queue", "request.ttft", "request.total"):
                     self._tracer.begin_async(name, request.request_id, prompt_tokens=request.num_prompt_tokens)
-            self._cond.notify_all()
             return handle
 
     @property
@@ -333,13 +329,17 @@ class Engine:
             RequestError: as :meth:`submit`.
         """
         with self._cond:
-            current = self._require_attachment()
-            if request.request_id in self._active:
-                raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already running; use another id")
-            current.scheduler.add_request(request)
-            handle.request = request  # its queue time and first schedule were observed on the first device
-            self._active[request.request_id] = handle
-            self._cond.notify_all()
+            self._queue(request, handle)  # its queue time and first schedule were observed on the first device
+            handle.request = request
+
+    def _queue(self, request: GenerationRequest, handle: RequestHandle) -> None:
+        """Queue ``request`` in the scheduler as ``handle``'s (engine lock). Raises RequestError as :meth:`submit`."""
+        current = self._require_attachment()
+        if request.request_id in self._active:
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already running; use another id")
+        current.scheduler.add_request(request)
+        self._active[request.request_id] = handle
+        self._cond.notify_all()
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` is active here."""

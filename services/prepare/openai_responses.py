@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from stageserve.prepare.choice_text import split_choice_text
 from stageserve.prepare.reasoning import ReasoningReader
 from stageserve.prepare.tool_calls import ToolCallReader
 from stageserve.v1 import common_pb2, reclaim_pb2
@@ -49,19 +50,8 @@ class _ChoiceState:
     thinker: ReasoningReader | None = None
 
     def read(self, text: str, finished: bool) -> tuple[str, str, list[dict]]:
-        """A text delta read into ``(reasoning, content, tool call deltas)``; ``finished``: the last, flush what was held."""
-        reasoning, calls = "", []
-        if self.thinker is not None:
-            reasoning, text = self.thinker.feed(text) if text else ("", "")
-            if finished:
-                more, rest = self.thinker.finish()
-                reasoning, text = reasoning + more, text + rest
-        if self.reader is not None:
-            text, calls = self.reader.feed(text) if text else ("", [])
-            if finished:
-                rest, more = self.reader.finish()
-                text, calls = text + rest, calls + more
-        return reasoning, text, calls
+        """A text delta read into ``(reasoning, content, tool call deltas)`` (`split_choice_text`)."""
+        return split_choice_text(self.thinker, self.reader, text, finished)
 
     @property
     def shown_finish_reason(self) -> str | None:

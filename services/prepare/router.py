@@ -45,16 +45,24 @@ RESUME_POLL_S = 0.1  # how often requests waiting to be resumed look for a devic
 
 @dataclass(frozen=True)
 class _Resuming:
-    """A request waiting to be resumed: until when, why, and the engine it failed on (with the
-    attachment it failed in) that it does not go back to."""
+    """A request waiting to be resumed: the request that resumes it (`Resumption.resumed_request`:
+    no event arrives while it waits, so it stays right), until when, why, and the engine it failed
+    on (with the attachment it failed in) that it does not go back to."""
 
+    request: GenerationRequest
     deadline: float  # time.monotonic()
     reason: str
     failed: Engine | None
     failed_attachment: object
 
     def avoids(self, engine: Engine) -> bool:
+        """Whether ``engine`` is the failed one, still in the attachment the request failed in."""
         return engine is self.failed and engine.attachment is self.failed_attachment
+
+
+def _accepting(sessions: Sequence[DeviceSession]) -> list[tuple[DeviceSession, DeviceLoad]]:
+    """The sessions that take new requests, each with its engine's load."""
+    return [(session, load) for session in sessions if session.accepting and (load := session.engine.current_load()) is not None]
 
 
 @dataclass(frozen=True)
@@ -119,7 +127,7 @@ class DeviceRouter:
         if self.draining:
             raise unavailable(DRAINING, reason="DRAINING", retry_after_s=DRAINING_RETRY_S)
         sessions = self._sessions()
-        loads = [load for session in sessions if session.accepting and (load := session.engine.current_load()) is not None]
+        loads = [load for _, load in _accepting(sessions)]
         if not loads:
             raise no_device_refusal(sessions)
         return ModelLimits(loads[0].attach.vocab_size, min(load.attach.max_model_len for load in loads))
@@ -142,7 +150,7 @@ class DeviceRouter:
                     or any(handle.request.request_id == request.request_id for handle in self._resuming)):
                 shown = client_request_id(request.request_id)
                 raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {shown!r} is already running; use another id")
-            candidates = [(session, load) for session in sessions if session.accepting and (load := session.engine.current_load()) is not None]
+            candidates = _accepting(sessions)
             refusal = no_device_refusal(sessions)
             hits = [session.engine.prefix_hit_tokens(request) for session, _ in candidates] if len(candidates) > 1 else []
             for index in placement_order([load for _, load in candidates], hits):
@@ -191,14 +199,14 @@ class DeviceRouter:
         one that times out or meets a drain fails with ``UNAVAILABLE`` naming ``reason``.
         ``failed``: the failed device's engine when its session may not know yet (reclaim reported
         it first): it is not tried again until it attaches anew. An engine calls this without its lock."""
-        waiting = _Resuming(time.monotonic() + RESUME_TIMEOUT_S, reason, failed, failed.attachment if failed is not None else None)
+        deadline, failed_attachment = time.monotonic() + RESUME_TIMEOUT_S, failed.attachment if failed is not None else None
         with self._lock:
             for handle in handles:
                 if self.draining:
                     handle.put(unavailable(f"{reason}; the server is draining, so the request was not resumed: retry it",
                                            reason="DRAINING", retry_after_s=DRAINING_RETRY_S))
                 else:
-                    self._resuming[handle] = waiting
+                    self._resuming[handle] = _Resuming(handle.resumption.resumed_request(), deadline, reason, failed, failed_attachment)
             self._place_resuming()
             if self._resuming and (self._resumer is None or not self._resumer.is_alive()):
                 self._resumer = threading.Thread(target=self._keep_resuming, name="prepare-resumer", daemon=True)
@@ -221,11 +229,10 @@ class DeviceRouter:
 
     def _place_resuming(self) -> None:
         """Place each waiting resumed request on the accepting device placement prefers (router lock)."""
-        accepting = [(session, load) for session in self._sessions() if session.accepting and (load := session.engine.current_load()) is not None]
+        accepting = _accepting(self._sessions())
         for handle, waiting in list(self._resuming.items()):
             candidates = [(session, load) for session, load in accepting if not waiting.avoids(session.engine)]
-            resumption = handle.resumption
-            request = resumption.resumed_request()
+            resumption, request = handle.resumption, waiting.request
             for index in placement_order([load for _, load in candidates], []):
                 session = candidates[index][0]
                 try:

@@ -27,6 +27,7 @@ from contextlib import aclosing
 
 import grpc
 
+from stageserve.prepare.choice_text import split_choice_text
 from stageserve.prepare.early_aborts import caller_of
 from stageserve.prepare.error_details import abort_rpc
 from stageserve.prepare.errors import RequestError, invalid_argument
@@ -66,28 +67,21 @@ def stream_chunk(request_id: str, event: reclaim_pb2.SequenceEvent, index: int =
     return chunk
 
 
-def _split_reasoning(chunk: prepare_pb2.GenerateStreamResponse, thinker: ReasoningReader | None) -> None:
-    """Move ``chunk``'s reasoning from ``text`` to ``reasoning_text`` (the last chunk flushes what was
-    held back); nothing without a reader."""
-    if thinker is None:
+async def _announced_request_id(field: str, context: grpc.aio.ServicerContext) -> str:
+    """The call's request id (the field, else the ``x-request-id`` metadata, else a new one), checked
+    and sent back in the response headers. Raises RequestError (INVALID_ARGUMENT) for a bad one."""
+    request_id = field or dict(context.invocation_metadata()).get(REQUEST_ID_HEADER, "") or uuid.uuid4().hex
+    await context.send_initial_metadata(((REQUEST_ID_HEADER, validate_request_id(request_id)),))
+    return request_id
+
+
+def _split_answer(chunk: prepare_pb2.GenerateStreamResponse, thinker: ReasoningReader | None, reader: ToolCallReader | None) -> None:
+    """Move ``chunk``'s reasoning to ``reasoning_text`` and its completed tool calls to ``tool_calls``
+    (`split_choice_text`; the last chunk flushes what was held back); nothing without readers."""
+    if thinker is None and reader is None:
         return
-    reasoning, answer = thinker.feed(chunk.text)
-    if chunk.finish_reason:
-        rest = thinker.finish()
-        reasoning, answer = reasoning + rest[0], answer + rest[1]
+    reasoning, answer, calls = split_choice_text(thinker, reader, chunk.text, bool(chunk.finish_reason))
     chunk.text, chunk.reasoning_text = answer, reasoning
-
-
-def _read_tool_calls(chunk: prepare_pb2.GenerateStreamResponse, reader: ToolCallReader | None) -> None:
-    """Move the tool calls completed in ``chunk``'s text into ``tool_calls`` (the last chunk flushes
-    what was held back); nothing without a reader."""
-    if reader is None:
-        return
-    content, calls = reader.feed(chunk.text)
-    if chunk.finish_reason:
-        rest, more = reader.finish()
-        content, calls = content + rest, calls + more
-    chunk.text = content
     chunk.tool_calls.extend(prepare_pb2.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"]) for c in calls)
 
 
@@ -129,8 +123,7 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         async with aclosing(self._events(submission, context)) as events:  # its finally runs now, not at GC
             async for index, event in events:
                 if (chunk := stream_chunk(submission.request_id, event, index, submission.handles[index].cached_tokens)) is not None:
-                    _split_reasoning(chunk, thinkers and thinkers[index])
-                    _read_tool_calls(chunk, callers and callers[index])
+                    _split_answer(chunk, thinkers and thinkers[index], callers and callers[index])
                     await context.write(chunk)
 
     async def Generate(self, request: prepare_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> prepare_pb2.GenerateResponse:
@@ -144,8 +137,7 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         async with aclosing(self._events(submission, context)) as events:
             async for index, event in events:
                 if (chunk := stream_chunk(submission.request_id, event, index, submission.handles[index].cached_tokens)) is not None:
-                    _split_reasoning(chunk, thinkers and thinkers[index])
-                    _read_tool_calls(chunk, callers and callers[index])
+                    _split_answer(chunk, thinkers and thinkers[index], callers and callers[index])
                     texts[index].append(chunk.text)
                     reasonings[index].append(chunk.reasoning_text)
                     choices[index].MergeFrom(chunk)  # appends the ids and logprobs; the last chunk sets the finish fields
@@ -182,9 +174,8 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         """One L2-normalised vector per input (``embeddings.py``). Errors (gRPC status): INVALID_ARGUMENT,
         FAILED_PRECONDITION (the device does not embed), ALREADY_EXISTS, RESOURCE_EXHAUSTED,
         UNAVAILABLE at admission; UNAVAILABLE, INTERNAL, ABORTED later."""
-        request_id = request.request_id or dict(context.invocation_metadata()).get(REQUEST_ID_HEADER, "") or uuid.uuid4().hex
         try:
-            await context.send_initial_metadata(((REQUEST_ID_HEADER, validate_request_id(request_id)),))
+            request_id = await _announced_request_id(request.request_id, context)
             return await self._frontend.embed(request, request_id, caller_of(context), _owner())
         except RequestError as error:
             await abort_rpc(context, error)
@@ -219,10 +210,8 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
 
     async def _accept(self, request: prepare_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> Submission:
         """Resolve the id, validate, submit; abort the RPC with the error's status if any step refuses."""
-        header_id = dict(context.invocation_metadata()).get(REQUEST_ID_HEADER, "")
-        request_id = request.request_id or header_id or uuid.uuid4().hex
         try:
-            await context.send_initial_metadata(((REQUEST_ID_HEADER, validate_request_id(request_id)),))
+            request_id = await _announced_request_id(request.request_id, context)
             if request.separate_reasoning:
                 self._reason_first(request)
             submission = await self._frontend.submit(request, request_id, caller_of(context), _owner())

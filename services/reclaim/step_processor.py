@@ -161,7 +161,7 @@ class StepProcessor:
                 self._remove(state)
                 continue
             event = step.events.add(request_id=state.request_id, seq_index=seq_index, generation=generation)
-            if row in output.embeddings:  # an embedding's prompt ended: its one sampled token ends it (max_tokens 1)
+            if output.embeddings and row in output.embeddings:  # an embedding's prompt ended: its one sampled token ends it (max_tokens 1)
                 event.embedding.extend(output.embeddings[row].values)
             finished = False
             for i in range(start, first):
