@@ -78,7 +78,10 @@ def main() -> None:
             prepare.wait_ready()
             with grpc.insecure_channel(prepare.address) as channel:
                 stub = prepare_pb2_grpc.GenerationStub(channel)
-                info = lambda: {d.address: d for d in stub.GetModelInfo(prepare_pb2.GetModelInfoRequest()).devices}  # noqa: E731
+
+                def info() -> dict[str, prepare_pb2.DeviceStatus]:
+                    return {d.address: d for d in stub.GetModelInfo(prepare_pb2.GetModelInfoRequest()).devices}
+
                 while not all(d.accepting for d in info().values()):
                     time.sleep(0.1)
                 # Fault 1: the device with the most streams.

@@ -149,8 +149,8 @@ class SequenceTable:
             if self._active[seq]:
                 raise PlanError(f"step {step.step_id}: started[seq_index={seq}]: the sequence is live; list it in finished first")
             if start.pooling != common_pb2.POOLING_NONE and (self.pooled is None or start.pooling not in _POOLINGS):
-                raise PlanError(f"step {step.step_id}: started[seq_index={seq}]: pooling {start.pooling} is not served here"
-                                f" (this device pools with {', '.join(common_pb2.Pooling.Name(p) for p in _POOLINGS) if self.pooled is not None else 'none'})")
+                served = ", ".join(map(common_pb2.Pooling.Name, _POOLINGS)) if self.pooled is not None else "none: it does not embed"
+                raise PlanError(f"step {step.step_id}: started[seq_index={seq}]: pooling {start.pooling} is not served here (served: {served})")
         token_ids, num_tokens, num_new_blocks = step.token_ids, step.num_tokens, step.num_new_blocks
         offset = 0
         for row, (seq, generation) in enumerate(zip(step.seq_index, step.generation)):
