@@ -41,6 +41,7 @@ values (docs/backends.md#quantized-weights---weights).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -55,7 +56,7 @@ LANES = 16  # output rows per panel of the VNNI layout (one per int32 lane)
 # the VNNI kernel's scale layouts (csrc/quant_linear.cpp `Scheme`): per group of 32, Q4_K/Q5_K's, Q6_K's
 GROUP_SCALES, K_MIN_SCALES, K_SYMMETRIC_SCALES = 0, 1, 2
 VNNI_MAX_ROWS = {8: 8, 16: 8}  # by input bits, measured (docs/benchmarks.md): about where the AMX copy starts to win
-INT4_ROW_BLOCK = 64  # torch's int4 CPU kernel packs rows in blocks of 64 ([N / 64, K, 32] bytes)
+INT4_ROW_BLOCK = 64  # torch's int4 CPU kernel packs rows in blocks of 64 or 32 (`torch_int4_row_block`): N a multiple of 64 fits both
 # torch's kernels (docs/benchmarks.md#quantized-weights: CPU time of a model's 120 linears on one thread,
 # weights cold: int4 10.7 / 15.9 / 17.0 / 33.3 ms at 1 / 2 / 4 / 8 rows against 19.6 / 20.1 / 22.4 / 20.1 ms
 # for the bfloat16 AMX kernel).
@@ -256,9 +257,22 @@ class StackedKernel:
         return torch.cat([k.dense_weight() for k in self.kernels])
 
 
+@functools.cache
+def torch_int4_row_block() -> int:
+    """Rows per block of torch's int4 CPU packing (``_convert_weight_to_int4pack_for_cpu``): B = 64 in
+    its AVX-512 build, 32 in its AVX2 one (ATen's ``int4mm_kernel.cpp`` packs by the CPU it runs on).
+    The packed weight is ``[N / B, K, B / 2]`` bytes, byte ``d`` of a block's column holding row ``d``
+    in its low nibble and row ``B / 2 + d`` in its high one; a probe whose row r holds ``r // 16``
+    tells which: the first byte's high nibble is row 32's 2 (B = 64) or row 16's 1 (B = 32)."""
+    probe = (torch.arange(64, dtype=torch.int32) // 16)[:, None].expand(64, GROUP).contiguous()
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
+    return {2: 64, 1: 32}[int(packed.flatten()[0]) >> 4]
+
+
 class TorchInt4Kernel:
     """int4 weights for ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (N a multiple of 64): ``packed``
-    uint8 ``[N / 64, K, 32]`` (as torch packs it), ``scale`` ``[K / 32, N, 2]`` (scale, zero) in ``dtype``."""
+    uint8 ``[N / B, K, B / 2]`` as torch packs it (B: `torch_int4_row_block`), ``scale`` ``[K / 32, N, 2]``
+    (scale, zero) in ``dtype``."""
 
     max_rows = TORCH_MAX_ROWS
     any_rows = False  # it dequantizes the weight for every row (QuantizedLinear)
@@ -280,12 +294,12 @@ class TorchInt4Kernel:
 
     def dense_weight(self) -> torch.Tensor:
         """The weight as the kernel computes it, ``(q - 8) * scale + zero`` in ``dtype`` ``[N, K]``."""
-        n, k = self.out_features, self.in_features
-        blocks, groups = n // INT4_ROW_BLOCK, k // GROUP
-        b = self.packed.view(blocks, k, INT4_ROW_BLOCK // 2)
-        q = torch.cat((b & 0x0F, b >> 4), 2).to(self.dtype).view(blocks, groups, GROUP, INT4_ROW_BLOCK)  # row r of a block is the last index
-        sz = self.scale.view(groups, blocks, 1, INT4_ROW_BLOCK, 2).transpose(0, 1)  # [N / 64, K / 32, 1, 64, 2]
-        w = torch.addcmul(sz[..., 1], q - 8, sz[..., 0])  # [N / 64, K / 32, 32, 64], rounded once to dtype
+        n, k, rows = self.out_features, self.in_features, torch_int4_row_block()
+        blocks, groups = n // rows, k // GROUP
+        b = self.packed.view(blocks, k, rows // 2)
+        q = torch.cat((b & 0x0F, b >> 4), 2).to(self.dtype).view(blocks, groups, GROUP, rows)  # row r of a block is the last index
+        sz = self.scale.view(groups, blocks, 1, rows, 2).transpose(0, 1)  # [N / B, K / 32, 1, B, 2]
+        w = torch.addcmul(sz[..., 1], q - 8, sz[..., 0])  # [N / B, K / 32, 32, B], rounded once to dtype
         return w.permute(0, 3, 1, 2).reshape(n, k)
 
 
