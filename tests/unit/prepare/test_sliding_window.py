@@ -19,20 +19,24 @@ from .test_scheduler import LENGTH, make_request, make_scheduler
 
 WINDOW, BLOCK = 16, 4
 BOUND = -(-WINDOW // BLOCK) + 2  # blocks a sequence may hold at once
+VOCAB = 1 << 16  # make_request's token ids stay below it
 
 
 class WindowedPipeline:
     """Drives ``scheduler`` with ``depth`` steps in flight, publishes as reclaim would (a decode row
     accepts ``step_id % (drafts + 1)`` of its drafts), feeds every plan to a device sequence table,
-    and checks that no row reads a block released while it was in flight or before."""
+    and checks that no row reads a block released while it was in flight or before, nor the prefix
+    cache returns a block whose KV is not its prefix's. ``peak_held``: per request, the most blocks
+    its table held at once. (``benchmarks/window_kv.py`` measures with it.)"""
 
     def __init__(self, scheduler: Scheduler, depth: int = 2) -> None:
         self.scheduler, self.depth = scheduler, depth
         config = scheduler.config
-        self.limits = PlanLimits(max_num_seqs=config.max_num_seqs, vocab_size=1000, num_blocks=config.kv_num_blocks, block_size=BLOCK,
-                                 max_step_tokens=config.max_step_tokens, max_model_len=4096,
+        self.window, self.block_size = config.kv_window, config.kv_block_size
+        self.limits = PlanLimits(max_num_seqs=config.max_num_seqs, vocab_size=VOCAB, num_blocks=config.kv_num_blocks, block_size=self.block_size,
+                                 max_step_tokens=config.max_step_tokens, max_model_len=1 << 20,
                                  num_speculative_tokens=config.num_speculative_tokens)
-        self.device = SequenceTable(config.max_num_seqs, 1000, BLOCK, torch.device("cpu"))
+        self.device = SequenceTable(config.max_num_seqs, VOCAB, self.block_size, torch.device("cpu"))
         self.in_flight: list[ScheduledStep] = []
         self.released_seen: dict[tuple[int, str], int] = {}  # (step id, request id) -> most blocks released while in flight
         self.written: dict[str, int] = {}  # request id -> positions really written (published)
@@ -67,7 +71,7 @@ class WindowedPipeline:
             rid = seq.request.request_id
             self.requests[rid] = seq.block_hashes
             self.prefix_hits += seq in step.started and seq.num_cached_tokens > 0
-            for j in range(start // BLOCK, (start + n - 1) // BLOCK + 1):
+            for j in range(start // self.block_size, (start + n - 1) // self.block_size + 1):
                 self.content[table[j]] = seq.block_hashes[j] if j < len(seq.block_hashes) else (rid, j)
 
     def _check_prefix_cache(self) -> None:
@@ -82,8 +86,8 @@ class WindowedPipeline:
         for seq, start, n, sample in zip(step.rows, step.start_pos, step.num_tokens, step.sample):
             rid = seq.request.request_id
             real_start = self.written.get(rid, 0) if step.decode_drafts.get(seq) is not None else start
-            first_read = max(0, real_start - WINDOW + 1)
-            assert self.released_seen[(step.step_id, rid)] * BLOCK <= first_read, f"step {step.step_id} row of {rid} read a released block"
+            first_read = max(0, real_start - self.window + 1) if self.window else 0
+            assert self.released_seen[(step.step_id, rid)] * self.block_size <= first_read, f"step {step.step_id} row of {rid} read a released block"
             if not sample or self.produced.get(rid, 0) >= seq.request.max_tokens:
                 self.written[rid] = start + n
                 continue
