@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from stageserve.device.sequence_table import SequenceTable
-from stageserve.device.step_plan import PlanLimits, decode_plan
+from stageserve.device.step_plan import PlanError, PlanLimits, decode_plan
 from stageserve.prepare.block_manager import RELEASED
 from stageserve.prepare.scheduled_step import ScheduledStep, build_step_plan
 from stageserve.prepare.scheduler import Scheduler
@@ -26,8 +26,9 @@ class WindowedPipeline:
     """Drives ``scheduler`` with ``depth`` steps in flight, publishes as reclaim would (a decode row
     accepts ``step_id % (drafts + 1)`` of its drafts), feeds every plan to a device sequence table,
     and checks that no row reads a block released while it was in flight or before, nor the prefix
-    cache returns a block whose KV is not its prefix's. ``peak_held``: per request, the most blocks
-    its table held at once. (``benchmarks/window_kv.py`` measures with it.)"""
+    cache returns a block whose KV is not its prefix's. A plan the table refuses is failed as the
+    engine does (``refused``). ``peak_held``: per request, the most blocks its table held at once.
+    (``benchmarks/window_kv.py`` measures with it.)"""
 
     def __init__(self, scheduler: Scheduler, depth: int = 2) -> None:
         self.scheduler, self.depth = scheduler, depth
@@ -46,12 +47,18 @@ class WindowedPipeline:
         self.requests = {}  # request id -> its hash chain
         self.handed_on_in_same_plan = 0
         self.prefix_hits = 0
+        self.refused: list[ScheduledStep] = []
 
     def schedule(self) -> ScheduledStep | None:
         step = self.scheduler.schedule() if len(self.in_flight) < self.depth else None
         if step is not None:
             tables_before = {seq: list(self.device._block_tables[seq.seq_index]) for seq, _ in step.released}
-            admitted = self.device.admit(decode_plan(build_step_plan(step), self.limits, lambda params: None))
+            try:
+                admitted = self.device.admit(decode_plan(build_step_plan(step), self.limits, lambda params: None))
+            except PlanError:
+                self.refused.append(step)
+                self.scheduler.fail_step(step.step_id)
+                return step
             released = {block for seq, count in step.released for block in tables_before[seq][:count]}
             self.handed_on_in_same_plan += bool(released.intersection(step.new_block_ids))
             self._note_writes(step, admitted.block_tables)
@@ -170,3 +177,27 @@ def test_prefix_cache_only_returns_blocks_holding_their_prefix():
     assert len(pipeline.produced) == 8 and set(pipeline.produced.values()) == {20}
     assert scheduler.block_manager.num_window_released > 0 and scheduler.block_manager.cache.num_evictions > 0
     assert pipeline.prefix_hits > 0
+
+
+def test_a_refused_plans_releases_are_listed_again(monkeypatch):
+    """The device refuses the first plan that releases blocks of "a" (its row fails "a"): the next
+    plan lists the releases again, so the device lets go of them before "b" is handed them."""
+    scheduler = make_scheduler(kv_window=WINDOW, kv_block_size=BLOCK, kv_num_blocks=40)
+    scheduler.add_request(make_request("a", prompt_tokens=10, max_tokens=4 * WINDOW))
+    pipeline = WindowedPipeline(scheduler)
+    admit = pipeline.device.admit
+
+    def refuse_the_first_release(step):
+        if step.released and not pipeline.refused:
+            raise PlanError("refused")
+        return admit(step)
+
+    monkeypatch.setattr(pipeline.device, "admit", refuse_the_first_release)
+    while not pipeline.refused:
+        if pipeline.schedule() is None:
+            pipeline.publish_oldest()
+    relisted = pipeline.schedule()
+    assert [(seq.request.request_id, count) for seq, count in relisted.released] == [(seq.request.request_id, count) for seq, count in pipeline.refused[0].released]
+    scheduler.add_request(make_request("b", prompt_tokens=10, max_tokens=4 * WINDOW))
+    pipeline.run()
+    assert len(pipeline.refused) == 1 and pipeline.produced["b"] == 4 * WINDOW
