@@ -76,7 +76,15 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
     attach_reply = _attach_reply(args, model_path, config, limits, backend.name, dtype_name, step_costs,
                                  speculation is not None and speculation.drops_unproposed)
     attach_reply.pooling, attach_reply.hidden_size = pooling, embedding_width
+    attach_reply.kv_window = kv_window(config, draft and draft.config)
     return DeviceCore(attach_reply, limits, table, executor, outbox, check_sampling, grammar)
+
+
+def kv_window(config, draft_config=None) -> int:
+    """``AttachReply.kv_window`` of a pool shared by ``config``'s model and ``draft_config``'s (or
+    ``None``): the widest of their windows (`ModelConfig.kv_window`), 0 when either has a layer without one."""
+    windows = [c.kv_window for c in (config, draft_config) if c is not None]
+    return 0 if None in windows else max(windows)
 
 
 def _plan_limits(args: argparse.Namespace, config, draft_config, num_blocks: int):

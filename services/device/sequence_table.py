@@ -14,7 +14,9 @@ sequence started on this stream with its current generation; a ``SequenceStart``
 index; and a row *writes* (positions ``start_pos .. start_pos + num_tokens - 1``) only KV blocks
 no other live sequence holds. Blocks shared by the prefix cache are held by several sequences but
 only read: their writer finished them before they were shared. A block freed by a sequence listed
-in the same plan's ``finished`` counts as free (prepare hands it on in that plan).
+in the same plan's ``finished`` counts as free (prepare hands it on in that plan), and so does a
+block a sliding window left behind (``released``: the table keeps the entry, pointing at
+`RELEASED_BLOCK`; no row may write it again).
 - Device tensors, written only inside a step's device work (stream order, or the CPU compute
   thread), so a write never races a step still in flight: the last sampled token per sequence,
   the sampling parameters packed as ``[fields, N]`` tensors (a step's `SamplingTensors` is one
@@ -50,6 +52,11 @@ _ADDITIVE = 32  # presence_penalty or frequency_penalty != 0 (needs the output c
 _BIAS = 64  # a logit_bias
 
 _POOLINGS = (common_pb2.POOLING_MEAN, common_pb2.POOLING_LAST)  # what `ModelStepRunner` pools by
+
+RELEASED_BLOCK = 0
+"""Where a released block-table entry points: block 0, like the padding of a step's decode tables
+(`forward_batch`), which the torch path reads only under a mask and the fused kernel not at all
+(its window starts after every released entry)."""
 
 
 @dataclass
@@ -114,6 +121,7 @@ class SequenceTable:
         self._has_token = [False] * n
         self._block_tables: list[list[int]] = [[] for _ in range(n)]
         self._holders: dict[int, int] = {}  # KV block id -> live block tables holding it
+        self._num_released = [0] * n  # per table, the entries [0, n) released (`RELEASED_BLOCK`)
         self._num_sampled = [0] * n
         self._flags = [0] * n
         self._top_logprobs = [0] * n
@@ -138,7 +146,9 @@ class SequenceTable:
             PlanError: a row names a sequence that is not started or with a stale generation, a
                 placeholder has no sampled token to stand for (or sits in a multi-token row), a
                 block table is too short for the row's tokens, a start names a live sequence, or a
-                row writes a KV block another live sequence holds. The message names row and field.
+                row writes a KV block another live sequence holds or a released entry, or a
+                release names a sequence that is not live (or is finished in the step) or more
+                entries than its table has. The message names row and field.
         """
         self._check(step)
         return self._commit(step)
@@ -179,6 +189,12 @@ class SequenceTable:
                     f"start_pos + num_tokens = {step.start_pos[row] + n} tokens; append blocks with new_block_ids"
                 )
             offset += n
+        finished = set(step.finished)
+        for seq, count in step.released:
+            if not self._active[seq] or seq in started or seq in finished:
+                raise PlanError(f"step {step.step_id}: released_seq_index {seq} names no live sequence of an earlier step, or one finished in this step")
+            if count > len(self._block_tables[seq]):
+                raise PlanError(f"step {step.step_id}: released_num_blocks {count} for seq_index {seq} exceeds its block table of {len(self._block_tables[seq])} blocks")
         self._check_writes(step, set(started))
 
     def _check_writes(self, step: Step, started: set[int]) -> None:
@@ -186,17 +202,24 @@ class SequenceTable:
         appended: dict[int, int] = {}  # block -> times this step appends it
         for block in step.new_block_ids:
             appended[block] = appended.get(block, 0) + 1
-        released: dict[int, int] = {}  # block -> tables of this step's finished sequences (without rows) holding it
+        released: dict[int, int] = {}  # block -> tables of this step's finished sequences (without rows) or releases letting it go
         for seq in set(step.finished).difference(step.seq_index):
             if self._active[seq]:
-                for block in self._block_tables[seq]:
+                for block in self._block_tables[seq][self._num_released[seq] :]:
                     released[block] = released.get(block, 0) + 1
+        num_released = {}  # seq -> its table's released entries once this step's releases apply
+        for seq, count in step.released:
+            num_released[seq] = max(count, self._num_released[seq])
+            for block in self._block_tables[seq][self._num_released[seq] : count]:
+                released[block] = released.get(block, 0) + 1
         offset, holders, size = 0, self._holders, self.block_size
         for row, seq in enumerate(step.seq_index):
             table = () if seq in started else self._block_tables[seq]
             new = step.new_block_ids[offset : offset + step.num_new_blocks[row]]
             offset += len(new)
             start = step.start_pos[row]
+            if start // size < num_released.get(seq, self._num_released[seq]):
+                raise PlanError(f"step {step.step_id} row {row} (seq_index {seq}): start_pos {start} writes a released block-table entry")
             for index in range(start // size, (start + step.num_tokens[row] - 1) // size + 1):  # the blocks the row writes
                 block = table[index] if index < len(table) else new[index - len(table)]
                 if holders.get(block, 0) + appended.get(block, 0) - released.get(block, 0) > 1:
@@ -209,6 +232,12 @@ class SequenceTable:
         tables, new_blocks = self._block_tables, step.new_block_ids
         offset = 0
         holders = self._holders
+        for seq, count in step.released:
+            first = self._num_released[seq]
+            if count > first:
+                self._drop_holds(tables[seq][first:count])
+                tables[seq][first:count] = [RELEASED_BLOCK] * (count - first)
+                self._num_released[seq] = count
         for seq, count in zip(step.seq_index, step.num_new_blocks):
             if count:
                 tables[seq].extend(new_blocks[offset : offset + count])
@@ -229,15 +258,20 @@ class SequenceTable:
             self._num_sampled[seq] += 1
         for seq in step.finished:
             if self._active[seq]:
-                for block in tables[seq]:
-                    if holders[block] == 1:
-                        del holders[block]
-                    else:
-                        holders[block] -= 1
+                self._drop_holds(tables[seq][self._num_released[seq] :])
                 self._num_pooling -= self._pooling[seq] != common_pb2.POOLING_NONE
             self._active[seq] = False
             tables[seq] = []  # a new list: rows of this step keep the old one
         return admitted
+
+    def _drop_holds(self, blocks: list[int]) -> None:
+        """One live table fewer holds each of ``blocks``."""
+        holders = self._holders
+        for block in blocks:
+            if holders[block] == 1:
+                del holders[block]
+            else:
+                holders[block] -= 1
 
     def _row_pooling(self, step: Step) -> tuple[RowPooling, ...]:
         """The step's rows of embedding sequences (`AdmittedStep.pooling`)."""
@@ -256,6 +290,7 @@ class SequenceTable:
         self._active[seq] = True
         self._has_token[seq] = False
         self._block_tables[seq] = []  # the index was free (`_check`): its old table's blocks are released
+        self._num_released[seq] = 0
         self._num_sampled[seq] = start.output_offset  # a resumed sequence's draws go on where they were
         self._top_logprobs[seq] = params.logprobs
         greedy = is_greedy(params.temperature, params.top_k)

@@ -75,6 +75,8 @@ class Step:
         num_draft_tokens: per row, drafts it asks for (on a speculating device; else empty).
         sampled_num_drafts: the same per sampling row.
         speculative: the device speculates (decode rows take their positions from its own state).
+        released: ``(seq_index, num_blocks)``: the sequence's block-table entries ``[0, num_blocks)``
+            hold no KV block any more (a sliding window left them behind; applied before the rows).
     """
 
     plan: device_pb2.StepPlan
@@ -95,6 +97,7 @@ class Step:
     num_draft_tokens: list[int] = field(default_factory=list)
     sampled_num_drafts: list[int] = field(default_factory=list)
     speculative: bool = False
+    released: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +188,7 @@ def decode_plan(
     if len({s.seq_index for s in started}) != len(started):
         raise PlanError(f"step {plan.step_id}: started lists a seq_index twice")
     num_draft_tokens = _decode_drafts(plan, limits, num_tokens, token_ids)
+    released = _decode_released(plan, limits)
     sampled_rows = [r for r, s in enumerate(sample) if s]
     return Step(
         plan=plan, step_id=plan.step_id, seq_index=seq_index, generation=generation, start_pos=start_pos,
@@ -193,7 +197,20 @@ def decode_plan(
         sampled_seq_index=[seq_index[r] for r in sampled_rows], sampled_generation=[generation[r] for r in sampled_rows],
         has_placeholder=-1 in token_ids, num_draft_tokens=num_draft_tokens,
         sampled_num_drafts=[num_draft_tokens[r] for r in sampled_rows] if num_draft_tokens else [], speculative=limits.num_speculative_tokens > 0,
+        released=released,
     )
+
+
+def _decode_released(plan: device_pb2.StepPlan, limits: PlanLimits) -> list[tuple[int, int]]:
+    """``plan.released_seq_index`` and ``released_num_blocks`` checked for shape: one count per
+    sequence, each sequence once."""
+    seqs, counts = list(plan.released_seq_index), list(plan.released_num_blocks)
+    if len(counts) != len(seqs):
+        raise PlanError(f"step {plan.step_id}: released_num_blocks has {len(counts)} entries, released_seq_index has {len(seqs)}; send one per sequence")
+    _check_indices(plan.step_id, "released_seq_index", seqs, limits.max_num_seqs)
+    if len(set(seqs)) != len(seqs):
+        raise PlanError(f"step {plan.step_id}: released_seq_index lists a seq_index twice")
+    return list(zip(seqs, counts))
 
 
 def _decode_drafts(plan: device_pb2.StepPlan, limits: PlanLimits, num_tokens: list[int], token_ids: list[int]) -> list[int]:

@@ -17,6 +17,16 @@ blocks it shares (a prefix hit, one reference each); a block whose refcount drop
 back to the free list, unless it is cached: then it stays, evictable, until the free list is empty
 and a sequence needs a block, and the least recently used one goes first. Evictable blocks count as
 available to reservations, so a reservation is always backed by free or evictable blocks.
+
+Sliding window (``release_prefix``): on a model whose every layer is windowed, a running
+sequence lets go of the leading blocks no row of it will read again; they return to the pool as a
+finished sequence's do (a cached one stays findable, evictable: its KV is still that prefix's),
+while the table keeps their places (``RELEASED``) so later blocks keep their indices. As vLLM's
+``SlidingWindowManager.remove_skipped_blocks`` (``vllm/v1/core/single_type_kv_cache_manager.py``),
+which puts a null block in the freed places; unlike Mistral's rolling buffer cache (one buffer of
+``window`` slots per sequence, overwritten in place), the paged pool's blocks can be shared by the
+prefix cache. The reservation made at admission is not lowered (the blocks a sequence releases
+serve others meanwhile).
 """
 
 from __future__ import annotations
@@ -26,6 +36,9 @@ from dataclasses import dataclass, field
 
 from stageserve.prepare.prefix_cache import BlockHash, PrefixCache
 
+RELEASED = -1
+"""A block-table entry whose block was released (`BlockManager.release_prefix`)."""
+
 
 @dataclass(eq=False)
 class BlockTable:
@@ -34,10 +47,12 @@ class BlockTable:
     Attributes:
         block_ids: block ids in position order: token ``p`` lives in block ``block_ids[p // block_size]``.
         reserved: blocks promised to this sequence at admission and not yet taken from the free list.
+        num_released: the leading entries released (`RELEASED`) by a sliding window.
     """
 
     block_ids: list[int] = field(default_factory=list)
     reserved: int = 0
+    num_released: int = 0
 
 
 class BlockManager:
@@ -45,6 +60,9 @@ class BlockManager:
     of ``block_size`` tokens each.
 
     Not thread-safe: the scheduler that owns it is driven under one lock.
+
+    Attributes:
+        num_window_released: blocks released by `release_prefix` so far (a running count).
 
     Args:
         num_blocks: blocks in the device's pool (``AttachReply.kv_num_blocks``).
@@ -64,6 +82,7 @@ class BlockManager:
         self._refs = [0] * num_blocks
         self._reserved = 0  # sum of BlockTable.reserved over live tables
         self.cache = PrefixCache()
+        self.num_window_released = 0
 
     @property
     def num_free(self) -> int:
@@ -145,16 +164,32 @@ class BlockManager:
         whether it was added (``False``: that prefix is cached already, in another block)."""
         return self._refs[block_id] > 0 and self.cache.insert(block_id, block_hash)
 
+    def release_prefix(self, table: BlockTable, num_blocks: int) -> None:
+        """Drop the table's hold on its first ``num_blocks`` entries (those not released yet; more
+        than the table has: all of them), which become `RELEASED`; see `free` for where the blocks go."""
+        first, last = table.num_released, min(num_blocks, len(table.block_ids))
+        if last <= first:
+            return
+        for j in range(first, last):
+            self._drop(table.block_ids[j])
+            table.block_ids[j] = RELEASED
+        table.num_released = last
+        self.num_window_released += last - first
+
     def free(self, table: BlockTable) -> None:
         """Drop the table's hold on its blocks and return its unused reservation; the table is left
         empty. A block nobody holds goes back to the free list, or stays cached (evictable)."""
-        for block_id in reversed(table.block_ids):
-            self._refs[block_id] -= 1
-            if self._refs[block_id] == 0:
-                if self.cache.is_cached(block_id):
-                    self.cache.release(block_id)
-                else:
-                    self._free.append(block_id)
+        for block_id in reversed(table.block_ids[table.num_released :]):
+            self._drop(block_id)
         self._reserved -= table.reserved
         table.block_ids = []
-        table.reserved = 0
+        table.reserved = table.num_released = 0
+
+    def _drop(self, block_id: int) -> None:
+        """One hold of ``block_id`` fewer: nobody's, it goes back to the free list or stays cached (evictable)."""
+        self._refs[block_id] -= 1
+        if self._refs[block_id] == 0:
+            if self.cache.is_cached(block_id):
+                self.cache.release(block_id)
+            else:
+                self._free.append(block_id)

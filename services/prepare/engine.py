@@ -69,6 +69,7 @@ class _Attachment:
     credits: int
     sent_at: dict[int, float] = field(default_factory=dict)  # unpublished step id -> time.monotonic() at send
     evictions_counted: int = 0  # the scheduler's prefix-cache evictions already added to the metric
+    releases_counted: int = 0  # the scheduler's sliding-window releases already added to the metric
 
 
 def local_abort_event(request: GenerationRequest) -> reclaim_pb2.SequenceEvent:
@@ -151,7 +152,7 @@ class Engine:
                 current.sent_at[step.step_id] = time.monotonic()
                 if step.started:
                     self._note_scheduled(step, start_ns)
-                self._count_evictions(current)
+                self._count_block_totals(current)
             # 3. build the plan (flat arrays) and send it; only this thread sends, so plans keep their order
             with tracer.span("prepare.build_plan", step_id=step.step_id):
                 plan = build_step_plan(step)
@@ -174,12 +175,17 @@ class Engine:
                 handle.observer.on_scheduled(now_ns)
                 self._tracer.end_async("request.queue", seq.request.request_id, step_id=step.step_id, cached_tokens=seq.num_cached_tokens)
 
-    def _count_evictions(self, current: _Attachment) -> None:
-        """Add the prefix-cache evictions of the step just scheduled to the metric (engine lock)."""
-        evictions = current.scheduler.block_manager.cache.num_evictions
+    def _count_block_totals(self, current: _Attachment) -> None:
+        """Add the prefix-cache evictions and sliding-window releases of the step just scheduled to
+        the metrics (engine lock)."""
+        blocks = current.scheduler.block_manager
+        evictions, releases = blocks.cache.num_evictions, blocks.num_window_released
         if evictions > current.evictions_counted:
             self._metrics.prefix_cache_evictions.inc(evictions - current.evictions_counted)
             current.evictions_counted = evictions
+        if releases > current.releases_counted:
+            self._metrics.kv_window_released.inc(releases - current.releases_counted)
+            current.releases_counted = releases
 
     # ---- the attachment (driven by the device session) ---------------------------------------------
     def attach(self, reply: device_pb2.AttachReply, send_plan: Callable[[device_pb2.StepPlan], None]) -> None:

@@ -58,6 +58,8 @@ class PrepareMetrics:
         prefix_cache_queries, prefix_cache_hits: prompt tokens of admitted requests looked up in
             the prefix cache / found there (never prefilled); ``hits / queries`` is the hit rate.
         prefix_cache_evictions: cached blocks taken back by the pool for new KV.
+        kv_window_released: KV blocks running sequences released because every layer's sliding
+            window had left them behind (``AttachReply.kv_window``).
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -87,6 +89,8 @@ class PrepareMetrics:
                                          registry=registry)
         self.prefix_cache_evictions = Counter("stageserve_prefix_cache_evictions_blocks", "Cached KV blocks evicted to make room",
                                               registry=registry)
+        self.kv_window_released = Counter("stageserve_kv_cache_window_released_blocks",
+                                          "KV blocks released by running sequences whose sliding window left them behind", registry=registry)
 
     def watch_engine(self, load: Callable[[], DeviceLoad | None]) -> None:
         """Report running / waiting requests, KV blocks and the served model from ``load()`` at every

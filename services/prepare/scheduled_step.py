@@ -25,6 +25,8 @@ class SequenceState:
             draft accepted), lowered to the real count as each step is published.
         num_sampled: sampling rows scheduled so far (at most ``request.max_tokens``).
         steps_in_flight: scheduled steps with a row of this sequence, not yet published or refused.
+        num_tokens_in_flight: the tokens of those rows (drafts included): ``num_kv_tokens`` less
+            them is what published steps wrote, the first position a row still to run may compute.
         stopped: gets no more rows.
         finished: its terminal event was published by reclaim, or prepare ended it locally.
         abort_forwarded: its request id was put in a plan's ``aborted`` list.
@@ -32,6 +34,7 @@ class SequenceState:
         num_cached_tokens: prompt tokens it started with from the prefix cache (never prefilled).
         num_blocks_sent: entries of ``blocks.block_ids`` already sent to the device.
         cache_poisoned: a step of it failed; none of its blocks may become shareable.
+        num_released_sent: ``blocks.num_released`` as the plans sent so far told the device.
         drafts: its drafting state (speculative decoding; `draft_planner`).
     """
 
@@ -42,6 +45,7 @@ class SequenceState:
     num_kv_tokens: int = 0
     num_sampled: int = 0
     steps_in_flight: int = 0
+    num_tokens_in_flight: int = 0
     stopped: bool = False
     finished: bool = False
     abort_forwarded: bool = False
@@ -49,6 +53,7 @@ class SequenceState:
     num_cached_tokens: int = 0
     num_blocks_sent: int = 0
     cache_poisoned: bool = False
+    num_released_sent: int = 0
     drafts: SequenceDrafts = field(default_factory=lambda: SequenceDrafts(0))
 
     @property
@@ -63,7 +68,9 @@ class ScheduledStep:
     plus ``rows``, the host-side sequence of each row, and ``cache_writes``: ``(sequence, block
     index)`` of each prompt block whose last token a row writes (shareable once the step is published).
     With speculative decoding (``speculative``: the device speculates) ``num_draft_tokens`` has one
-    entry per row and ``decode_drafts`` the drafts each decode row asked for."""
+    entry per row and ``decode_drafts`` the drafts each decode row asked for. ``released``:
+    ``(sequence, num_released)`` of the sequences whose leading blocks the plan tells the device
+    are released (sliding window)."""
 
     step_id: int
     finished: list[int]
@@ -82,10 +89,11 @@ class ScheduledStep:
     cache_writes: list[tuple[SequenceState, int]] = field(default_factory=list)
     num_draft_tokens: list[int] = field(default_factory=list)
     decode_drafts: dict[SequenceState, int] = field(default_factory=dict)
+    released: list[tuple[SequenceState, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.rows or self.finished or self.aborted)
+        return not (self.rows or self.finished or self.aborted or self.released)
 
     def add_row(self, seq: SequenceState, num_tokens: int, block_manager: BlockManager, drafts: int = 0) -> int:
         """Append one row of ``num_tokens`` tokens for ``seq`` (a decode row: plus ``drafts``
@@ -119,6 +127,7 @@ class ScheduledStep:
         self.new_block_ids.extend(new_blocks)
         seq.num_kv_tokens = end
         seq.steps_in_flight += 1
+        seq.num_tokens_in_flight += num_tokens
         if sample:
             seq.num_sampled += 1
             if seq.num_sampled >= seq.request.max_tokens:
@@ -155,6 +164,8 @@ def build_step_plan(step: ScheduledStep) -> device_pb2.StepPlan:
         new_block_ids=step.new_block_ids,
         aborted=step.aborted,
         num_draft_tokens=step.num_draft_tokens,
+        released_seq_index=[seq.seq_index for seq, _ in step.released],
+        released_num_blocks=[count for _, count in step.released],
     )
 
 

@@ -7,7 +7,8 @@ threads here: the step loop drives it under one lock, and unit tests drive it wi
 
 One step, built in this order within ``max_step_tokens`` tokens:
 
-1. ``finished`` = seq indices freed since the last plan, ``aborted`` = request ids aborted since.
+1. ``finished`` = seq indices freed since the last plan, ``aborted`` = request ids aborted since,
+   ``released`` = the blocks the sliding window has left behind (below).
 2. a decode row (1 token, the placeholder ``-1``) for every running sequence past its prompt.
    These always fit: a sequence starts decoding only after a prompt row that sampled, and that
    row took a budget token of the step before, so decode rows never outnumber ``max_step_tokens``.
@@ -43,6 +44,16 @@ logits are sampled): its first row has ``start_pos`` past the hit, and its first
 wrote its last token is published without error (:meth:`update_from_output`); a sequence any of
 whose steps failed or was refused never makes a block shareable. The cache lives and dies with
 the scheduler, i.e. with one attachment of one device.
+
+**Sliding window** (``kv_window`` W > 0: every layer of the device's model is windowed). A query at
+position q reads keys ``q - W < k <= q`` only. A running sequence's published steps wrote
+``num_kv_tokens - num_tokens_in_flight`` = P positions; every row in flight or still to come computes
+positions >= P (a speculative row's real position too: the upper bound less its unaccepted drafts),
+so blocks whose last position is <= P - W are read by none of them: each step releases them
+(`BlockManager.release_prefix`) and lists them in its plan's ``released``, which the device applies
+before the plan's rows, so the plan may hand them on. A refused plan's releases are listed again.
+A sequence thus holds about ``W / block_size + 2`` blocks however long it runs (the tokens in flight
+add to it); a model with a global layer releases nothing.
 
 **Finish lag.** A sequence gets no more rows once reclaim reports its finish, once it has been
 given ``max_tokens`` sampling rows, or once it is aborted or failed. Its blocks and seq index are
@@ -224,6 +235,8 @@ class Scheduler:
         step = ScheduledStep(step_id=self._next_step_id, finished=self._pending_finished, aborted=self._pending_aborts,
                              speculative=self.config.num_speculative_tokens > 0)
         self._pending_finished, self._pending_aborts = [], []
+        if self.config.kv_window:
+            self._release_left_behind(step)
         budget = self.config.max_step_tokens
         budget = self._schedule_decode_rows(step, budget)
         budget = self._schedule_prefill_chunks(step, budget)
@@ -234,6 +247,18 @@ class Scheduler:
         self._in_flight[step.step_id] = step
         self._next_step_id += 1
         return step
+
+    def _release_left_behind(self, step: ScheduledStep) -> None:
+        """Release the blocks each running sequence's window has left behind, and list in ``step``
+        every sequence whose releases the device has not been told (see the module docstring)."""
+        window, block_size = self.config.kv_window, self.config.kv_block_size
+        for seq in self._running:
+            if not seq.stopped:
+                published = seq.num_kv_tokens - seq.num_tokens_in_flight
+                self.block_manager.release_prefix(seq.blocks, (published - window + 1) // block_size)
+            if seq.blocks.num_released > seq.num_released_sent:
+                seq.num_released_sent = seq.blocks.num_released
+                step.released.append((seq, seq.num_released_sent))
 
     def _schedule_decode_rows(self, step: ScheduledStep, budget: int) -> int:
         decoding = [seq for seq in self._running if not seq.in_prefill and self._has_row(seq)]
@@ -384,6 +409,8 @@ class Scheduler:
                 self._free_indices.remove(index)
                 self._pending_finished.append(index)
         self._poison(step)
+        for seq, _ in step.released:
+            seq.num_released_sent = 0  # the device did not apply them: list them again
         failed = []
         started = set(step.started)
         for seq in dict.fromkeys(step.rows):
@@ -398,8 +425,9 @@ class Scheduler:
         return failed
 
     def _release_rows(self, step: ScheduledStep) -> list[SequenceState]:
-        for seq in step.rows:
+        for seq, num_tokens in zip(step.rows, step.num_tokens):
             seq.steps_in_flight -= 1
+            seq.num_tokens_in_flight -= num_tokens
         return step.rows
 
     def _free_done(self, candidates: Iterable[SequenceState]) -> None:

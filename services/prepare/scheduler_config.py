@@ -24,6 +24,8 @@ class SchedulerConfig:
         speculative_method: the device's proposer (``ngram``: prompt lookup, which prepare replays).
         step_costs: the device's measured decode-step costs, by which drafts are planned
             (`draft_planner`); ``None``: every decode row asks for ``num_speculative_tokens``.
+        kv_window: the device's ``kv_window`` (tokens): every layer attends at most this far back,
+            so the blocks a sequence's window has left behind are released; 0: none are.
     """
 
     max_num_seqs: int
@@ -37,6 +39,7 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     speculative_method: str = ""
     step_costs: StepCostModel | None = None
+    kv_window: int = 0
 
     @classmethod
     def from_attach(cls, reply: device_pb2.AttachReply, max_prefill_chunk: int, max_waiting: int,
@@ -54,4 +57,5 @@ class SchedulerConfig:
             num_speculative_tokens=reply.num_speculative_tokens,
             speculative_method=reply.speculative_method,
             step_costs=StepCostModel.from_attach(reply),
+            kv_window=reply.kv_window,
         )

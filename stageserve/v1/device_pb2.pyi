@@ -14,7 +14,7 @@ class AttachRequest(_message.Message):
     def __init__(self, peer: _Optional[str] = ...) -> None: ...
 
 class AttachReply(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "max_model_len", "kv_block_size", "kv_num_blocks", "max_num_seqs", "max_step_tokens", "pipeline_depth", "backend", "dtype", "dispatch", "instance_id", "num_speculative_tokens", "speculative_method", "step_costs", "drops_unproposed_drafts", "pooling", "hidden_size")
+    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "max_model_len", "kv_block_size", "kv_num_blocks", "max_num_seqs", "max_step_tokens", "pipeline_depth", "backend", "dtype", "dispatch", "instance_id", "num_speculative_tokens", "speculative_method", "step_costs", "drops_unproposed_drafts", "pooling", "hidden_size", "kv_window")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class AttachReply(_message.Message):
     DROPS_UNPROPOSED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_WINDOW_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -53,7 +54,8 @@ class AttachReply(_message.Message):
     drops_unproposed_drafts: bool
     pooling: _common_pb2.Pooling
     hidden_size: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., pipeline_depth: _Optional[int] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., dispatch: _Optional[str] = ..., instance_id: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., speculative_method: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., drops_unproposed_drafts: _Optional[bool] = ..., pooling: _Optional[_Union[_common_pb2.Pooling, str]] = ..., hidden_size: _Optional[int] = ...) -> None: ...
+    kv_window: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., pipeline_depth: _Optional[int] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., dispatch: _Optional[str] = ..., instance_id: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., speculative_method: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., drops_unproposed_drafts: _Optional[bool] = ..., pooling: _Optional[_Union[_common_pb2.Pooling, str]] = ..., hidden_size: _Optional[int] = ..., kv_window: _Optional[int] = ...) -> None: ...
 
 class StepCost(_message.Message):
     __slots__ = ("rows", "drafts", "seconds", "context_tokens")
@@ -68,7 +70,7 @@ class StepCost(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., drafts: _Optional[int] = ..., seconds: _Optional[float] = ..., context_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "started", "finished", "seq_index", "generation", "start_pos", "num_tokens", "token_ids", "sample", "num_new_blocks", "new_block_ids", "aborted", "num_draft_tokens")
+    __slots__ = ("step_id", "started", "finished", "seq_index", "generation", "start_pos", "num_tokens", "token_ids", "sample", "num_new_blocks", "new_block_ids", "aborted", "num_draft_tokens", "released_seq_index", "released_num_blocks")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +84,8 @@ class StepPlan(_message.Message):
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_SEQ_INDEX_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     started: _containers.RepeatedCompositeFieldContainer[_common_pb2.SequenceStart]
     finished: _containers.RepeatedScalarFieldContainer[int]
@@ -95,7 +99,9 @@ class StepPlan(_message.Message):
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     aborted: _containers.RepeatedScalarFieldContainer[str]
     num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., started: _Optional[_Iterable[_Union[_common_pb2.SequenceStart, _Mapping]]] = ..., finished: _Optional[_Iterable[int]] = ..., seq_index: _Optional[_Iterable[int]] = ..., generation: _Optional[_Iterable[int]] = ..., start_pos: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., aborted: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    released_seq_index: _containers.RepeatedScalarFieldContainer[int]
+    released_num_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., started: _Optional[_Iterable[_Union[_common_pb2.SequenceStart, _Mapping]]] = ..., finished: _Optional[_Iterable[int]] = ..., seq_index: _Optional[_Iterable[int]] = ..., generation: _Optional[_Iterable[int]] = ..., start_pos: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., aborted: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., released_seq_index: _Optional[_Iterable[int]] = ..., released_num_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepReceipt(_message.Message):
     __slots__ = ("step_id", "ticket", "slot", "error", "submitted_unix_ns")

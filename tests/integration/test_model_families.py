@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from stageserve.tokenizer import load_tokenizer
 from stageserve.v1 import common_pb2, prepare_pb2, prepare_pb2_grpc
 from tests.integration.conftest import launch
+from tests.integration.test_observability import metric, scrape
 from tests.tiny_checkpoint import write_tiny_checkpoint
 from tests.unit.device.test_model_reference import hf_greedy
 
@@ -87,3 +88,38 @@ def test_a_tiny_checkpoint_through_the_services_gives_transformers_greedy_tokens
     assert embedding.prompt_tokens == sum(map(len, ids))
     for vector, prompt in zip(embedding.data, ids):
         torch.testing.assert_close(torch.tensor(list(vector.values)), _hf_embedding(hf, prompt, mean), atol=2e-5, rtol=1e-4)
+
+
+WINDOW_BLOCK_SIZE = 4
+LONG_GENERATION = 100  # with the 12-token prompt: 111 positions, 14x the window of 8
+
+
+def test_a_windowed_sequence_far_past_its_window_holds_bounded_kv_and_gives_transformers_tokens(tmp_path_factory):
+    """Mistral with a window of 8 on every layer, KV blocks of 4: a greedy stream of 100 tokens gives
+    transformers' tokens while prepare's metrics show the sequence holding at most ceil(8 / 4) + 2
+    blocks mid-stream (of the 28 its positions span) and the blocks left behind released."""
+    checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp("mistral-long"), **CHECKPOINTS["mistral-window"])
+    model = ["--model", str(checkpoint)]
+    pipeline = launch(tmp_path_factory, "mistral-long-pipeline", device_args=model + ["--block-size", str(WINDOW_BLOCK_SIZE)],
+                      reclaim_args=model, prepare_args=model)
+    held = []
+    try:
+        with grpc.insecure_channel(pipeline.prepare.address) as channel:
+            stub = prepare_pb2_grpc.GenerationStub(channel)
+            request = prepare_pb2.GenerateRequest(prompt=PROMPTS[0], max_tokens=LONG_GENERATION, ignore_eos=True, temperature=0.0)
+            served = []
+            for chunk in stub.GenerateStream(request, timeout=120):
+                served += chunk.token_ids
+                if 40 <= len(served) < LONG_GENERATION:
+                    held.append(metric(scrape(pipeline.prepare), "stageserve_kv_cache_blocks_used"))
+            released = metric(scrape(pipeline.prepare), "stageserve_kv_cache_window_released_blocks_total")
+    finally:
+        pipeline.stop()
+    tokenizer = load_tokenizer(checkpoint)
+    hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    prompt = list(tokenizer.encode(PROMPTS[0], add_special_tokens=True))
+    assert served == hf_greedy(hf, prompt, LONG_GENERATION)[0]
+    spanned = -(-(len(prompt) + LONG_GENERATION - 1) // WINDOW_BLOCK_SIZE)
+    bound = -(-CHECKPOINTS["mistral-window"]["sliding_window"] // WINDOW_BLOCK_SIZE) + 2
+    assert 0 < max(held) <= bound  # (0: the sequence had ended by then)
+    assert released >= spanned - bound

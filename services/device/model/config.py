@@ -130,6 +130,12 @@ class ModelConfig:
         return tuple(None if i in full else self.sliding_window for i in range(self.num_layers))
 
     @property
+    def kv_window(self) -> int | None:
+        """The window in tokens of a model whose every layer is windowed, ``None`` when some layer
+        attends to every token: KV more than that far behind each query is read by no layer."""
+        return None if self.full_attention_layers else self.sliding_window
+
+    @property
     def softmax_scale(self) -> float:
         """The attention softmax scale: ``attention_scale``, else ``head_dim ** -0.5``."""
         return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5

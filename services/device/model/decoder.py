@@ -15,8 +15,9 @@ Mistral, Phi-3, Gemma; ``attention.py``) and Gemma's parts: a GeGLU MLP (``hidde
 the attention and MLP outputs (``sandwich_norms``), scaled embeddings (``embed_scale``), a softmax
 scale of its own (``attention_scale``), soft-capped attention scores and logits (``attn_softcap``,
 ``final_softcap``) and a RoPE base of the local layers' own (``local_rope_theta``, ``rope.py``).
-The KV pool keeps every block of a windowed sequence: freeing the blocks every window has left is
-not done yet.
+When every layer is windowed, prepare releases the blocks the window has left behind (README,
+"Sliding window"): their block-table entries point at block 0, which attention reads only under
+the window's mask.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from stageserve.device.assembly import kv_window
 from stageserve.device.kernels import cpu_kernels as cpu_kernel_ops
 from stageserve.device.model import family
 from stageserve.device.model.decoder import DecoderModel
@@ -103,6 +104,8 @@ def test_configs_read_each_familys_fields(checkpoint):
     assert config.softmax_scale == {"gemma2-scalar": 24**-0.5}.get(name, 64**-0.5)
     assert (config.attn_softcap, config.final_softcap) == ((5.0, 10.0) if name.startswith("gemma2") else (None, None))
     assert config.layer_windows == {"gemma3": (WINDOW,) * 5 + (None,)}.get(name, (WINDOW, None) if gemma else (config.sliding_window,) * 2)
+    # the window prepare releases KV blocks by (AttachReply.kv_window): only where every layer has it, in the draft model too
+    assert (kv_window(config), kv_window(config, config)) == ((WINDOW, WINDOW) if name == "mistral-window" else (0, 0))
     if name == "gemma3":  # the global layers' RoPE (scaled), the local layers' own base
         assert (config.rope_theta, config.rope_scaling, config.local_rope_theta) == (1e6, {"rope_type": "linear", "factor": 2.0}, 1e4)
 

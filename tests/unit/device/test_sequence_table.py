@@ -163,6 +163,42 @@ def test_a_block_freed_by_a_sequence_finished_in_the_same_plan_may_be_handed_on(
         admit(table, prefill(3, 2, blocks=(0,)))  # now seq 1 holds it
 
 
+def test_a_block_a_sliding_window_released_may_be_handed_on_in_the_same_plan(table):
+    full = dict(num_tokens=[4], token_ids=[5, 6, 7, 8], sample=[False])
+    admit(table, prefill(1, 0, blocks=(0,), **full))
+    admit(table, prefill(2, 0, blocks=(1,), start_pos=[4], started=[], **{**full, "sample": [True]}))  # seq 0 writes blocks 0 and 1
+    with pytest.raises(PlanError, match="writes KV block 0"):
+        admit(table, prefill(3, 1, blocks=(0,)))
+    # seq 0's window has left block 0 behind: the entry stays (pointing at block 0 as padding does)
+    # but no longer holds it, so seq 1 may write it; seq 0 may not write that entry again
+    assert admit(table, prefill(3, 1, blocks=(0,), released_seq_index=[0], released_num_blocks=[1])).block_tables == [[0]]
+    assert admit(table, decode(4, 0, start_pos=8, num_new_blocks=[1], new_block_ids=[2])).block_tables == [[0, 1, 2]]
+    with pytest.raises(PlanError, match="start_pos 3 writes a released block-table entry"):
+        admit(table, decode(5, 0, start_pos=3))
+    admit(table, decode(5, 0, start_pos=9, released_seq_index=[0], released_num_blocks=[1]))  # a count already applied: no-op
+    # seq 0 finishes: only block 1 and 2 are released with it (block 0 is seq 1's now)
+    admit(table, decode(6, 1, finished=[0]))
+    admit(table, prefill(7, 2, blocks=(1, 2)))
+    with pytest.raises(PlanError, match="writes KV block 0"):
+        admit(table, prefill(8, 3, blocks=(0,)))
+
+
+@pytest.mark.parametrize(
+    ("released", "message"),
+    [
+        (dict(released_seq_index=[1], released_num_blocks=[1]), "released_seq_index 1 names no live sequence"),
+        (dict(released_seq_index=[0], released_num_blocks=[2]), "released_num_blocks 2 for seq_index 0 exceeds its block table of 1 blocks"),
+        (dict(released_seq_index=[0], released_num_blocks=[1], finished=[0]), "or one finished in this step"),
+        (dict(released_seq_index=[0, 0], released_num_blocks=[1, 1]), "lists a seq_index twice"),
+        (dict(released_seq_index=[0]), "released_num_blocks has 0 entries, released_seq_index has 1"),
+    ],
+)
+def test_malformed_releases_are_refused_naming_the_field(table, released, message):
+    admit(table, prefill(1, 0, blocks=(0,)))
+    with pytest.raises(PlanError, match=message):
+        admit(table, device_pb2.StepPlan(step_id=2, **released))
+
+
 def test_a_start_of_a_live_sequence_is_refused(table):
     admit(table, prefill(1, 0, blocks=(0,)))
     with pytest.raises(PlanError, match="started\\[seq_index=0\\]: the sequence is live; list it in finished first"):
