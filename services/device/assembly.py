@@ -54,7 +54,7 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
     if model is None:
         runner = SimStepRunner(args.sim_step_ms / 1e3, args.sim_token_us / 1e6, config.vocab_size, config.eos_token_ids)
     else:
-        grammar = _grammar_table(model_path, config, backend.device, metrics)
+        grammar = _grammar_table(model_path, config, backend.device, metrics, args.grammar_compile_budget)
         speculation = _speculation(args, limits, draft, dtype, backend.device) if limits.num_speculative_tokens else None
         runner = ModelStepRunner(model, PagedKVCache(config, num_blocks, args.block_size, dtype, backend.device), table, grammar, speculation)
     outbox = CompletionOutbox()
@@ -143,9 +143,10 @@ def _executor(args: argparse.Namespace, backend, runner, outbox, limits, tracer,
     return executor
 
 
-def _grammar_table(model_path: Path, config, device, metrics):
+def _grammar_table(model_path: Path, config, device, metrics, budget_s: float):
     """Structured output's grammar state; the tokenizer's vocabulary is read on the grammar worker.
-    ``metrics`` (or ``None``) gets compile times and the constrained-sequence count."""
+    ``metrics`` (or ``None``) gets compile times and the constrained-sequence count; ``budget_s``:
+    ``--grammar-compile-budget``."""
     import xgrammar
 
     from stageserve.device.grammar import CompiledGrammars, GrammarTable
@@ -155,7 +156,8 @@ def _grammar_table(model_path: Path, config, device, metrics):
         tokenizer = load_tokenizer(model_path)
         return xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=config.vocab_size, stop_token_ids=list(config.eos_token_ids))
 
-    table = GrammarTable(CompiledGrammars(tokenizer_info, on_compile=metrics.on_compile if metrics else lambda *a: None), config.vocab_size, device)
+    grammars = CompiledGrammars(tokenizer_info, on_compile=metrics.on_compile if metrics else lambda *a: None, budget_s=budget_s)
+    table = GrammarTable(grammars, config.vocab_size, device)
     if metrics is not None:
         metrics.watch_constrained(table.active_count)
     return table

@@ -11,26 +11,31 @@ while the next step's forward pass runs. That next step needs the mask only at s
 have been observed, then masks those rows' logits in place. A step without constrained rows
 pays nothing; unconstrained rows are never touched.
 
-Threads: `stage` (submitting thread) registers new constrained sequences, whose grammar compiles
-at once on a worker thread (`CompiledGrammars`); `mask_logits` runs in the step's device work
-(cpu: the compute thread; cuda/npu: the submitting thread, enqueueing); `observe` on the
-resolving thread. A sequence's matcher is created by the worker, then only `observe` touches it,
-and `mask_logits` reads a row's bitmask only after waiting for that row's previous `observe`.
+Threads: grammars compile on `CompiledGrammars`' workers when prepare asks, before it schedules
+the request (``CompileConstraint``), so a step never waits for a compile; `stage` (submitting
+thread) registers new constrained sequences, whose matcher the matcher thread makes from the
+compiled grammar; `mask_logits` runs in the step's device work (cpu: the compute thread;
+cuda/npu: the submitting thread, enqueueing); `observe` on the resolving thread. After the matcher
+thread made it, only `observe` touches a sequence's matcher, and `mask_logits` reads a row's
+bitmask only after waiting for that row's previous `observe`.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 
 import torch
 import xgrammar
 
+from stageserve.device.flags import GRAMMAR_COMPILE_BUDGET_S
 from stageserve.device.kernels import cpu_kernels
 from stageserve.device.step_plan import StartedSequence, Step
 from stageserve.structured_output import ConstraintError, constraint_grammar, readable_error
@@ -40,58 +45,134 @@ log = logging.getLogger(__name__)
 
 COMPILE_CACHE_ENTRIES = 256
 """Compiled grammars kept (least recently used dropped first); a JSON schema's is ~70 KB."""
+COMPILE_WORKERS = 2
+"""Threads compiling grammars (xgrammar releases the GIL while it compiles)."""
+COMPILE_MEMORY_BUDGET_BYTES = 256 * 2**20
+"""Bytes a compiled grammar may hold; the 1,500-property schema's holds 6 MB."""
 MASK_WAIT_S = 60.0
 """How long a step's sampling waits for a row's grammar (compile, previous token) before failing the step."""
 _ALL_ALLOWED = -1  # an int32 bitmask word with every bit set
 
 
 class CompiledGrammars:
-    """Grammars compiled against the model's vocabulary on one worker thread, cached by constraint.
+    """Grammars compiled against the model's vocabulary on a few worker threads, cached by constraint.
+
+    Compiles never run on a step's path: prepare asks for each constraint's grammar
+    (`compile_within`, the ``CompileConstraint`` RPC) before it schedules the request, so a step
+    finds it compiled. A compile must finish within ``budget_s`` of its start and hold at most
+    ``memory_budget_bytes``, else the constraint is refused with a message naming the budget (and
+    refused at once when it comes again). xgrammar cannot interrupt a compile: one past its budget
+    runs on to its end, its result dropped. Tenants take turns on the workers (round robin), each
+    with one compile at a time, so one tenant's expensive schemas delay only its own requests, and
+    a tenant's overrunning compile holds at most one worker. Matchers (cheap: a compiled grammar's
+    state) are made on a thread of their own, never behind a compile.
 
     Args:
         tokenizer_info: builds the ``xgrammar.TokenizerInfo`` (vocabulary and stop tokens); run once
-            on the worker from construction on, while the model loads (`wait_ready`).
-        max_entries: compiled grammars kept.
-        on_compile: called with ``(cached, seconds)`` for each `get`: the compile's time on the
-            worker, or the cache lookup's (the device's metrics).
+            from construction on, while the model loads (`wait_ready`).
+        max_entries: compiled grammars kept (least recently used dropped first).
+        on_compile: called with ``(cached, seconds)`` for each look-up: the compile's time on a
+            worker, or the cache look-up's (the device's metrics).
+        workers: compile threads.
+        budget_s: seconds a compile may take on its worker.
+        memory_budget_bytes: bytes a compiled grammar may hold (``CompiledGrammar.memory_size_bytes``).
     """
 
     def __init__(self, tokenizer_info: Callable[[], xgrammar.TokenizerInfo], max_entries: int = COMPILE_CACHE_ENTRIES,
-                 on_compile: Callable[[bool, float], None] = lambda cached, seconds: None) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-grammar")
-        self._compiler = self._pool.submit(lambda: xgrammar.GrammarCompiler(tokenizer_info(), max_threads=1, cache_enabled=False))
-        self._cache: OrderedDict[bytes, Future[xgrammar.CompiledGrammar]] = OrderedDict()
+                 on_compile: Callable[[bool, float], None] = lambda cached, seconds: None, workers: int = COMPILE_WORKERS,
+                 budget_s: float = GRAMMAR_COMPILE_BUDGET_S, memory_budget_bytes: int = COMPILE_MEMORY_BUDGET_BYTES) -> None:
+        self.budget_s, self.memory_budget_bytes = budget_s, memory_budget_bytes
+        self._matchers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-grammar-matcher")
+        self._compiler = self._matchers.submit(lambda: xgrammar.GrammarCompiler(tokenizer_info(), max_threads=1, cache_enabled=False))
+        self._cache: OrderedDict[bytes, _Compile] = OrderedDict()
         self._max_entries = max_entries
         self._on_compile = on_compile
+        self._turns = _TenantTurns()
+        # A thread still inside xgrammar's C++ when the interpreter finalizes aborts the process.
+        atexit.register(self._turns.close)
         self._lock = threading.Lock()
+        for i in range(workers):
+            threading.Thread(target=self._work, name=f"device-grammar-{i}", daemon=True).start()
 
     def wait_ready(self) -> None:
         """Block until the vocabulary is read (start-up: the first constrained step must not wait for it)."""
         self._compiler.result()
 
-    def get(self, constraint: common_pb2.Constraint) -> Future[xgrammar.CompiledGrammar]:
-        """The compiled grammar of ``constraint``, compiling it on the worker if it is not cached.
+    def get(self, constraint: common_pb2.Constraint, tenant: str = "") -> Future[xgrammar.CompiledGrammar]:
+        """The compiled grammar of ``constraint``, queued for ``tenant``'s next turn if it is not cached.
 
-        The future raises `ConstraintError` for a constraint xgrammar refuses (prepare has parsed
-        it already, so only a bug or a different xgrammar version gets there).
+        The future raises `ConstraintError` for a constraint xgrammar refuses or that exceeded a
+        budget (prepare has parsed it already and asked for it with `compile_within`, so only a
+        bug, a different xgrammar version or a cache eviction gets a step there).
         """
+        return self._entry(constraint, tenant).future
+
+    def compile_within(self, constraint: common_pb2.Constraint, tenant: str, wait_s: float) -> tuple[bool, float]:
+        """Compile ``constraint`` for ``tenant`` (or find it cached) and wait for it: ``(cached, seconds)``.
+
+        Waits up to ``wait_s`` for its turn, then up to the budget for the compile itself.
+
+        Raises:
+            ConstraintError: xgrammar refused it, or it exceeded the time or memory budget (the
+                message names the budget and what to change); refused at once when it comes again.
+            TimeoutError: its turn did not come within ``wait_s`` (the other tenants' compiles).
+        """
+        start = time.perf_counter()
+        compile_ = self._entry(constraint, tenant)
+        cached = compile_.future.done()
+        if not compile_.started.wait(wait_s):
+            raise TimeoutError(f"the device's grammar compilers were busy for {wait_s:g} s; retry the request")
+        try:
+            compile_.future.result(timeout=max(0.0, compile_.started_at + self.budget_s - time.perf_counter()))
+        except FutureTimeout:
+            message = (f"constraint: not compiled within the device's budget of {self.budget_s:g} s; simplify it"
+                       " (fewer optional properties, alternatives or nesting levels)")
+            self._refuse(compile_, message)
+            raise ConstraintError(message) from None
+        return cached, 0.0 if cached else time.perf_counter() - max(start, compile_.started_at)
+
+    def after(self, future: Future, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the matcher thread once ``future`` is done (never behind a compile)."""
+        future.add_done_callback(lambda _: self._matchers.submit(fn))
+
+    def _entry(self, constraint: common_pb2.Constraint, tenant: str) -> _Compile:
         start = time.perf_counter()
         key = constraint.SerializeToString(deterministic=True)
         with self._lock:
-            future = self._cache.get(key)
-            if future is not None:
+            compile_ = self._cache.get(key)
+            if compile_ is not None:
                 self._cache.move_to_end(key)
                 self._on_compile(True, time.perf_counter() - start)
-                return future
-            future = self._pool.submit(self._compile, constraint)
-            self._cache[key] = future
+                return compile_
+            compile_ = self._cache[key] = _Compile(key, constraint)
             if len(self._cache) > self._max_entries:
                 self._cache.popitem(last=False)
-            return future
+        self._turns.put(tenant, compile_)
+        return compile_
 
-    def submit(self, fn: Callable[[], None]) -> Future[None]:
-        """Run ``fn`` on the worker, after every compile queued before it (one worker, FIFO)."""
-        return self._pool.submit(fn)
+    def _refuse(self, compile_: _Compile, message: str) -> None:
+        """From now on ``compile_``'s constraint is refused at once with ``message`` (its compile's result is dropped)."""
+        refused = _Compile(compile_.key, compile_.constraint)
+        refused.future.set_exception(ConstraintError(message))
+        refused.started_at = 0.0
+        refused.started.set()
+        with self._lock:
+            if self._cache.get(compile_.key) is compile_:
+                self._cache[compile_.key] = refused
+
+    def _work(self) -> None:
+        while True:
+            tenant, compile_ = self._turns.take()
+            try:
+                compile_.started_at = time.perf_counter()
+                compile_.started.set()
+                compile_.future.set_result(self._compile(compile_.constraint))
+            except ConstraintError as exc:
+                compile_.future.set_exception(exc)
+            except Exception as exc:  # noqa: BLE001 - this constraint fails, the device goes on
+                compile_.future.set_exception(ConstraintError(f"the constraint could not be compiled ({readable_error(exc)})"))
+            finally:
+                self._turns.done(tenant)
 
     def _compile(self, constraint: common_pb2.Constraint) -> xgrammar.CompiledGrammar:
         start = time.perf_counter()
@@ -99,7 +180,63 @@ class CompiledGrammars:
         seconds = time.perf_counter() - start
         log.info("compiled a %s constraint in %.1f ms", constraint.WhichOneof("kind"), seconds * 1e3)
         self._on_compile(False, seconds)
+        if compiled.memory_size_bytes > self.memory_budget_bytes:
+            raise ConstraintError(f"constraint: its compiled grammar holds {compiled.memory_size_bytes / 2**20:.1f} MiB, more than the"
+                                  f" device's budget of {self.memory_budget_bytes / 2**20:g} MiB; simplify it")
         return compiled
+
+
+@dataclass(eq=False)
+class _Compile:
+    """One constraint's compile: queued, started (``started_at``, perf_counter seconds), then done."""
+
+    key: bytes
+    constraint: common_pb2.Constraint
+    future: Future = field(default_factory=Future)
+    started: threading.Event = field(default_factory=threading.Event)
+    started_at: float = 0.0
+
+
+class _TenantTurns:
+    """Queued compiles by tenant, taken round robin, at most one running per tenant."""
+
+    def __init__(self) -> None:
+        self._queues: OrderedDict[str, deque[_Compile]] = OrderedDict()
+        self._running: set[str] = set()
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def put(self, tenant: str, compile_: _Compile) -> None:
+        with self._cond:
+            self._queues.setdefault(tenant, deque()).append(compile_)
+            self._cond.notify()
+
+    def take(self) -> tuple[str, _Compile]:
+        """The next tenant's oldest compile (that tenant moves to the back of the turns); blocks for
+        one, and for ever once closed."""
+        with self._cond:
+            while True:
+                tenant = None if self._closed else next((t for t in self._queues if t not in self._running), None)
+                if tenant is not None:
+                    queue = self._queues.pop(tenant)
+                    compile_ = queue.popleft()
+                    if queue:
+                        self._queues[tenant] = queue
+                    self._running.add(tenant)
+                    return tenant, compile_
+                self._cond.wait()
+
+    def done(self, tenant: str) -> None:
+        with self._cond:
+            self._running.discard(tenant)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Start no more compiles and wait for the running ones (xgrammar cannot interrupt one: a
+        compile past its budget ends in its own time)."""
+        with self._cond:
+            self._closed = True
+            self._cond.wait_for(lambda: not self._running)
 
 
 @dataclass(eq=False)
@@ -213,7 +350,7 @@ class GrammarTable:
                 state.error = f"structured output: the constraint could not be compiled ({readable_error(exc)})"
             state.ready.set_result(None)
 
-        self.grammars.submit(make_matcher)
+        self.grammars.after(compiled, make_matcher)
         return state
 
     def _stage_rows(self, step: Step) -> GrammarRows | None:

@@ -1,4 +1,5 @@
-"""The ``stageserve.v1.Device`` servicer: Attach, Execute (prepare's plans), Complete (reclaim's stream).
+"""The ``stageserve.v1.Device`` servicer: Attach, Execute (prepare's plans), Complete (reclaim's
+stream), CompileConstraint (prepare's, before it schedules a constrained request: see `grammar`).
 
 How the streams are driven (see ``docs/pipeline-protocol.md``):
 
@@ -29,11 +30,13 @@ from stageserve.device.grammar import GrammarTable
 from stageserve.device.plan_submitter import STREAM_POLL_S, PlanSubmitter
 from stageserve.device.sequence_table import SequenceTable
 from stageserve.device.step_plan import PlanLimits
+from stageserve.structured_output import ConstraintError
 from stageserve.v1 import common_pb2, device_pb2, device_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "stageserve.v1.Device"
+COMPILE_TURN_WAIT_S = 30.0  # how long a CompileConstraint waits for a compile worker before RESOURCE_EXHAUSTED
 
 
 class CompletionOutbox:
@@ -186,6 +189,18 @@ class DeviceServicer(device_pb2_grpc.DeviceServicer):
         core = self._require_core(context)
         log.info("attach from %s", request.peer or context.peer())
         return core.attach_reply
+
+    def CompileConstraint(self, request: device_pb2.CompileConstraintRequest, context: grpc.ServicerContext) -> device_pb2.CompileConstraintReply:
+        core = self._require_core(context)
+        if core.grammar is None:  # constraints are not applied here (the sim)
+            return device_pb2.CompileConstraintReply()
+        try:
+            cached, seconds = core.grammar.grammars.compile_within(request.constraint, request.tenant, COMPILE_TURN_WAIT_S)
+        except ConstraintError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TimeoutError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        return device_pb2.CompileConstraintReply(cached=cached, compile_seconds=seconds)
 
     def Execute(self, request_iterator: Iterator[device_pb2.StepPlan], context: grpc.ServicerContext) -> Iterator[device_pb2.StepReceipt]:
         core = self._require_core(context)

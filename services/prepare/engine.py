@@ -44,7 +44,7 @@ from typing import Callable
 import grpc
 from prometheus_client import CollectorRegistry
 
-from stageserve.prepare.errors import RequestError, unavailable
+from stageserve.prepare.errors import RequestError, invalid_argument, resource_exhausted, unavailable
 from stageserve.prepare.metrics import PrepareMetrics, RequestObserver
 from stageserve.prepare.placement import DeviceLoad
 from stageserve.prepare.request_handle import RequestHandle
@@ -58,6 +58,7 @@ from stageserve.v1 import common_pb2, device_pb2, reclaim_pb2
 log = logging.getLogger(__name__)
 
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]  # what reclaim fails a sequence of a lost device with: resumed
+COMPILERS_BUSY_RETRY_S = 1.0  # Retry-After of a request whose grammar's compile did not get a device worker in time
 NOT_ATTACHED = "prepare is not connected to the device and reclaim services; retry shortly"
 
 
@@ -67,6 +68,7 @@ class _Attachment:
     scheduler: Scheduler
     send_plan: Callable[[device_pb2.StepPlan], None]
     credits: int
+    compile_constraint: Callable[..., None] | None = None  # ExecuteStream.compile_constraint's signature
     sent_at: dict[int, float] = field(default_factory=dict)  # unpublished step id -> time.monotonic() at send
     evictions_counted: int = 0  # the scheduler's prefix-cache evictions already added to the metric
     releases_counted: int = 0  # the scheduler's sliding-window releases already added to the metric
@@ -106,6 +108,7 @@ class Engine:
         self._cond = threading.Condition()
         self._attachment: _Attachment | None = None
         self._active: dict[str, RequestHandle] = {}
+        self._compiling: dict[GenerationRequest, _Attachment] = {}  # active, its grammar compiling on that attachment's device
         self._stopping = False
         # Carried from one attachment to the next (see Scheduler's arguments).
         self._generations: list[int] = []
@@ -188,8 +191,11 @@ class Engine:
             current.releases_counted = releases
 
     # ---- the attachment (driven by the device session) ---------------------------------------------
-    def attach(self, reply: device_pb2.AttachReply, send_plan: Callable[[device_pb2.StepPlan], None]) -> None:
-        """Start scheduling for a freshly attached device (its ``AttachReply``); plans go to ``send_plan``.
+    def attach(self, reply: device_pb2.AttachReply, send_plan: Callable[[device_pb2.StepPlan], None],
+               compile_constraint: Callable[..., None] | None = None) -> None:
+        """Start scheduling for a freshly attached device (its ``AttachReply``); plans go to ``send_plan``,
+        constraints to compile before their requests are scheduled to ``compile_constraint``
+        (`ExecuteStream.compile_constraint`; ``None``: the device compiles each at its sequence's start).
 
         A device with the instance id of the previous attachment still holds that attachment's
         sequences: their indices are listed as ``finished`` in the first plan.
@@ -203,7 +209,8 @@ class Engine:
         with self._cond:
             stale = self._indices_in_use if reply.instance_id == self._last_instance_id else ()
             scheduler = Scheduler(config, self._generations, stale, first_step_id=self._next_step_id)
-            self._attachment = _Attachment(reply, scheduler, send_plan, credits=max(1, reply.pipeline_depth))
+            self._attachment = _Attachment(reply, scheduler, send_plan, credits=max(1, reply.pipeline_depth),
+                                           compile_constraint=compile_constraint)
             self._cond.notify_all()
 
     def detach(self, reason: str, resume: bool = False) -> None:
@@ -218,6 +225,7 @@ class Engine:
             self._generations, self._next_step_id = scheduler.generations, scheduler.next_step_id
             self._last_instance_id, self._indices_in_use = current.attach.instance_id, scheduler.seq_indices_in_use
             self._attachment = None
+            self._compiling.clear()  # their handles are active: resumed or failed below
             error = unavailable(f"{reason}; the request did not finish, retry it")
             for handle in list(self._active.values()):
                 if resume and self._resume is not None:
@@ -339,13 +347,44 @@ class Engine:
             handle.request = request
 
     def _queue(self, request: GenerationRequest, handle: RequestHandle) -> None:
-        """Queue ``request`` in the scheduler as ``handle``'s (engine lock). Raises RequestError as :meth:`submit`."""
+        """Queue ``request`` in the scheduler as ``handle``'s (engine lock); a constrained request
+        once the device has compiled its grammar, so that no step waits for a compile. Raises
+        RequestError as :meth:`submit`."""
         current = self._require_attachment()
         if request.request_id in self._active:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already running; use another id")
+        if request.constraint is not None and current.compile_constraint is not None:
+            current.scheduler.check_request(request)
+            self._compiling[request] = current
+            self._active[request.request_id] = handle
+            current.compile_constraint(request.constraint, request.tenant, lambda call: self._compiled(request, current, call))
+            return
         current.scheduler.add_request(request)
         self._active[request.request_id] = handle
         self._cond.notify_all()
+
+    def _compiled(self, request: GenerationRequest, attachment: _Attachment, call: grpc.Future) -> None:
+        """The device's ``CompileConstraint`` for ``request`` ended: queue it, or end it with the
+        device's refusal. A device without the RPC, or failing, compiles at the sequence's start."""
+        error = call.exception()
+        refusal = None
+        if error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            refusal = invalid_argument(error.details())
+        elif error is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            refusal = resource_exhausted(error.details(), reason="GRAMMAR_COMPILERS_BUSY", retry_after_s=COMPILERS_BUSY_RETRY_S)
+        with self._cond:
+            if self._compiling.get(request) is not attachment:
+                return  # aborted meanwhile, or its device detached (the request was resumed or failed)
+            del self._compiling[request]
+            handle = self._active[request.request_id]
+            if refusal is None:
+                try:
+                    attachment.scheduler.add_request(request)
+                except RequestError as exc:
+                    refusal = exc
+            if refusal is not None:
+                self._end(handle, refusal)
+            self._cond.notify_all()
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` is active here."""
@@ -373,6 +412,9 @@ class Engine:
         handle.client_gone()
 
     def _abort(self, handle: RequestHandle) -> None:
+        if self._compiling.pop(handle.request, None) is not None:
+            self._end(handle, local_abort_event(handle.request))
+            return
         current = self._attachment
         outcome = current.scheduler.abort(handle.request) if current is not None else AbortOutcome.NOT_FOUND
         if outcome is AbortOutcome.REMOVED_WAITING:

@@ -174,7 +174,7 @@ class GenerationFrontend:
         scoped_id = scoped_request_id(owner, request_id)
         try:
             validated, n = await asyncio.get_running_loop().run_in_executor(None, self._validate, request, scoped_id)
-            handles = self._place(choice_requests(self._in_tenant_cache(validated, owner), n), caller, scoped_id)
+            handles = self._place(choice_requests(self._of_tenant(validated, owner), n), caller, scoped_id)
         except RequestError as error:
             self._refused(error, request_id)
             raise
@@ -193,7 +193,7 @@ class GenerationFrontend:
         scoped_id = scoped_request_id(owner, request_id)
         try:
             requests = await asyncio.get_running_loop().run_in_executor(None, self._validate_embedding, request, scoped_id)
-            requests = [self._in_tenant_cache(r, owner) for r in requests]
+            requests = [self._of_tenant(r, owner) for r in requests]
             submission = Submission(request_id, self._place(requests, caller, scoped_id), self.router)
         except RequestError as error:
             self._refused(error, request_id)
@@ -227,9 +227,12 @@ class GenerationFrontend:
             raise
         return handles
 
-    def _in_tenant_cache(self, request: GenerationRequest, owner: str) -> GenerationRequest:
-        """``request`` in its API key's own prefix-cache namespace, unless the cache is shared across keys."""
-        return replace(request, cache_tenant=owner) if owner and not self.share_prefix_cache else request
+    def _of_tenant(self, request: GenerationRequest, owner: str) -> GenerationRequest:
+        """``request`` as its API key's (``owner``, "" without keys): in that key's own prefix-cache
+        namespace unless the cache is shared across keys, and with that key's grammar-compile turns."""
+        if not owner:
+            return request
+        return replace(request, tenant=owner, cache_tenant="" if self.share_prefix_cache else owner)
 
     def _refused(self, error: RequestError, request_id: str) -> None:
         self.router.metrics.request_refused(error.code.name)

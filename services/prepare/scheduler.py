@@ -166,6 +166,17 @@ class Scheduler:
         """Queue a validated request for admission.
 
         Raises:
+            RequestError: as :meth:`check_request`.
+        """
+        needed = self.check_request(request)
+        self._waiting.append(request)
+        self._waiting_kv_blocks += needed
+        self._block_hashes[request] = self.block_hashes(request)
+
+    def check_request(self, request: GenerationRequest) -> int:
+        """Whether :meth:`add_request` would take ``request`` now: the KV blocks it will reserve.
+
+        Raises:
             RequestError: ``RESOURCE_EXHAUSTED`` when the waiting queue is full, or when the request
                 needs more KV blocks than the whole pool has.
         """
@@ -181,9 +192,7 @@ class Scheduler:
                 f" - 1 = {kv_tokens} tokens, {self.block_manager.block_size} per block) but the KV cache has"
                 f" {self.block_manager.num_blocks} blocks in all; lower max_tokens or shorten the prompt"
             )
-        self._waiting.append(request)
-        self._waiting_kv_blocks += needed
-        self._block_hashes[request] = self.block_hashes(request)
+        return needed
 
     def block_hashes(self, request: GenerationRequest) -> list[BlockHash]:
         """The hash chain of ``request``'s full prompt blocks (none with prefix caching off, nor for a

@@ -181,7 +181,7 @@ class DeviceSession:
             self.instance_id = reply.instance_id
             self._on_change()  # routes the instance's StepEvents here before any plan is sent
             self._attached = True  # before any plan: a reclaim lost from now on ends this attachment
-            self.engine.attach(reply, stream.send)
+            self.engine.attach(reply, stream.send, stream.compile_constraint)
         except (grpc.RpcError, ValueError, _NotAttached) as exc:
             self._detach((stream, readiness))
             if isinstance(exc, _NotAttached):

@@ -23,6 +23,7 @@ from stageserve.v1 import device_pb2, device_pb2_grpc, reclaim_pb2, reclaim_pb2_
 
 PEER_NAME = "prepare"  # how prepare names itself to its peers
 ATTACH_TIMEOUT_S = 10.0
+COMPILE_TIMEOUT_S = 60.0  # a CompileConstraint call: the device's turn wait and compile budget, with room
 HEALTH_CHECK_TIMEOUT_S = 5.0
 SUBSCRIBE_CONFIRM_S = 2.0  # how long to wait for reclaim's response headers before trusting the stream anyway
 DEVICE_SERVICE_NAME = device_pb2.DESCRIPTOR.services_by_name["Device"].full_name  # its readiness entry
@@ -85,6 +86,12 @@ class ExecuteStream(_ReadStream):
             grpc.RpcError: the device did not answer (not up yet, or failing).
         """
         return self._stub.Attach(device_pb2.AttachRequest(peer=PEER_NAME), timeout=ATTACH_TIMEOUT_S)
+
+    def compile_constraint(self, constraint, tenant: str, done: Callable[[grpc.Future], None]) -> None:
+        """Ask the device to compile ``constraint`` (a ``common_pb2.Constraint``) for ``tenant``
+        (``CompileConstraint``, never blocks); ``done`` gets the call's future when it ends."""
+        request = device_pb2.CompileConstraintRequest(constraint=constraint, tenant=tenant)
+        self._stub.CompileConstraint.future(request, timeout=COMPILE_TIMEOUT_S).add_done_callback(done)
 
     def open(self) -> None:
         """Open the ``Execute`` stream and start reading receipts."""

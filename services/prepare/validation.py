@@ -67,6 +67,7 @@ class GenerationRequest:
         cache_tenant: ... and of the same tenant: the API key's name under ``--prefix-cache-sharing
             per-key`` (the default), "" without keys or with ``shared``.
         constraint: the structured-output constraint, checked (it parses); ``None`` = free text.
+        tenant: the API key's name ("" without keys): whose turn its grammar's compile takes on the device.
         pooling: an embedding's pooling (``common_pb2.Pooling``, ``embeddings.py``); NONE = a generation.
         output_offset: a resumed request (``resumption.py``): its prompt's last tokens that are its own output.
     """
@@ -79,6 +80,7 @@ class GenerationRequest:
     cache_salt: str = ""
     cache_tenant: str = ""
     constraint: common_pb2.Constraint | None = None
+    tenant: str = ""
     pooling: int = common_pb2.POOLING_NONE
     output_offset: int = 0
 

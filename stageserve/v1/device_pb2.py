@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from stageserve.v1 import common_pb2 as stageserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astageserve/v1/device.proto\x12\rstageserve.v1\x1a\x1astageserve/v1/common.proto\"\x1d\n\rAttachRequest\x12\x0c\n\x04peer\x18\x01 \x01(\t\"\xfa\x03\n\x0b\x41ttachReply\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\rkv_block_size\x18\x05 \x01(\r\x12\x15\n\rkv_num_blocks\x18\x06 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\x17\n\x0fmax_step_tokens\x18\x08 \x01(\r\x12\x16\n\x0epipeline_depth\x18\t \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x10\n\x08\x64ispatch\x18\x0c \x01(\t\x12\x13\n\x0binstance_id\x18\r \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x0e \x01(\r\x12\x1a\n\x12speculative_method\x18\x0f \x01(\t\x12+\n\nstep_costs\x18\x10 \x03(\x0b\x32\x17.stageserve.v1.StepCost\x12\x1f\n\x17\x64rops_unproposed_drafts\x18\x11 \x01(\x08\x12\'\n\x07pooling\x18\x12 \x01(\x0e\x32\x16.stageserve.v1.Pooling\x12\x13\n\x0bhidden_size\x18\x13 \x01(\r\x12\x11\n\tkv_window\x18\x14 \x01(\r\"Q\n\x08StepCost\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0e\n\x06\x64rafts\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x63ontext_tokens\x18\x04 \x01(\r\"\xe0\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\x07started\x18\x02 \x03(\x0b\x32\x1c.stageserve.v1.SequenceStart\x12\x10\n\x08\x66inished\x18\x03 \x03(\r\x12\x11\n\tseq_index\x18\x04 \x03(\r\x12\x12\n\ngeneration\x18\x05 \x03(\r\x12\x11\n\tstart_pos\x18\x06 \x03(\r\x12\x12\n\nnum_tokens\x18\x07 \x03(\r\x12\x11\n\ttoken_ids\x18\x08 \x03(\x05\x12\x0e\n\x06sample\x18\t \x03(\x08\x12\x16\n\x0enum_new_blocks\x18\n \x03(\r\x12\x15\n\rnew_block_ids\x18\x0b \x03(\r\x12\x0f\n\x07\x61\x62orted\x18\x0c \x03(\t\x12\x18\n\x10num_draft_tokens\x18\r \x03(\r\x12\x1a\n\x12released_seq_index\x18\x0e \x03(\r\x12\x1b\n\x13released_num_blocks\x18\x0f \x03(\r\"f\n\x0bStepReceipt\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0e\n\x06ticket\x18\x02 \x01(\x04\x12\x0c\n\x04slot\x18\x03 \x01(\r\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x19\n\x11submitted_unix_ns\x18\x05 \x01(\x03\"\xc3\x01\n\x10\x43ompletionTicket\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x0c\n\x04slot\x18\x03 \x01(\r\x12-\n\x07started\x18\x04 \x03(\x0b\x32\x1c.stageserve.v1.SequenceStart\x12\x11\n\tseq_index\x18\x05 \x03(\r\x12\x12\n\ngeneration\x18\x06 \x03(\r\x12\x0f\n\x07\x61\x62orted\x18\x07 \x03(\t\x12\x19\n\x11submitted_unix_ns\x18\x08 \x01(\x03\"\xbe\x03\n\nStepOutput\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.stageserve.v1.TokenLogprob\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x19\n\x11\x63ompleted_unix_ns\x18\x06 \x01(\x03\x12\x12\n\nnum_tokens\x18\x07 \x03(\r\x12\x13\n\x0bnum_drafted\x18\x08 \x03(\r\x12<\n\nrow_errors\x18\t \x03(\x0b\x32(.stageserve.v1.StepOutput.RowErrorsEntry\x12=\n\nembeddings\x18\n \x03(\x0b\x32).stageserve.v1.StepOutput.EmbeddingsEntry\x1a\x30\n\x0eRowErrorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1aK\n\x0f\x45mbeddingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.stageserve.v1.Embedding:\x02\x38\x01\"y\n\x0f\x43ompletionEvent\x12\x31\n\x06ticket\x18\x01 \x01(\x0b\x32\x1f.stageserve.v1.CompletionTicketH\x00\x12+\n\x06output\x18\x02 \x01(\x0b\x32\x19.stageserve.v1.StepOutputH\x00\x42\x06\n\x04kind\"\x1d\n\x0bSlotRelease\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x32\xdc\x01\n\x06\x44\x65vice\x12\x42\n\x06\x41ttach\x12\x1c.stageserve.v1.AttachRequest\x1a\x1a.stageserve.v1.AttachReply\x12\x42\n\x07\x45xecute\x12\x17.stageserve.v1.StepPlan\x1a\x1a.stageserve.v1.StepReceipt(\x01\x30\x01\x12J\n\x08\x43omplete\x12\x1a.stageserve.v1.SlotRelease\x1a\x1e.stageserve.v1.CompletionEvent(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astageserve/v1/device.proto\x12\rstageserve.v1\x1a\x1astageserve/v1/common.proto\"Y\n\x18\x43ompileConstraintRequest\x12-\n\nconstraint\x18\x01 \x01(\x0b\x32\x19.stageserve.v1.Constraint\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"A\n\x16\x43ompileConstraintReply\x12\x0e\n\x06\x63\x61\x63hed\x18\x01 \x01(\x08\x12\x17\n\x0f\x63ompile_seconds\x18\x02 \x01(\x01\"\x1d\n\rAttachRequest\x12\x0c\n\x04peer\x18\x01 \x01(\t\"\xfa\x03\n\x0b\x41ttachReply\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\rkv_block_size\x18\x05 \x01(\r\x12\x15\n\rkv_num_blocks\x18\x06 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\x17\n\x0fmax_step_tokens\x18\x08 \x01(\r\x12\x16\n\x0epipeline_depth\x18\t \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x10\n\x08\x64ispatch\x18\x0c \x01(\t\x12\x13\n\x0binstance_id\x18\r \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x0e \x01(\r\x12\x1a\n\x12speculative_method\x18\x0f \x01(\t\x12+\n\nstep_costs\x18\x10 \x03(\x0b\x32\x17.stageserve.v1.StepCost\x12\x1f\n\x17\x64rops_unproposed_drafts\x18\x11 \x01(\x08\x12\'\n\x07pooling\x18\x12 \x01(\x0e\x32\x16.stageserve.v1.Pooling\x12\x13\n\x0bhidden_size\x18\x13 \x01(\r\x12\x11\n\tkv_window\x18\x14 \x01(\r\"Q\n\x08StepCost\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0e\n\x06\x64rafts\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x63ontext_tokens\x18\x04 \x01(\r\"\xe0\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\x07started\x18\x02 \x03(\x0b\x32\x1c.stageserve.v1.SequenceStart\x12\x10\n\x08\x66inished\x18\x03 \x03(\r\x12\x11\n\tseq_index\x18\x04 \x03(\r\x12\x12\n\ngeneration\x18\x05 \x03(\r\x12\x11\n\tstart_pos\x18\x06 \x03(\r\x12\x12\n\nnum_tokens\x18\x07 \x03(\r\x12\x11\n\ttoken_ids\x18\x08 \x03(\x05\x12\x0e\n\x06sample\x18\t \x03(\x08\x12\x16\n\x0enum_new_blocks\x18\n \x03(\r\x12\x15\n\rnew_block_ids\x18\x0b \x03(\r\x12\x0f\n\x07\x61\x62orted\x18\x0c \x03(\t\x12\x18\n\x10num_draft_tokens\x18\r \x03(\r\x12\x1a\n\x12released_seq_index\x18\x0e \x03(\r\x12\x1b\n\x13released_num_blocks\x18\x0f \x03(\r\"f\n\x0bStepReceipt\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0e\n\x06ticket\x18\x02 \x01(\x04\x12\x0c\n\x04slot\x18\x03 \x01(\r\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x19\n\x11submitted_unix_ns\x18\x05 \x01(\x03\"\xc3\x01\n\x10\x43ompletionTicket\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x0c\n\x04slot\x18\x03 \x01(\r\x12-\n\x07started\x18\x04 \x03(\x0b\x32\x1c.stageserve.v1.SequenceStart\x12\x11\n\tseq_index\x18\x05 \x03(\r\x12\x12\n\ngeneration\x18\x06 \x03(\r\x12\x0f\n\x07\x61\x62orted\x18\x07 \x03(\t\x12\x19\n\x11submitted_unix_ns\x18\x08 \x01(\x03\"\xbe\x03\n\nStepOutput\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.stageserve.v1.TokenLogprob\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x19\n\x11\x63ompleted_unix_ns\x18\x06 \x01(\x03\x12\x12\n\nnum_tokens\x18\x07 \x03(\r\x12\x13\n\x0bnum_drafted\x18\x08 \x03(\r\x12<\n\nrow_errors\x18\t \x03(\x0b\x32(.stageserve.v1.StepOutput.RowErrorsEntry\x12=\n\nembeddings\x18\n \x03(\x0b\x32).stageserve.v1.StepOutput.EmbeddingsEntry\x1a\x30\n\x0eRowErrorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1aK\n\x0f\x45mbeddingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.stageserve.v1.Embedding:\x02\x38\x01\"y\n\x0f\x43ompletionEvent\x12\x31\n\x06ticket\x18\x01 \x01(\x0b\x32\x1f.stageserve.v1.CompletionTicketH\x00\x12+\n\x06output\x18\x02 \x01(\x0b\x32\x19.stageserve.v1.StepOutputH\x00\x42\x06\n\x04kind\"\x1d\n\x0bSlotRelease\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x32\xc1\x02\n\x06\x44\x65vice\x12\x42\n\x06\x41ttach\x12\x1c.stageserve.v1.AttachRequest\x1a\x1a.stageserve.v1.AttachReply\x12\x42\n\x07\x45xecute\x12\x17.stageserve.v1.StepPlan\x1a\x1a.stageserve.v1.StepReceipt(\x01\x30\x01\x12J\n\x08\x43omplete\x12\x1a.stageserve.v1.SlotRelease\x1a\x1e.stageserve.v1.CompletionEvent(\x01\x30\x01\x12\x63\n\x11\x43ompileConstraint\x12\'.stageserve.v1.CompileConstraintRequest\x1a%.stageserve.v1.CompileConstraintReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,28 +36,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPOUTPUT_ROWERRORSENTRY']._serialized_options = b'8\001'
   _globals['_STEPOUTPUT_EMBEDDINGSENTRY']._loaded_options = None
   _globals['_STEPOUTPUT_EMBEDDINGSENTRY']._serialized_options = b'8\001'
-  _globals['_ATTACHREQUEST']._serialized_start=73
-  _globals['_ATTACHREQUEST']._serialized_end=102
-  _globals['_ATTACHREPLY']._serialized_start=105
-  _globals['_ATTACHREPLY']._serialized_end=611
-  _globals['_STEPCOST']._serialized_start=613
-  _globals['_STEPCOST']._serialized_end=694
-  _globals['_STEPPLAN']._serialized_start=697
-  _globals['_STEPPLAN']._serialized_end=1049
-  _globals['_STEPRECEIPT']._serialized_start=1051
-  _globals['_STEPRECEIPT']._serialized_end=1153
-  _globals['_COMPLETIONTICKET']._serialized_start=1156
-  _globals['_COMPLETIONTICKET']._serialized_end=1351
-  _globals['_STEPOUTPUT']._serialized_start=1354
-  _globals['_STEPOUTPUT']._serialized_end=1800
-  _globals['_STEPOUTPUT_ROWERRORSENTRY']._serialized_start=1675
-  _globals['_STEPOUTPUT_ROWERRORSENTRY']._serialized_end=1723
-  _globals['_STEPOUTPUT_EMBEDDINGSENTRY']._serialized_start=1725
-  _globals['_STEPOUTPUT_EMBEDDINGSENTRY']._serialized_end=1800
-  _globals['_COMPLETIONEVENT']._serialized_start=1802
-  _globals['_COMPLETIONEVENT']._serialized_end=1923
-  _globals['_SLOTRELEASE']._serialized_start=1925
-  _globals['_SLOTRELEASE']._serialized_end=1954
-  _globals['_DEVICE']._serialized_start=1957
-  _globals['_DEVICE']._serialized_end=2177
+  _globals['_COMPILECONSTRAINTREQUEST']._serialized_start=73
+  _globals['_COMPILECONSTRAINTREQUEST']._serialized_end=162
+  _globals['_COMPILECONSTRAINTREPLY']._serialized_start=164
+  _globals['_COMPILECONSTRAINTREPLY']._serialized_end=229
+  _globals['_ATTACHREQUEST']._serialized_start=231
+  _globals['_ATTACHREQUEST']._serialized_end=260
+  _globals['_ATTACHREPLY']._serialized_start=263
+  _globals['_ATTACHREPLY']._serialized_end=769
+  _globals['_STEPCOST']._serialized_start=771
+  _globals['_STEPCOST']._serialized_end=852
+  _globals['_STEPPLAN']._serialized_start=855
+  _globals['_STEPPLAN']._serialized_end=1207
+  _globals['_STEPRECEIPT']._serialized_start=1209
+  _globals['_STEPRECEIPT']._serialized_end=1311
+  _globals['_COMPLETIONTICKET']._serialized_start=1314
+  _globals['_COMPLETIONTICKET']._serialized_end=1509
+  _globals['_STEPOUTPUT']._serialized_start=1512
+  _globals['_STEPOUTPUT']._serialized_end=1958
+  _globals['_STEPOUTPUT_ROWERRORSENTRY']._serialized_start=1833
+  _globals['_STEPOUTPUT_ROWERRORSENTRY']._serialized_end=1881
+  _globals['_STEPOUTPUT_EMBEDDINGSENTRY']._serialized_start=1883
+  _globals['_STEPOUTPUT_EMBEDDINGSENTRY']._serialized_end=1958
+  _globals['_COMPLETIONEVENT']._serialized_start=1960
+  _globals['_COMPLETIONEVENT']._serialized_end=2081
+  _globals['_SLOTRELEASE']._serialized_start=2083
+  _globals['_SLOTRELEASE']._serialized_end=2112
+  _globals['_DEVICE']._serialized_start=2115
+  _globals['_DEVICE']._serialized_end=2436
 # @@protoc_insertion_point(module_scope)

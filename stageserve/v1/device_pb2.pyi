@@ -7,6 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class CompileConstraintRequest(_message.Message):
+    __slots__ = ("constraint", "tenant")
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    constraint: _common_pb2.Constraint
+    tenant: str
+    def __init__(self, constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class CompileConstraintReply(_message.Message):
+    __slots__ = ("cached", "compile_seconds")
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    cached: bool
+    compile_seconds: float
+    def __init__(self, cached: _Optional[bool] = ..., compile_seconds: _Optional[float] = ...) -> None: ...
+
 class AttachRequest(_message.Message):
     __slots__ = ("peer",)
     PEER_FIELD_NUMBER: _ClassVar[int]

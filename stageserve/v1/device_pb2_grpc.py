@@ -49,6 +49,11 @@ class DeviceStub:
                 request_serializer=stageserve_dot_v1_dot_device__pb2.SlotRelease.SerializeToString,
                 response_deserializer=stageserve_dot_v1_dot_device__pb2.CompletionEvent.FromString,
                 _registered_method=True)
+        self.CompileConstraint = channel.unary_unary(
+                '/stageserve.v1.Device/CompileConstraint',
+                request_serializer=stageserve_dot_v1_dot_device__pb2.CompileConstraintRequest.SerializeToString,
+                response_deserializer=stageserve_dot_v1_dot_device__pb2.CompileConstraintReply.FromString,
+                _registered_method=True)
 
 
 class DeviceServicer:
@@ -75,6 +80,15 @@ class DeviceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CompileConstraint(self, request, context):
+        """prepare, before it schedules a constrained request: compile its grammar (cached) within the
+        device's compile budget, so that no step waits for a compile. INVALID_ARGUMENT names the
+        budget a constraint exceeded; OK once it is compiled (or when the device applies none).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DeviceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +106,11 @@ def add_DeviceServicer_to_server(servicer, server):
                     servicer.Complete,
                     request_deserializer=stageserve_dot_v1_dot_device__pb2.SlotRelease.FromString,
                     response_serializer=stageserve_dot_v1_dot_device__pb2.CompletionEvent.SerializeToString,
+            ),
+            'CompileConstraint': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompileConstraint,
+                    request_deserializer=stageserve_dot_v1_dot_device__pb2.CompileConstraintRequest.FromString,
+                    response_serializer=stageserve_dot_v1_dot_device__pb2.CompileConstraintReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +194,33 @@ class Device:
             '/stageserve.v1.Device/Complete',
             stageserve_dot_v1_dot_device__pb2.SlotRelease.SerializeToString,
             stageserve_dot_v1_dot_device__pb2.CompletionEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompileConstraint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stageserve.v1.Device/CompileConstraint',
+            stageserve_dot_v1_dot_device__pb2.CompileConstraintRequest.SerializeToString,
+            stageserve_dot_v1_dot_device__pb2.CompileConstraintReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,14 +3,17 @@ other nor hold it up. Real services on loopback, plaintext, keys ``team-a`` and 
 
 from __future__ import annotations
 
+import json
 import random
+import threading
+import time
 from pathlib import Path
 
 import grpc
 import pytest
 
 from stageserve.launcher import Pipeline, ServiceProcess
-from stageserve.v1 import prepare_pb2, prepare_pb2_grpc
+from stageserve.v1 import common_pb2, prepare_pb2, prepare_pb2_grpc
 
 from .conftest import launch
 from .test_generation_api import collect
@@ -18,6 +21,7 @@ from .test_generation_api import collect
 KEY_A = "key-of-team-a-0123456789"
 KEY_B = "key-of-team-b-0123456789"
 PREPARE_ARGS = ["--http-port", "0"]
+COMPILE_BUDGET_S = 0.2  # the device's --grammar-compile-budget here: the slow schemas below take 0.5-1 s
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +29,8 @@ def tenants(tmp_path_factory):
     """The pipeline: prepare with keys ``team-a`` and ``team-b`` and the HTTP API."""
     folder = tmp_path_factory.mktemp("tenant-keys")
     (folder / "api-keys").write_text(f"{KEY_A} team-a\n{KEY_B} team-b\n")
-    pipeline = launch(tmp_path_factory, "tenants", prepare_args=["--api-keys-file", str(folder / "api-keys"), *PREPARE_ARGS])
+    pipeline = launch(tmp_path_factory, "tenants", device_args=["--grammar-compile-budget", str(COMPILE_BUDGET_S)],
+                      prepare_args=["--api-keys-file", str(folder / "api-keys"), *PREPARE_ARGS])
     try:
         yield pipeline
     finally:
@@ -99,3 +104,47 @@ def test_prefix_cache_sharing_shared_lets_keys_share_hits(tenants):
             assert cached_tokens(stub, KEY_B, secret) == 64
     finally:
         restart_prepare(tenants, [])
+
+
+def slow_schema(variant: int) -> str:
+    """A distinct object schema of 700 optional properties: its grammar takes xgrammar ~0.5 s or
+    more to compile against the model's vocabulary (2-core AMD EPYC), past this device's budget."""
+    return json.dumps({"type": "object", "properties": {f"v{variant}_{i}": {"type": "integer"} for i in range(700)}})
+
+
+def test_slow_schemas_of_one_key_are_refused_naming_the_budget_while_another_keys_stream_goes_on(tenants):
+    """Six distinct slow schemas from team-a compile off the step path: each ends INVALID_ARGUMENT
+    naming the budget, and team-b's stream, started first, runs on with no gap of more than a
+    second between its tokens and ends OK."""
+    channel, stub = stub_of(tenants)
+    with channel:
+        stream = stub.GenerateStream(prepare_pb2.GenerateRequest(prompt="Count to fifty:", max_tokens=96, temperature=0.0, ignore_eos=True),
+                                     metadata=bearer(KEY_B), timeout=120)
+        arrivals, refusals = [], []
+        first = next(stream)
+        arrivals.append(time.monotonic())
+
+        def send(variant: int) -> None:
+            request = prepare_pb2.GenerateRequest(prompt="Fill the form:", max_tokens=8, constraint={"json_schema": slow_schema(variant)})
+            try:
+                stub.Generate(request, metadata=bearer(KEY_A), timeout=120)
+                refusals.append(None)
+            except grpc.RpcError as error:
+                refusals.append((error.code(), error.details()))
+
+        senders = [threading.Thread(target=send, args=(variant,)) for variant in range(6)]
+        for sender in senders:
+            sender.start()
+        chunks = [first]
+        for chunk in stream:
+            chunks.append(chunk)
+            arrivals.append(time.monotonic())
+        for sender in senders:
+            sender.join(timeout=120)
+    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert sum(len(chunk.token_ids) for chunk in chunks) == 96
+    assert max(b - a for a, b in zip(arrivals, arrivals[1:])) < 1.0
+    assert len(refusals) == 6
+    for refusal in refusals:
+        assert refusal is not None and refusal[0] == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"budget of {COMPILE_BUDGET_S:g} s" in refusal[1]
