@@ -160,26 +160,29 @@ _FUSED_HF_NAMES = {
 }
 
 
-# GGUF's experts stacked in one tensor each (``ffn_*_exps``: [experts, out, in]), split at load into
-# each expert's own (the names transformers saves Qwen3-MoE's under).
-_EXPERT_STACKS = ("mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight", "mlp.experts.down_proj.weight")
+# Experts stacked in one tensor, split at load into each expert's own (the names transformers saves
+# Qwen3-MoE under): GGUF's ``ffn_*_exps`` [experts, out, in]; transformers 5's fused parameters
+# (``Qwen3MoeExperts``, ``MixtralExperts``: ``gate_up_proj`` [experts, 2 * intermediate, hidden], gate rows first).
+_EXPERT_STACKS = {
+    "mlp.experts.gate_proj.weight": ("gate_proj.weight",), "mlp.experts.up_proj.weight": ("up_proj.weight",),
+    "mlp.experts.down_proj.weight": ("down_proj.weight",),
+    "mlp.experts.gate_up_proj": ("gate_proj.weight", "up_proj.weight"), "mlp.experts.down_proj": ("down_proj.weight",),
+}
 
 
 def _split_fused(name: str, tensor: torch.Tensor | QuantizedWeight, config: ModelConfig, path: Path) -> list[tuple[str, torch.Tensor | QuantizedWeight]]:
     """``[(name, tensor)]``, or for a fused projection (``_FUSED_HF_NAMES``) its parts by rows under
-    their own names, for a stack of experts (``_EXPERT_STACKS``, 2-D rows of all experts in turn when
-    quantized) each expert's (a `QuantizedWeight` splits by its rows of blocks). Raises ``ModelLoadError``
-    naming ``path`` for a fused tensor whose rows do not add up."""
+    their own names, for a stack of experts (``_EXPERT_STACKS``; a quantized one as the 2-D rows of
+    every expert in turn) each expert's parts (a `QuantizedWeight` splits by its rows of blocks).
+    Raises ``ModelLoadError`` naming ``path`` for a fused tensor whose rows do not add up."""
     stack = next((s for s in _EXPERT_STACKS if name.endswith("." + s)), None)
     suffix = stack or next((s for s in _FUSED_HF_NAMES if name.endswith("." + s)), None)
     if suffix is None:
         return [(name, tensor)]
     prefix = name.removesuffix("." + suffix)
     if stack is not None:
-        projection = stack.removeprefix("mlp.experts.")
-        names = tuple(f"mlp.experts.{j}.{projection}" for j in range(config.num_experts))
-        out = config.hidden_size if projection.startswith("down") else config.moe_intermediate_size
-        sizes = (out,) * config.num_experts
+        names = tuple(f"mlp.experts.{j}.{part}" for j in range(config.num_experts) for part in _EXPERT_STACKS[stack])
+        sizes = (config.hidden_size if "down" in stack else config.moe_intermediate_size,) * len(names)
         tensor = tensor if isinstance(tensor, QuantizedWeight) else tensor.reshape(-1, tensor.shape[-1])
     else:
         names = _FUSED_HF_NAMES[suffix]
@@ -315,7 +318,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str,
             with safe_open(file, framework="pt") as handle:
                 for stored in handle.keys():
                     name = family.hf_weight_names(_renamed(stored, family.hf_weight_prefixes + _BASE_MODEL_PREFIXES))
-                    if name in wanted or name.endswith(tuple(_FUSED_HF_NAMES)):
+                    if name in wanted or name.endswith(tuple(_FUSED_HF_NAMES) + tuple(_EXPERT_STACKS)):
                         for part_name, part in _split_fused(name, handle.get_tensor(stored), config, file):
                             if family.hf_norm_offset and part_name.endswith("norm.weight"):  # (1 + w) norms: the multiplier, in float32
                                 part = part.float() + family.hf_norm_offset
