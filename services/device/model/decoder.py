@@ -14,7 +14,8 @@ sliding attention window on every layer or on some (``sliding_window``, ``full_a
 Mistral, Phi-3, Gemma; ``attention.py``) and Gemma's parts: a GeGLU MLP (``hidden_act``), norms on
 the attention and MLP outputs (``sandwich_norms``), scaled embeddings (``embed_scale``), a softmax
 scale of its own (``attention_scale``), soft-capped attention scores and logits (``attn_softcap``,
-``final_softcap``) and a RoPE base of the local layers' own (``local_rope_theta``, ``rope.py``).
+``final_softcap``), a RoPE base of the local layers' own (``local_rope_theta``, ``rope.py``) and
+a mixture of experts as the MLP (``num_experts``: Qwen3-MoE, Mixtral; ``moe.py``).
 The KV pool keeps every block of a windowed sequence: freeing the blocks every window has left is
 not done yet.
 """
