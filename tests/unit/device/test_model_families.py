@@ -382,6 +382,23 @@ def test_transformers_fused_expert_parameters_load_as_each_experts_weights(check
     assert all(torch.equal(weights[name], reference[name]) for name in reference)
 
 
+def test_qwen3_moe_dense_layers_are_transformers_ones(tmp_path):
+    """``mlp_only_layers`` and ``decoder_sparse_step`` make the layers transformers builds dense
+    (``Qwen3MoeDecoderLayer``) dense here too; a config of Qwen's own keys (``num_experts``) reads as one
+    transformers saved (``num_local_experts``)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    raw = {"model_type": "qwen3_moe", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "moe_intermediate_size": 4,
+           "num_hidden_layers": 6, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "num_experts": 4,
+           "num_experts_per_tok": 2, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{k: v for k, v in raw.items() if k != "model_type"}))
+    config = load_config(tmp_path)
+    assert config.moe_layers == tuple(isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) for layer in hf.model.layers)
+    assert config.moe_layers == (False, True, False, False, False, True) and config.num_experts == 4
+
+
 @pytest.mark.parametrize("checkpoint", ["gemma3"], indirect=True)
 def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(checkpoint, reference, tmp_path):
     """A ``gemma3`` config (``Gemma3ForConditionalGeneration``) loads its ``text_config`` and its
