@@ -108,7 +108,7 @@ def test_configs_read_each_familys_fields(checkpoint):
     assert config.softmax_scale == {"gemma2-scalar": 24**-0.5}.get(name, 64**-0.5)
     assert (config.attn_softcap, config.final_softcap) == ((5.0, 10.0) if name.startswith("gemma2") else (None, None))
     assert config.layer_windows == {"gemma3": (WINDOW,) * 5 + (None,)}.get(name, (WINDOW, None) if gemma else (config.sliding_window,) * 2)
-    moe = {"qwen3_moe": (8, 2, 64, True, (False, True)), "mixtral": (8, 2, 128, True, (True, True))}.get(name, (0, 0, 0, False, (False, False)))
+    moe = {"qwen3_moe": (8, 2, 64, True, (False, True)), "mixtral": (8, 2, 128, True, (True, True))}.get(name, (0, 0, 0, False, (False,) * config.num_layers))
     assert (config.num_experts, config.experts_per_token, config.moe_intermediate_size, config.norm_topk_prob, config.moe_layers) == moe
     if name == "gemma3":  # the global layers' RoPE (scaled), the local layers' own base
         assert (config.rope_theta, config.rope_scaling, config.local_rope_theta) == (1e6, {"rope_type": "linear", "factor": 2.0}, 1e4)
