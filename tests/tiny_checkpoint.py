@@ -36,13 +36,16 @@ def write_tiny_checkpoint(
     caps change the result), ``query_pre_attn_scalar`` the head size (as Google's 2B/9B).
     ``family="gemma3"``: a Gemma 3 text model of 6 layers (five local, one global: its default
     pattern), local RoPE base 10000 and a global one of 10^6 with linear scaling by 2. Both draw their
-    ``(1 + w)`` norm weights around 0 (transformers sets them to 0). ``overrides``: further config fields.
+    ``(1 + w)`` norm weights around 0 (transformers sets them to 0). ``family="qwen3_moe"``: Qwen3's
+    layer with 8 experts of 64, top 2 renormalised, layer 0 dense (``mlp_only_layers``);
+    ``family="mixtral"``: Mistral's with 8 experts of 128, top 2, in every layer; both draw their router
+    weights (transformers' Qwen3-MoE leaves them 0, every expert tied). ``overrides``: further config fields.
     Head size 64 everywhere but Llama's, so the fused CPU kernels run them.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
-                              MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen3Config,
-                              Qwen3ForCausalLM)
+                              MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                              PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     directory.mkdir(parents=True, exist_ok=True)
     byte_symbols = pre_tokenizers.ByteLevel.alphabet()
@@ -59,14 +62,22 @@ def write_tiny_checkpoint(
     shape = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
                  max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.2,
                  bos_token_id=None, eos_token_id=vocab[EOS], pad_token_id=vocab[EOS]) | dict(overrides or {})
-    if family == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(num_key_value_heads=2, head_dim=64, **shape))
+    if family in ("qwen3", "qwen3_moe"):
+        if family == "qwen3":
+            model = Qwen3ForCausalLM(Qwen3Config(num_key_value_heads=2, head_dim=64, **shape))
+        else:
+            model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**({"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                                            "norm_topk_prob": True, "mlp_only_layers": [0]} | shape),
+                                                         num_key_value_heads=2, head_dim=64))
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
                 layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
     elif family == "mistral":
         model = MistralForCausalLM(MistralConfig(num_key_value_heads=2, head_dim=64, sliding_window=sliding_window, **shape))
+    elif family == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(**({"num_local_experts": 8, "num_experts_per_tok": 2} | shape), num_key_value_heads=2,
+                                                 head_dim=64, sliding_window=sliding_window))
     elif family == "phi3":
         factors = [torch.empty(16).uniform_(1.0, 4.0).tolist() for _ in range(2)]
         rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": factors[0], "long_factor": factors[1]}
@@ -86,6 +97,10 @@ def write_tiny_checkpoint(
                     weight.normal_(0.0, 0.3)
     else:
         model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=1, **shape))
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):  # a router
+                weight.normal_(0.0, 0.2)
     model.save_pretrained(directory)
     return directory
 

@@ -1,7 +1,9 @@
 """The families added through ``services/device/model/README.md`` served through the three services:
 Qwen3, Mistral with a sliding window shorter than the prompts, and Gemma 2 and Gemma 3 with such a
-window on their local layers beside global ones (Gemma 2 soft-capped); one pipeline each. Phi-3 differs
-only in what the model does at load and in its RoPE tables, checked in the unit tests. The same
+window on their local layers beside global ones (Gemma 2 soft-capped), and Qwen3-MoE (a dense layer and a
+mixture of experts: batched rows routed to different experts); one pipeline each. Phi-3 differs
+only in what the model does at load and in its RoPE tables, checked in the unit tests, and Mixtral
+only in its names and routing, which Qwen3-MoE's pipeline runs the same code for. The same
 pipelines embed while they generate: Qwen3 by its last token (a plain checkpoint), the Mistral
 directory as a sentence-transformers model that mean-pools, its prompts prefilled in chunks of 5."""
 
@@ -32,6 +34,7 @@ CHECKPOINTS = {
     "mistral-window": {"family": "mistral", "sliding_window": 8},
     "gemma2": {"family": "gemma2", "sliding_window": 8},
     "gemma3": {"family": "gemma3", "sliding_window": 8},
+    "qwen3_moe": {"family": "qwen3_moe"},
 }
 MEAN_POOLED = {"mistral-window"}  # written as sentence-transformers directories that mean-pool
 EMBEDDED = ("The quick brown fox", "x", "Hello, world")

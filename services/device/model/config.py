@@ -81,6 +81,12 @@ class ModelConfig:
     layers that ignore ``sliding_window`` (empty: the window, if any, is every layer's);
     ``local_rope_theta``: the RoPE base of the windowed layers, which take no ``rope_scaling``
     (Gemma 3's ``rope_local_base_freq``), ``None`` for every layer's RoPE alike.
+
+    Mixture of experts (Qwen3-MoE, Mixtral; ``moe.py``): ``num_experts`` routed experts (0: every
+    layer's MLP is dense), each token's ``experts_per_token`` highest router probabilities (softmax over
+    all experts) choose its experts, renormalised to sum 1 with ``norm_topk_prob``; each expert is a
+    SwiGLU MLP of ``moe_intermediate_size``; ``dense_mlp_layers`` keep the dense MLP of
+    ``intermediate_size`` (Qwen3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``).
     """
 
     architecture: str
@@ -112,6 +118,11 @@ class ModelConfig:
     final_softcap: float | None = None
     full_attention_layers: tuple[int, ...] = ()
     local_rope_theta: float | None = None
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_mlp_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -122,6 +133,14 @@ class ModelConfig:
             raise ValueError(f"soft-capping values must be positive, got {self.attn_softcap}, {self.final_softcap}")
         if not all(0 <= i < self.num_layers for i in self.full_attention_layers):
             raise ValueError(f"full_attention_layers={self.full_attention_layers} names a layer outside 0..{self.num_layers - 1}")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token} is not within 1..num_experts={self.num_experts}")
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Whether each layer's MLP is a mixture of experts (else dense)."""
+        dense = set(self.dense_mlp_layers)
+        return tuple(bool(self.num_experts) and i not in dense for i in range(self.num_layers))
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -162,7 +181,9 @@ def config_from_gguf(fields: Mapping[str, Any], tensor_shapes: Mapping[str, tupl
     ``{arch}.attention.sliding_window`` (``GGUFWriter.add_sliding_window``) sets the window where present
     (0: none). A family with ``gguf_partial_rotary`` (Phi-3) reads ``rope.dimension_count`` as its
     ``rotary_dim`` and LongRoPE from its ``rope_factors_*`` tensors (``_gguf_rope_scaling``).
-    Sandwich norms are there when layer 0's ``attn_post_norm`` is; the family's ``gguf_fields``
+    Sandwich norms are there when layer 0's ``attn_post_norm`` is; experts where ``{arch}.expert_count``
+    is (``expert_used_count``, ``expert_feed_forward_length``, ``expert_weights_norm``: llama.cpp's
+    keys), routed in the layers that have a ``ffn_gate_inp`` router, dense in the others; the family's ``gguf_fields``
     add what llama.cpp derives from the architecture (Gemma's window pattern, scales, soft-capping).
     Raises ``ModelLoadError`` naming ``path`` for an unsupported architecture or a missing key.
     """
@@ -209,6 +230,14 @@ def config_from_gguf(fields: Mapping[str, Any], tensor_shapes: Mapping[str, tupl
         pooling=GGUF_POOLING.get(int(fields.get(f"{arch}.pooling_type", 0)), "last"),
         sandwich_norms="blk.0.attn_post_norm.weight" in tensor_shapes,
     )
+    experts = int(fields.get(f"{arch}.expert_count") or 0)
+    if experts:  # llama.cpp's keys; a layer routes where it has ffn_gate_inp (the router), else it is dense
+        common |= dict(
+            num_experts=experts, experts_per_token=int(need("expert_used_count")),
+            moe_intermediate_size=int(fields.get(f"{arch}.expert_feed_forward_length") or common["intermediate_size"]),
+            norm_topk_prob=bool(fields.get(f"{arch}.expert_weights_norm", True)),  # llama.cpp's qwen3moe and llama renormalise
+            dense_mlp_layers=tuple(i for i in range(common["num_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_shapes),
+        )
     try:
         return ModelConfig(**(common | family.gguf_fields(fields, arch, common)))
     except Unsupported as exc:

@@ -14,7 +14,8 @@ sliding attention window on every layer or on some (``sliding_window``, ``full_a
 Mistral, Phi-3, Gemma; ``attention.py``) and Gemma's parts: a GeGLU MLP (``hidden_act``), norms on
 the attention and MLP outputs (``sandwich_norms``), scaled embeddings (``embed_scale``), a softmax
 scale of its own (``attention_scale``), soft-capped attention scores and logits (``attn_softcap``,
-``final_softcap``) and a RoPE base of the local layers' own (``local_rope_theta``, ``rope.py``).
+``final_softcap``), a RoPE base of the local layers' own (``local_rope_theta``, ``rope.py``) and
+a mixture of experts as the MLP (``num_experts``: Qwen3-MoE, Mixtral; ``moe.py``).
 When every layer is windowed, prepare releases the blocks the window has left behind (README,
 "Sliding window"): their block-table entries point at block 0, which attention reads only under
 the window's mask.
@@ -39,6 +40,7 @@ from stageserve.device.model.config import ModelConfig
 from stageserve.device.model.forward_batch import ForwardBatch
 from stageserve.device.model.kv_cache import PagedKVCache
 from stageserve.device.model.linear import Linear
+from stageserve.device.model.moe import MoEMLP
 from stageserve.device.model.rope import apply_rope, layer_rope_tables, rotary_row_order
 from stageserve.device.model.weights import expected_shapes, load_weights
 
@@ -53,12 +55,17 @@ class LayerWeights:
     qkv: Linear  # [hidden] -> [q_size + 2 * kv_size], with Qwen2's bias
     o: Linear  # [q_size] -> [hidden]
     post_norm: torch.Tensor  # [hidden], the MLP's input norm (Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm)
-    gate_up: Linear  # [hidden] -> [2 * intermediate]
-    down: Linear  # [intermediate] -> [hidden]
+    gate_up: Linear | None  # [hidden] -> [2 * intermediate]; None in a mixture-of-experts layer
+    down: Linear | None  # [intermediate] -> [hidden]
     q_norm: torch.Tensor | None = None  # [head_dim], with config.qk_norm (Qwen3)
     k_norm: torch.Tensor | None = None  # [head_dim]
     attn_out_norm: torch.Tensor | None = None  # [hidden], with config.sandwich_norms: Gemma's post_attention_layernorm
     mlp_out_norm: torch.Tensor | None = None  # [hidden], with config.sandwich_norms: post_feedforward_layernorm
+    moe: MoEMLP | None = None  # the mixture of experts that is this layer's MLP (config.moe_layers)
+
+    def linears(self) -> list[Linear | QuantizedLinear]:
+        """Every linear of the layer (the experts' too)."""
+        return [self.qkv, self.o, *(self.moe.linears() if self.moe is not None else (self.gate_up, self.down))]
 
     def norm_qk_heads_(self, qkv: torch.Tensor, heads: int, kv_heads: int, eps: float) -> torch.Tensor:
         """With ``q_norm``/``k_norm``: RMSNorm each query and key head of ``qkv`` [T, (H + 2K) * D] in place
@@ -134,7 +141,7 @@ class DecoderModel:
         else:  # a tied head is packed separately from the embedding table on CPU (one more vocab x hidden copy)
             self.embed = (embed.dequantize() if isinstance(embed, QuantizedWeight) else embed).to(self.device, self.dtype)  # [vocab, hidden]
         self.norm = w("model.norm.weight")
-        self.layers = [self._layer(f"model.layers.{i}.", weights, w, linear) for i in range(config.num_layers)]
+        self.layers = [self._layer(i, weights, w, linear) for i in range(config.num_layers)]
         if self.unkernelled_formats:
             log.info("linears of format %s dequantized to %s: no quantized kernel on this CPU takes them (int5 and the K-quants "
                      "but Q4_K need the VNNI kernel: AVX512-VNNI, stageserve's CPU kernels, 16-row panels)",
@@ -144,31 +151,40 @@ class DecoderModel:
         # budget of one dense copy applies to oneDNN's copies (a CPU without AMX).
         self.amx_dense_copies = amx and self.dtype == torch.bfloat16 and cpu_kernels.amx_ready(torch.empty(16, 32, dtype=torch.bfloat16))
         self._keep_dense_copies(dense_copy, budgeted=not self.amx_dense_copies)
-        self.amx_linears = any(getattr(lin, "amx_weight", None) is not None for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        self.amx_linears = any(getattr(lin, "amx_weight", None) is not None for layer in self.layers for lin in layer.linears())
         self.rope, self.layer_rope = layer_rope_tables(config, self.dtype, self.device)  # [(cos, signed_sin) [P, D]], an index per layer
         self.layer_windows = config.layer_windows
         self.scale = config.softmax_scale
         # Rounded to the activation dtype first, as transformers' Gemma2TextScaledWordEmbedding does.
         self.embed_scale = None if config.embed_scale is None else float(torch.tensor(config.embed_scale).to(self.dtype))
 
-    def _layer(self, p: str, weights: dict, w, linear) -> LayerWeights:
-        """Decoder layer ``p`` (``model.layers.{i}.``) from HF-named ``weights``: ``w`` moves a norm onto the
-        device, ``linear`` builds a (fused) linear from weight and bias names (see ``__init__``)."""
+    def _layer(self, index: int, weights: dict, w, linear) -> LayerWeights:
+        """Decoder layer ``index`` from HF-named ``weights``: ``w`` moves a norm onto the device,
+        ``linear`` builds a (fused) linear from weight and bias names (see ``__init__``)."""
+        p = f"model.layers.{index}."
         attn, mlp = p + "self_attn.", p + "mlp."
         qkv = tuple(attn + f"{x}_proj." for x in "qkv")
-        qk_norm, sandwich = self.config.qk_norm, self.config.sandwich_norms
+        c = self.config
+        qk_norm, sandwich, gated = c.qk_norm, c.sandwich_norms, c.hidden_act == "silu"  # packed for the fused SwiGLU (amx_swiglu) only with SiLU
+        moe = None
+        if c.moe_layers[index]:
+            experts = [f"{mlp}experts.{j}." for j in range(c.num_experts)]
+            moe = MoEMLP(
+                router=self._linear([weights[mlp + "gate.weight"]], None, "dequantize", False, False),  # routing stays in the activation dtype
+                gate_ups=[linear((e + "gate_proj.weight", e + "up_proj.weight"), gated=gated) for e in experts],
+                downs=[linear((e + "down_proj.weight",)) for e in experts], top_k=c.experts_per_token, normalize=c.norm_topk_prob)
         return LayerWeights(
             input_norm=w(p + "input_layernorm.weight"),
             qkv=linear(tuple(n + "weight" for n in qkv), tuple(n + "bias" for n in qkv) if self.config.attention_bias else ()),
             o=linear((attn + "o_proj.weight",), (attn + "o_proj.bias",) if attn + "o_proj.bias" in weights else ()),
             post_norm=w(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
-            # packed for the fused SwiGLU (amx_swiglu) only where the activation is SiLU
-            gate_up=linear((mlp + "gate_proj.weight", mlp + "up_proj.weight"), gated=self.config.hidden_act == "silu"),
-            down=linear((mlp + "down_proj.weight",)),
+            gate_up=None if moe else linear((mlp + "gate_proj.weight", mlp + "up_proj.weight"), gated=gated),
+            down=None if moe else linear((mlp + "down_proj.weight",)),
             q_norm=w(attn + "q_norm.weight") if qk_norm else None,
             k_norm=w(attn + "k_norm.weight") if qk_norm else None,
             attn_out_norm=w(p + "post_attention_layernorm.weight") if sandwich else None,
             mlp_out_norm=w(p + "post_feedforward_layernorm.weight") if sandwich else None,
+            moe=moe,
         )
 
     def _linear(self, parts: list[torch.Tensor | QuantizedWeight], bias: torch.Tensor | None, weight_format: str, amx: bool, gated: bool) -> Linear | QuantizedLinear:
@@ -190,7 +206,7 @@ class DecoderModel:
         return QuantizedLinear(kernel, bias, self.dtype, make_dense=dense_copy, own_kernels=self.cpu_kernels_allowed)
 
     def _linears(self) -> list[Linear | QuantizedLinear]:
-        return [self.lm_head] + [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return [self.lm_head] + [lin for layer in self.layers for lin in layer.linears()]
 
     def _keep_dense_copies(self, mode: str, budgeted: bool) -> None:
         """Give the quantized linears their dense copies as ``mode`` says (see ``__init__``); with
@@ -307,7 +323,7 @@ class DecoderModel:
                 attention = F.rms_norm(attention, hidden, layer.attn_out_norm, eps)
             x = x + attention
             h = F.rms_norm(x, hidden, layer.post_norm, eps)
-            mlp = layer.down(_gated_activation(layer.gate_up(h), c.intermediate_size, c.hidden_act))
+            mlp = self._mlp(layer, h, fused=False)
             if layer.mlp_out_norm is not None:
                 mlp = F.rms_norm(mlp, hidden, layer.mlp_out_norm, eps)
             x = x + mlp
@@ -318,7 +334,8 @@ class DecoderModel:
 
         Same math as ``_layers_torch``, in fewer passes: RoPE and the KV store in one op, decode
         attention reading the pool in place, each residual add fused into the next RMSNorm
-        (``x`` is updated in place), SwiGLU in one op (GeGLU in torch ops).
+        (``x`` is updated in place), SwiGLU in one op (GeGLU in torch ops), a mixture of experts'
+        routing in torch ops around each expert's fused SwiGLU.
         """
         c, eps = self.config, self.config.rms_norm_eps
         heads, kv_heads, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -338,10 +355,7 @@ class DecoderModel:
             if layer.attn_out_norm is not None:
                 attention = cpu_kernels.rms_norm(attention, layer.attn_out_norm, eps)
             h = cpu_kernels.add_rms_norm(x, attention, layer.post_norm, eps)
-            if c.hidden_act == "silu":
-                mlp = layer.down(layer.gate_up.swiglu(h))
-            else:
-                mlp = layer.down(_gated_activation(layer.gate_up(h), c.intermediate_size, c.hidden_act))
+            mlp = self._mlp(layer, h, fused=True)
             if layer.mlp_out_norm is not None:
                 mlp = cpu_kernels.rms_norm(mlp, layer.mlp_out_norm, eps)
             if index + 1 < len(self.layers):
@@ -350,10 +364,18 @@ class DecoderModel:
                 x += mlp
         return x
 
+    def _mlp(self, layer: LayerWeights, h: torch.Tensor, fused: bool) -> torch.Tensor:
+        """The layer's MLP of ``h`` [T, hidden] -> [T, hidden]: its mixture of experts, else its dense gated MLP."""
+        if layer.moe is not None:
+            return layer.moe(h, lambda gate_up, down, rows: self._gated_mlp(gate_up, down, rows, fused))
+        return self._gated_mlp(layer.gate_up, layer.down, h, fused)
 
-def _gated_activation(gate_up: torch.Tensor, intermediate: int, activation: str) -> torch.Tensor:
-    """``act(gate) * up`` from the fused ``[T, 2 * intermediate]`` projection -> ``[T, intermediate]``
-    (Shazeer 2020): SwiGLU for ``silu``, GeGLU with tanh-approximated GELU for ``gelu_pytorch_tanh``
-    (transformers' ``GELUTanh``, Gemma's ``hidden_activation``)."""
-    gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
-    return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
+    def _gated_mlp(self, gate_up: Linear | QuantizedLinear, down: Linear | QuantizedLinear, h: torch.Tensor, fused: bool) -> torch.Tensor:
+        """``down(act(gate) * up)`` of ``h`` [T, hidden] (Shazeer 2020): SwiGLU for ``silu`` (one op on
+        the ``fused`` CPU kernels), GeGLU with tanh-approximated GELU for ``gelu_pytorch_tanh``
+        (transformers' ``GELUTanh``, Gemma's ``hidden_activation``)."""
+        silu = self.config.hidden_act == "silu"
+        if fused and silu:
+            return down(gate_up.swiglu(h))
+        gate, up = gate_up(h).chunk(2, dim=-1)
+        return down((F.silu(gate) if silu else F.gelu(gate, approximate="tanh")) * up)

@@ -39,7 +39,8 @@ class Family:
     RMSNorm weight of a Hugging Face checkpoint at load (Gemma's ``(1 + w)`` norms), so the
     decoder multiplies by the stored weight as llama.cpp's GGUF already stores it.
     ``hf_weight_prefixes``: ``(prefix, replacement)`` pairs renaming a checkpoint's tensors into
-    the decoder's names (a multimodal checkpoint's language model). ``gguf_fields`` maps the GGUF
+    the decoder's names (a multimodal checkpoint's language model); ``hf_weight_names`` renames each
+    tensor after them (Mixtral's ``block_sparse_moe.experts.{j}.w1`` into ``mlp.experts.{j}.gate_proj``). ``gguf_fields`` maps the GGUF
     metadata (``{arch}.*`` keys), its architecture name and the common fields read so far to
     the family's own fields where GGUF has no key for them (llama.cpp derives them from the
     architecture). The hooks raise :class:`Unsupported` for what the decoder cannot run; the reader
@@ -55,6 +56,7 @@ class Family:
     hf_config: Callable[[Mapping[str, Any]], Mapping[str, Any]] = lambda raw: raw
     hf_norm_offset: float = 0.0
     hf_weight_prefixes: tuple[tuple[str, str], ...] = ()
+    hf_weight_names: Callable[[str], str] = lambda name: name
     gguf_fields: Callable[[Mapping[str, Any], str, Mapping[str, Any]], dict[str, Any]] = lambda fields, arch, common: {}
 
 

@@ -52,6 +52,10 @@ _GGUF_LAYER_NAMES = {
     "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3's fused projection
     "attn_post_norm.weight": "post_attention_layernorm.weight",  # Gemma's sandwich norms (with ffn_norm below)
     "ffn_post_norm.weight": "post_feedforward_layernorm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # a mixture of experts' router, and its experts stacked [experts, out, in]
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
 }
 # With sandwich norms llama.cpp's ffn_norm is the MLP's input norm, Gemma's pre_feedforward_layernorm
 # (its post_attention_layernorm, on the attention output, is attn_post_norm).
@@ -118,10 +122,13 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (c.kv_size, c.hidden_size),
             p + "self_attn.v_proj.weight": (c.kv_size, c.hidden_size),
             p + "self_attn.o_proj.weight": (c.hidden_size, c.q_size),
-            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
         }
+        if c.moe_layers[i]:  # the router, then each expert's MLP
+            shapes[p + "mlp.gate.weight"] = (c.num_experts, c.hidden_size)
+            for j in range(c.num_experts):
+                shapes |= _mlp_shapes(f"{p}mlp.experts.{j}.", c.hidden_size, c.moe_intermediate_size)
+        else:
+            shapes |= _mlp_shapes(p + "mlp.", c.hidden_size, c.intermediate_size)
         if c.attention_bias:
             shapes |= {p + "self_attn.q_proj.bias": (c.q_size,), p + "self_attn.k_proj.bias": (c.kv_size,),
                        p + "self_attn.v_proj.bias": (c.kv_size,)}
@@ -130,6 +137,11 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.sandwich_norms:
             shapes |= {p + "pre_feedforward_layernorm.weight": (c.hidden_size,), p + "post_feedforward_layernorm.weight": (c.hidden_size,)}
     return shapes
+
+
+def _mlp_shapes(p: str, hidden: int, intermediate: int) -> dict[str, tuple[int, int]]:
+    return {p + "gate_proj.weight": (intermediate, hidden), p + "up_proj.weight": (intermediate, hidden),
+            p + "down_proj.weight": (hidden, intermediate)}
 
 
 def _check_shapes(config: ModelConfig, weights: dict[str, torch.Tensor], path: Path) -> None:
@@ -148,21 +160,39 @@ _FUSED_HF_NAMES = {
 }
 
 
+# Experts stacked in one tensor, split at load into each expert's own (the names transformers saves
+# Qwen3-MoE under): GGUF's ``ffn_*_exps`` [experts, out, in]; transformers 5's fused parameters
+# (``Qwen3MoeExperts``, ``MixtralExperts``: ``gate_up_proj`` [experts, 2 * intermediate, hidden], gate rows first).
+_EXPERT_STACKS = {
+    "mlp.experts.gate_proj.weight": ("gate_proj.weight",), "mlp.experts.up_proj.weight": ("up_proj.weight",),
+    "mlp.experts.down_proj.weight": ("down_proj.weight",),
+    "mlp.experts.gate_up_proj": ("gate_proj.weight", "up_proj.weight"), "mlp.experts.down_proj": ("down_proj.weight",),
+}
+
+
 def _split_fused(name: str, tensor: torch.Tensor | QuantizedWeight, config: ModelConfig, path: Path) -> list[tuple[str, torch.Tensor | QuantizedWeight]]:
     """``[(name, tensor)]``, or for a fused projection (``_FUSED_HF_NAMES``) its parts by rows under
-    their own names (a `QuantizedWeight` splits by its rows of blocks). Raises ``ModelLoadError``
-    naming ``path`` for a fused tensor whose rows do not add up."""
-    suffix = next((s for s in _FUSED_HF_NAMES if name.endswith("." + s)), None)
+    their own names, for a stack of experts (``_EXPERT_STACKS``; a quantized one as the 2-D rows of
+    every expert in turn) each expert's parts (a `QuantizedWeight` splits by its rows of blocks).
+    Raises ``ModelLoadError`` naming ``path`` for a fused tensor whose rows do not add up."""
+    stack = next((s for s in _EXPERT_STACKS if name.endswith("." + s)), None)
+    suffix = stack or next((s for s in _FUSED_HF_NAMES if name.endswith("." + s)), None)
     if suffix is None:
         return [(name, tensor)]
     prefix = name.removesuffix("." + suffix)
-    sizes = (config.q_size, config.kv_size, config.kv_size) if suffix.startswith("self_attn.") else (config.intermediate_size,) * 2
+    if stack is not None:
+        names = tuple(f"mlp.experts.{j}.{part}" for j in range(config.num_experts) for part in _EXPERT_STACKS[stack])
+        sizes = (config.hidden_size if "down" in stack else config.moe_intermediate_size,) * len(names)
+        tensor = tensor if isinstance(tensor, QuantizedWeight) else tensor.reshape(-1, tensor.shape[-1])
+    else:
+        names = _FUSED_HF_NAMES[suffix]
+        sizes = (config.q_size, config.kv_size, config.kv_size) if suffix.startswith("self_attn.") else (config.intermediate_size,) * 2
     rows = tensor.shape[0]
     if rows != sum(sizes):
         raise ModelLoadError(f"{path}: tensor {name!r} has {rows} rows, expected {sum(sizes)}")
     blocks = tensor.blocks if isinstance(tensor, QuantizedWeight) else tensor
     parts = [QuantizedWeight(tensor.qtype, p) if isinstance(tensor, QuantizedWeight) else p for p in blocks.split(sizes)]
-    return [(f"{prefix}.{part_name}", part) for part_name, part in zip(_FUSED_HF_NAMES[suffix], parts)]
+    return [(f"{prefix}.{part_name}", part) for part_name, part in zip(names, parts)]
 
 
 # ---- GGUF -------------------------------------------------------------------------------------
@@ -192,8 +222,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool) -> tuple[Mo
     qk_permuted = family_named(config.architecture).gguf_qk_permuted
     for info in infos:
         raw = torch.frombuffer(buffer, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
-        kept = keep_quantized and info.qtype in KEPT_TYPES and len(info.shape) == 2
-        tensor = from_gguf_bytes(raw, info.qtype, info.shape) if kept else _dequantize(raw, info, path)
+        kept = keep_quantized and info.qtype in KEPT_TYPES and len(info.shape) in (2, 3)  # 3-D: a stack of experts
+        tensor = from_gguf_bytes(raw, info.qtype, (math.prod(info.shape[:-1]), info.shape[-1])) if kept else _dequantize(raw, info, path)
         if info.name == "rope_freqs.weight":
             config = dataclasses.replace(config, rope_freq_factors=tuple(tensor.tolist()))
             continue
@@ -287,8 +317,8 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str,
         try:
             with safe_open(file, framework="pt") as handle:
                 for stored in handle.keys():
-                    name = _renamed(stored, family.hf_weight_prefixes + _BASE_MODEL_PREFIXES)
-                    if name in wanted or name.endswith(tuple(_FUSED_HF_NAMES)):
+                    name = family.hf_weight_names(_renamed(stored, family.hf_weight_prefixes + _BASE_MODEL_PREFIXES))
+                    if name in wanted or name.endswith(tuple(_FUSED_HF_NAMES) + tuple(_EXPERT_STACKS)):
                         for part_name, part in _split_fused(name, handle.get_tensor(stored), config, file):
                             if family.hf_norm_offset and part_name.endswith("norm.weight"):  # (1 + w) norms: the multiplier, in float32
                                 part = part.float() + family.hf_norm_offset

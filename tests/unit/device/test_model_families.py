@@ -1,5 +1,5 @@
 """Model families: the registry, and each family added through ``services/device/model/README.md``'s
-steps (Qwen3, Mistral with and without a sliding window, Phi-3, Gemma 2, Gemma 3) computing what
+steps (Qwen3, Mistral with and without a sliding window, Phi-3, Gemma 2, Gemma 3, Qwen3-MoE, Mixtral) computing what
 transformers computes, from a Hugging Face directory, on the fused CPU kernels and on plain torch ops,
 and from the same weights as GGUF."""
 
@@ -46,15 +46,18 @@ CHECKPOINTS = {
     # a softmax scale that is not head_dim ** -0.5 (llama.cpp's GGUF cannot say it: no GGUF of this one)
     "gemma2-scalar": {"family": "gemma2", "sliding_window": WINDOW, "overrides": {"query_pre_attn_scalar": 24}},
     "gemma3": {"family": "gemma3", "sliding_window": WINDOW},  # five local layers, one global with scaled RoPE
+    "qwen3_moe": {"family": "qwen3_moe"},  # 8 experts, top 2, layer 0 dense (mlp_only_layers)
+    "mixtral": {"family": "mixtral"},  # 8 experts, top 2, in both layers
 }
 GGUF_ARCHITECTURES = {"qwen3": "qwen3", "mistral": "llama", "mistral-window": "llama", "phi3": "phi3",
-                      "gemma2": "gemma2", "gemma3": "gemma3"}  # as llama.cpp writes them
+                      "gemma2": "gemma2", "gemma3": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}  # as llama.cpp writes them
 
 
 def test_every_family_is_registered_under_its_hf_and_gguf_names():
-    assert [f.name for f in family.families()] == ["gemma2", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen3"]
-    assert family.hf_model_types() == ("gemma2", "gemma3", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
-    assert family.gguf_architectures() == ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3")  # llama.cpp writes Mistral as llama
+    assert [f.name for f in family.families()] == ["gemma2", "gemma3", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe"]
+    assert family.hf_model_types() == ("gemma2", "gemma3", "gemma3_text", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
+    # llama.cpp writes Mistral and Mixtral as llama
+    assert family.gguf_architectures() == ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3", "qwen3moe")
     assert family.family_for_hf("gemma3").name == family.family_for_hf("gemma3_text").name == "gemma3"
     assert family.family_for_hf("qwen3").name == "qwen3" and family.family_for_gguf("qwen3").name == "qwen3"
     assert family.family_for_hf("mistral").name == "mistral" and family.family_for_hf("phi3").name == "phi3"
@@ -94,6 +97,8 @@ def test_configs_read_each_familys_fields(checkpoint):
         "gemma2": ("gemma2", 64, False, WINDOW, None),
         "gemma2-scalar": ("gemma2", 64, False, WINDOW, None),
         "gemma3": ("gemma3", 64, True, WINDOW, None),
+        "qwen3_moe": ("qwen3_moe", 64, True, None, None),
+        "mixtral": ("mixtral", 64, False, None, None),
     }[name]
     assert (config.architecture, config.head_dim, config.qk_norm, config.sliding_window, config.rotary_dim) == expected
     assert not config.attention_bias
@@ -106,6 +111,8 @@ def test_configs_read_each_familys_fields(checkpoint):
     assert config.layer_windows == {"gemma3": (WINDOW,) * 5 + (None,)}.get(name, (WINDOW, None) if gemma else (config.sliding_window,) * 2)
     # the window prepare releases KV blocks by (AttachReply.kv_window): only where every layer has it, in the draft model too
     assert (kv_window(config), kv_window(config, config)) == ((WINDOW, WINDOW) if name == "mistral-window" else (0, 0))
+    moe = {"qwen3_moe": (8, 2, 64, True, (False, True)), "mixtral": (8, 2, 128, True, (True, True))}.get(name, (0, 0, 0, False, (False,) * config.num_layers))
+    assert (config.num_experts, config.experts_per_token, config.moe_intermediate_size, config.norm_topk_prob, config.moe_layers) == moe
     if name == "gemma3":  # the global layers' RoPE (scaled), the local layers' own base
         assert (config.rope_theta, config.rope_scaling, config.local_rope_theta) == (1e6, {"rope_type": "linear", "factor": 2.0}, 1e4)
 
@@ -164,8 +171,12 @@ def write_gguf(checkpoint: Path, path: Path, arch: str, linears: gguf.GGMLQuanti
     LongRoPE factors as tensors with the original context length and attention factor); Gemma 2 and
     Gemma 3 as ``gemma2`` / ``gemma3`` (``Gemma2Model``, ``Gemma3Model``: every norm weight + 1, the
     sandwich norms as ``attn_post_norm`` / ``ffn_norm`` / ``ffn_post_norm``, the window and caps as keys,
-    Gemma 3's global RoPE base and scaling; no layer pattern, softmax scale or local base).
-    ``linears``: the block type of the layers' 2-D weights (``gguf.quants.quantize``)."""
+    Gemma 3's global RoPE base and scaling; no layer pattern, softmax scale or local base); Qwen3-MoE
+    as ``qwen3moe`` and Mixtral as ``llama`` (``Qwen3MoeModel``, ``LlamaModel``): the experts stacked
+    as ``ffn_{gate,up,down}_exps`` [experts, out, in], the router as ``ffn_gate_inp`` (kept float32, as
+    ``llama-quantize`` keeps it), ``expert_count`` / ``expert_used_count`` (and Qwen3-MoE's
+    ``expert_feed_forward_length``). ``linears``: the block type of the layers' 2-D weights and expert
+    stacks (``gguf.quants.quantize``)."""
     hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
     c = hf.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -197,6 +208,11 @@ def write_gguf(checkpoint: Path, path: Path, arch: str, linears: gguf.GGMLQuanti
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
         writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    if getattr(c, "num_local_experts", None):  # Qwen3MoeConfig's num_experts is the same attribute
+        writer.add_expert_count(c.num_local_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     if arch == "gemma3" and rope["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -205,13 +221,19 @@ def write_gguf(checkpoint: Path, path: Path, arch: str, linears: gguf.GGMLQuanti
                    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
                    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-                   "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # Phi-3's fused ones
+                   "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused ones
+                   "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
+                   "mlp.experts.down_proj": "ffn_down_exps"}  # a mixture of experts' router and stacked experts
     if arch.startswith("gemma"):  # llama.cpp's names of the sandwich norms
         layer_names |= {"post_attention_layernorm": "attn_post_norm", "pre_feedforward_layernorm": "ffn_norm",
                         "post_feedforward_layernorm": "ffn_post_norm"}
     for i in range(c.num_hidden_layers):
         names |= {f"model.layers.{i}.{hf}.weight": f"blk.{i}.{ours}.weight" for hf, ours in layer_names.items()}
     state = hf.state_dict()
+    for key in [k for k in state if k.endswith("mlp.experts.gate_up_proj")]:  # transformers 5's fused experts [E, 2 * I, H]
+        prefix = key.removesuffix("gate_up_proj")
+        state[prefix + "gate_proj.weight"], state[prefix + "up_proj.weight"] = (t.contiguous() for t in state.pop(key).chunk(2, dim=1))
+        state[prefix + "down_proj.weight"] = state.pop(prefix + "down_proj")
     assert c.tie_word_embeddings and set(state) - set(names) <= {"lm_head.weight"}
     for hf_name, gguf_name in names.items():
         if hf_name not in state:
@@ -222,7 +244,8 @@ def write_gguf(checkpoint: Path, path: Path, arch: str, linears: gguf.GGMLQuanti
         if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = c.num_attention_heads if "attn_q" in gguf_name else c.num_key_value_heads
             tensor = tensor.reshape(heads, 2, tensor.shape[0] // heads // 2, tensor.shape[1]).swapaxes(1, 2).reshape(tensor.shape)
-        if tensor.dim() == 2 and gguf_name.startswith("blk.") and linears != gguf.GGMLQuantizationType.F32:
+        quantized = tensor.dim() >= 2 and gguf_name.startswith("blk.") and "ffn_gate_inp" not in gguf_name
+        if quantized and linears != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, gguf.quants.quantize(tensor.numpy(), linears), raw_dtype=linears)
         else:
             writer.add_tensor(gguf_name, tensor.numpy())
@@ -239,7 +262,8 @@ def test_gguf_gives_transformers_tokens(checkpoint, reference, tmp_path):
     and ``qwen3.attention.key_length``; Mistral as ``llama``, with its window; Phi-3's fused tensors,
     rotary dimension and LongRoPE factors; Gemma's norms stored + 1, its sandwich norms, caps, and
     the layer pattern, scales and local RoPE base llama.cpp derives from the architecture) and give
-    transformers' greedy tokens, logits within 1e-4."""
+    transformers' greedy tokens, logits within 1e-4. Qwen3-MoE and Mixtral: their experts, routers and
+    dense layers (those without ``ffn_gate_inp``)."""
     name, directory = checkpoint
     prompt, ref_tokens, ref_logits = reference
     arch = GGUF_ARCHITECTURES[name]
@@ -247,7 +271,8 @@ def test_gguf_gives_transformers_tokens(checkpoint, reference, tmp_path):
     hf_config = load_config(directory)
     assert model.config.architecture == ("llama" if arch == "llama" else name)
     fields = ("head_dim", "qk_norm", "sliding_window", "rotary_dim", "num_kv_heads", "intermediate_size", "hidden_act",
-              "sandwich_norms", "embed_scale", "softmax_scale", "attn_softcap", "final_softcap", "layer_windows", "local_rope_theta")
+              "sandwich_norms", "embed_scale", "softmax_scale", "attn_softcap", "final_softcap", "layer_windows", "local_rope_theta",
+              "num_experts", "experts_per_token", "moe_intermediate_size", "norm_topk_prob", "moe_layers")
     assert [getattr(model.config, f) for f in fields] == [getattr(hf_config, f) for f in fields]
     if hf_config.rope_scaling and hf_config.rope_scaling["rope_type"] == "longrope":
         assert model.config.rope_scaling["short_factor"] == pytest.approx(hf_config.rope_scaling["short_factor"])
@@ -263,7 +288,8 @@ def test_gguf_gives_transformers_tokens(checkpoint, reference, tmp_path):
     ("change", "message"),
     [
         ({"model_type": "gpt2"},
-         r"config\.json: unsupported model_type 'gpt2' \(supported: gemma2, gemma3, gemma3_text, llama, mistral, phi3, qwen2, qwen3\)"),
+         r"config\.json: unsupported model_type 'gpt2' \(supported: gemma2, gemma3, gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen3, "
+         r"qwen3_moe\)"),
         ({"rope_parameters": {"rope_type": "mrope", "rope_theta": 10000.0}},
          r"config\.json: unsupported rope_type 'mrope' \(supported: default, linear, dynamic, llama3, yarn, longrope\)"),
         ({"hidden_act": "relu"}, r"config\.json: unsupported hidden_act 'relu' \(supported: silu, gelu_pytorch_tanh\)"),
@@ -318,6 +344,64 @@ def test_a_q8_0_phi3_gguf_splits_its_fused_blocks_and_runs_them_on_int8_kernels(
     ref_tokens, ref_logits = greedy(DecoderModel.from_path(path, torch.float32, "cpu"), prompt, NEW_TOKENS)
     assert (logits - ref_logits).abs().max() < 1e-2  # int8 activations (measured 3e-3)
     assert tokens == ref_tokens
+
+
+@pytest.mark.parametrize("checkpoint", ["qwen3_moe"], indirect=True)
+def test_a_q8_0_moe_gguf_keeps_its_experts_quantized_on_int8_kernels(checkpoint, reference, tmp_path):
+    """Qwen3-MoE's ``ffn_*_exps`` stacks in Q8_0 split by rows of blocks into each expert's weight,
+    which dequantizes to what the dequantizing load gives; kept quantized (``--weights auto``), every
+    expert's linears and the dense layer's run int8 (the routers, float32 in the file, stay dense) and
+    give the dequantized model's greedy tokens."""
+    prompt = reference[0]
+    path = write_gguf(checkpoint[1], tmp_path / "qwen3_moe-q8_0.gguf", "qwen3moe", gguf.GGMLQuantizationType.Q8_0)
+    _, kept = load_weights(path, torch.float32, keep_quantized=True)
+    _, dense = load_weights(path, torch.float32)
+    for name in ("experts.0.gate_proj", "experts.3.up_proj", "experts.7.down_proj"):
+        part = kept[f"model.layers.1.mlp.{name}.weight"]
+        assert isinstance(part, QuantizedWeight) and torch.equal(part.dequantize(), dense[f"model.layers.1.mlp.{name}.weight"])
+    model = DecoderModel.from_path(path, torch.float32, "cpu", weight_format="auto")
+    c = model.config
+    assert model.linear_formats["int8"] == 2 * c.num_layers + 2 + 2 * c.num_experts  # q/k/v + o, the dense MLP, the experts
+    assert model.linear_formats["float32"] == 1 + 1  # the tied head (float32 embeddings), the router
+    tokens, logits = greedy(model, prompt, NEW_TOKENS)
+    ref_tokens, ref_logits = greedy(DecoderModel.from_path(path, torch.float32, "cpu"), prompt, NEW_TOKENS)
+    # int8 activations (the VNNI kernel), or weights requantized to one scale per row (torch's: 0.13 measured)
+    assert (logits - ref_logits).abs().max() < 0.25
+    assert tokens == ref_tokens
+
+
+@pytest.mark.parametrize("checkpoint", ["mixtral"], indirect=True)
+def test_transformers_fused_expert_parameters_load_as_each_experts_weights(checkpoint, tmp_path):
+    """A checkpoint of transformers 5's in-memory layout (``MixtralExperts.gate_up_proj`` [E, 2I, H],
+    ``down_proj`` [E, H, I], ``mlp.gate``) loads to the weights of the per-expert one it saves."""
+    directory = checkpoint[1]
+    fused = tmp_path / "mixtral-fused"
+    fused.mkdir()
+    (fused / "config.json").write_text((directory / "config.json").read_text())
+    state = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"}, fused / "model.safetensors")
+    config, weights = load_weights(fused, torch.float32)
+    assert (config, weights.keys()) == (load_config(directory), load_weights(directory, torch.float32)[1].keys())
+    reference = load_weights(directory, torch.float32)[1]
+    assert all(torch.equal(weights[name], reference[name]) for name in reference)
+
+
+def test_qwen3_moe_dense_layers_are_transformers_ones(tmp_path):
+    """``mlp_only_layers`` and ``decoder_sparse_step`` make the layers transformers builds dense
+    (``Qwen3MoeDecoderLayer``) dense here too; a config of Qwen's own keys (``num_experts``) reads as one
+    transformers saved (``num_local_experts``)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    raw = {"model_type": "qwen3_moe", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "moe_intermediate_size": 4,
+           "num_hidden_layers": 6, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "num_experts": 4,
+           "num_experts_per_tok": 2, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{k: v for k, v in raw.items() if k != "model_type"}))
+    config = load_config(tmp_path)
+    assert config.moe_layers == tuple(isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) for layer in hf.model.layers)
+    assert config.moe_layers == (False, True, False, False, False, True) and config.num_experts == 4
 
 
 @pytest.mark.parametrize("checkpoint", ["gemma3"], indirect=True)

@@ -1,0 +1,90 @@
+"""The mixture-of-experts MLP every MoE family shares (Qwen3-MoE, Mixtral): a softmax router choosing
+each token's top-k experts, and the experts run as one grouped pass each over the rows routed to it.
+
+Math as transformers' ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock`` (``modeling_qwen3_moe.py``,
+``modeling_mixtral.py``) and llama.cpp's ``build_moe_ffn`` (``src/llama-graph.cpp``, used by
+``src/models/qwen3moe.cpp``): router logits ``h @ W_r.T``, probabilities softmax over all experts
+(float32), the top k kept and, with ``norm_topk_prob``, divided by their sum (Mixtral's softmax over
+the selected logits is the same); the output is the weighted sum of the chosen experts' SwiGLU MLPs
+(Shazeer et al. 2017, "Outrageously Large Neural Networks"; Lepikhin et al. 2020, "GShard"; Jiang et
+al. 2024, "Mixtral of Experts").
+
+The grouped pass sorts the step's (token, expert) pairs by expert with torch ops (``sort``,
+``unique_consecutive``, ``index_select``, ``index_add_``): each expert that any row chose runs once
+over its rows, so a decode step costs the active experts, not all of them. Each expert's linears
+are the decoder's own (dense, or a quantized kernel where the GGUF's experts are quantized). The
+experts' row counts come to the host to slice the sorted rows: free on the CPU; on CUDA/NPU (the same
+torch ops) a sync per MoE layer, which a fused MoE kernel (vLLM's ``fused_moe``, ``torch_npu``'s
+grouped matmul) would replace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from stageserve.device.kernels.quant_linear import QuantizedLinear
+from stageserve.device.model.linear import Linear
+
+AnyLinear = Linear | QuantizedLinear
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's experts and their weights from router ``logits`` [T, E] (any float dtype).
+
+    Returns ``(weights, experts)``: float32 [T, top_k] (softmax probabilities over all E experts, divided
+    by their sum over the k kept with ``normalize``) and int64 [T, top_k] expert indices, highest first
+    (transformers' ``Qwen3MoeTopKRouter``; ``torch.topk``, so ties break as there)."""
+    weights, experts = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def grouped_experts(
+    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, expert: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``sum_k weights[t, k] * expert(experts[t, k], x[t])`` for every row t, one call per chosen expert.
+
+    Args:
+        x: [T, hidden] the MLP's input (any device, float dtype).
+        weights: float32 [T, k] each row's expert weights (`route`).
+        experts: int64 [T, k] each row's expert indices.
+        expert: ``expert(e, rows)`` -> expert ``e``'s output [n, hidden] for its input rows [n, hidden].
+
+    Returns:
+        [T, hidden] in ``x``'s dtype, accumulated in float32 over the k experts of each row.
+    """
+    top_k = experts.shape[1]
+    chosen, order = experts.flatten().sort(stable=True)  # the (row, slot) pairs grouped by expert
+    ids, counts = torch.unique_consecutive(chosen, return_counts=True)
+    rows = order // top_k  # [T * k] the row each sorted pair came from
+    grouped = x.index_select(0, rows)
+    outputs = [expert(e, part) for e, part in zip(ids.tolist(), grouped.split(counts.tolist()))]
+    weighted = torch.cat(outputs).float() * weights.flatten()[order, None]
+    return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, rows, weighted).to(x.dtype)
+
+
+@dataclass
+class MoEMLP:
+    """One layer's mixture of experts: ``router`` [hidden] -> [E] logits (dense), and each expert's fused
+    ``[gate; up]`` ([hidden] -> [2 * moe_intermediate]) and ``down`` linears."""
+
+    router: AnyLinear
+    gate_ups: Sequence[AnyLinear]
+    downs: Sequence[AnyLinear]
+    top_k: int
+    normalize: bool
+
+    def __call__(self, x: torch.Tensor, mlp: Callable[[AnyLinear, AnyLinear, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``x`` [T, hidden] -> [T, hidden] in ``x``'s dtype; ``mlp(gate_up, down, rows)`` runs one expert's
+        gated MLP (the decoder's, on its fused kernels or torch ops)."""
+        weights, experts = route(self.router(x), self.top_k, self.normalize)
+        return grouped_experts(x, weights, experts, lambda e, rows: mlp(self.gate_ups[e], self.downs[e], rows))
+
+    def linears(self) -> list[AnyLinear]:
+        """The router's and every expert's linears."""
+        return [self.router, *self.gate_ups, *self.downs]

@@ -1,0 +1,66 @@
+"""The mixture-of-experts MLP (``services/device/model/moe.py``): routing as transformers' top-k router,
+and the grouped pass (rows sorted by expert, one call per chosen expert) equal to a naive per-token sum."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from stageserve.device.model.linear import Linear
+from stageserve.device.model.moe import MoEMLP, grouped_experts, route
+
+EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 8, 2, 16, 24
+
+
+def _gated(gate_up: Linear, down: Linear, x: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up(x).chunk(2, dim=-1)
+    return down(F.silu(gate) * up)
+
+
+def _moe(normalize: bool) -> MoEMLP:
+    g = torch.Generator().manual_seed(0)
+    return MoEMLP(
+        router=Linear(torch.randn(EXPERTS, HIDDEN, generator=g)),
+        gate_ups=[Linear(torch.randn(2 * INTERMEDIATE, HIDDEN, generator=g) * 0.3) for _ in range(EXPERTS)],
+        downs=[Linear(torch.randn(HIDDEN, INTERMEDIATE, generator=g) * 0.3) for _ in range(EXPERTS)],
+        top_k=TOP_K, normalize=normalize)
+
+
+def test_routing_is_the_top_k_of_the_softmax_renormalised_where_asked():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 0.0, 0.0, 3.5]])
+    probs = logits.softmax(-1)
+    weights, experts = route(logits, 2, normalize=False)
+    assert experts.tolist() == [[1, 2], [3, 0]] and torch.allclose(weights, probs.gather(1, experts))
+    weights, _ = route(logits, 2, normalize=True)  # Mixtral: the softmax over the two selected logits
+    assert torch.allclose(weights, logits.gather(1, experts).softmax(-1))
+
+
+def test_the_grouped_pass_equals_a_naive_sum_over_each_tokens_experts():
+    """37 rows (a prefill's) and 1 row (a decode's), with and without renormalised weights: each row's
+    weighted sum of its own experts' MLPs, computed token by token, within float32 rounding."""
+    for normalize in (False, True):
+        moe = _moe(normalize)
+        for rows in (37, 1):
+            x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows))
+            weights, experts = route(moe.router(x), TOP_K, normalize)
+            naive = torch.stack([
+                sum(weights[t, k] * _gated(moe.gate_ups[e], moe.downs[e], x[t : t + 1])[0] for k, e in enumerate(experts[t].tolist()))
+                for t in range(rows)])
+            assert torch.allclose(moe(x, _gated), naive, atol=1e-5)
+
+
+def test_only_the_chosen_experts_run_each_once_over_its_rows():
+    """A decode step's cost follows its active experts: an expert nobody chose is never called, and
+    each chosen one once, over exactly the rows routed to it."""
+    x = torch.arange(4.0).repeat_interleave(HIDDEN).view(4, HIDDEN)  # row t holds t everywhere
+    experts = torch.tensor([[5, 1], [1, 6], [5, 6], [1, 5]])
+    calls: dict[int, list[float]] = {}
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        assert e not in calls, f"expert {e} called twice"
+        calls[e] = rows[:, 0].tolist()
+        return rows * (e + 1)
+
+    out = grouped_experts(x, torch.full((4, 2), 0.5), experts, expert)
+    assert {e: sorted(rows) for e, rows in calls.items()} == {1: [0.0, 1.0, 3.0], 5: [0.0, 2.0, 3.0], 6: [1.0, 2.0]}
+    assert out[:, 0].tolist() == [0.5 * (6 + 2) * 0, 0.5 * (2 + 7) * 1, 0.5 * (6 + 7) * 2, 0.5 * (2 + 6) * 3]
