@@ -13,8 +13,10 @@ The grouped pass sorts the step's (token, expert) pairs by expert with torch ops
 ``unique_consecutive``, ``index_select``, ``index_add_``): each expert that any row chose runs once
 over its rows, so a decode step costs the active experts, not all of them. Each expert's linears
 are the decoder's own (dense, or a quantized kernel where the GGUF's experts are quantized). The
-experts' row counts come to the host to slice the sorted rows: free on the CPU; on CUDA/NPU (the same
-torch ops) a sync per MoE layer, which a fused MoE kernel (vLLM's ``fused_moe``, ``torch_npu``'s
+experts' row counts come to the host to slice the sorted rows: free on the CPU, but on CUDA/NPU a
+sync per MoE layer that would make a submit wait for the step before it. There `every_expert` runs
+instead: each expert over every row, weighted 0 where a row did not choose it: no sync, correct,
+and as costly as all the experts, which a fused MoE kernel (vLLM's ``fused_moe``, ``torch_npu``'s
 grouped matmul) would replace.
 """
 
@@ -68,6 +70,19 @@ def grouped_experts(
     return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, rows, weighted).to(x.dtype)
 
 
+def every_expert(
+    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, expert: Callable[[int, torch.Tensor], torch.Tensor], num_experts: int,
+) -> torch.Tensor:
+    """What `grouped_experts` computes (same arguments; ``num_experts`` E), with no value read back
+    to the host: every expert runs over all T rows, its output weighted by each row's weight for it
+    (0 where the row did not choose it). For accelerators, where a host read is a sync."""
+    gates = torch.zeros(x.shape[0], num_experts, dtype=torch.float32, device=x.device).scatter_(1, experts, weights)  # [T, E]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(num_experts):
+        out.addcmul_(expert(e, x).float(), gates[:, e:e + 1])
+    return out.to(x.dtype)
+
+
 @dataclass
 class MoEMLP:
     """One layer's mixture of experts: ``router`` [hidden] -> [E] logits (dense), and each expert's fused
@@ -83,7 +98,10 @@ class MoEMLP:
         """``x`` [T, hidden] -> [T, hidden] in ``x``'s dtype; ``mlp(gate_up, down, rows)`` runs one expert's
         gated MLP (the decoder's, on its fused kernels or torch ops)."""
         weights, experts = route(self.router(x), self.top_k, self.normalize)
-        return grouped_experts(x, weights, experts, lambda e, rows: mlp(self.gate_ups[e], self.downs[e], rows))
+        run = lambda e, rows: mlp(self.gate_ups[e], self.downs[e], rows)  # noqa: E731
+        if x.device.type == "cpu":
+            return grouped_experts(x, weights, experts, run)
+        return every_expert(x, weights, experts, run, len(self.gate_ups))
 
     def linears(self) -> list[AnyLinear]:
         """The router's and every expert's linears."""

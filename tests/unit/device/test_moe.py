@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from stageserve.device.model.linear import Linear
-from stageserve.device.model.moe import MoEMLP, grouped_experts, route
+from stageserve.device.model.moe import MoEMLP, every_expert, grouped_experts, route
 
 EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 8, 2, 16, 24
 
@@ -64,3 +64,12 @@ def test_only_the_chosen_experts_run_each_once_over_its_rows():
     out = grouped_experts(x, torch.full((4, 2), 0.5), experts, expert)
     assert {e: sorted(rows) for e, rows in calls.items()} == {1: [0.0, 1.0, 3.0], 5: [0.0, 2.0, 3.0], 6: [1.0, 2.0]}
     assert out[:, 0].tolist() == [0.5 * (6 + 2) * 0, 0.5 * (2 + 7) * 1, 0.5 * (6 + 7) * 2, 0.5 * (2 + 6) * 3]
+
+
+def test_the_accelerators_pass_of_every_expert_equals_the_grouped_one():
+    """`every_expert` (no host read: CUDA/NPU) gives the grouped pass's output within float32 rounding."""
+    moe = _moe(normalize=True)
+    x = torch.randn(37, HIDDEN, generator=torch.Generator().manual_seed(5))
+    weights, experts = route(moe.router(x), TOP_K, True)
+    run = lambda e, rows: _gated(moe.gate_ups[e], moe.downs[e], rows)  # noqa: E731
+    torch.testing.assert_close(every_expert(x, weights, experts, run, EXPERTS), grouped_experts(x, weights, experts, run), rtol=0, atol=1e-5)
