@@ -26,7 +26,7 @@ import atexit
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -38,6 +38,7 @@ import xgrammar
 from stageserve.device.flags import GRAMMAR_COMPILE_BUDGET_S
 from stageserve.device.kernels import cpu_kernels
 from stageserve.device.step_plan import StartedSequence, Step
+from stageserve.fair_pool import FairPool
 from stageserve.structured_output import ConstraintError, constraint_grammar, readable_error
 from stageserve.v1 import common_pb2
 
@@ -87,12 +88,10 @@ class CompiledGrammars:
         self._cache: OrderedDict[bytes, _Compile] = OrderedDict()
         self._max_entries = max_entries
         self._on_compile = on_compile
-        self._turns = _TenantTurns()
+        self._pool = FairPool(workers, per_tenant=1, name="device-grammar")
         # A thread still inside xgrammar's C++ when the interpreter finalizes aborts the process.
-        atexit.register(self._turns.close)
+        atexit.register(self._pool.close)
         self._lock = threading.Lock()
-        for i in range(workers):
-            threading.Thread(target=self._work, name=f"device-grammar-{i}", daemon=True).start()
 
     def wait_ready(self) -> None:
         """Block until the vocabulary is read (start-up: the first constrained step must not wait for it)."""
@@ -147,7 +146,7 @@ class CompiledGrammars:
             compile_ = self._cache[key] = _Compile(key, constraint)
             if len(self._cache) > self._max_entries:
                 self._cache.popitem(last=False)
-        self._turns.put(tenant, compile_)
+        self._pool.submit(tenant, self._run, compile_)
         return compile_
 
     def _refuse(self, compile_: _Compile, message: str) -> None:
@@ -160,19 +159,16 @@ class CompiledGrammars:
             if self._cache.get(compile_.key) is compile_:
                 self._cache[compile_.key] = refused
 
-    def _work(self) -> None:
-        while True:
-            tenant, compile_ = self._turns.take()
-            try:
-                compile_.started_at = time.perf_counter()
-                compile_.started.set()
-                compile_.future.set_result(self._compile(compile_.constraint))
-            except ConstraintError as exc:
-                compile_.future.set_exception(exc)
-            except Exception as exc:  # noqa: BLE001 - this constraint fails, the device goes on
-                compile_.future.set_exception(ConstraintError(f"the constraint could not be compiled ({readable_error(exc)})"))
-            finally:
-                self._turns.done(tenant)
+    def _run(self, compile_: _Compile) -> None:
+        """``compile_``'s compile, on a worker in its tenant's turn."""
+        compile_.started_at = time.perf_counter()
+        compile_.started.set()
+        try:
+            compile_.future.set_result(self._compile(compile_.constraint))
+        except ConstraintError as exc:
+            compile_.future.set_exception(exc)
+        except Exception as exc:  # noqa: BLE001 - this constraint fails, the device goes on
+            compile_.future.set_exception(ConstraintError(f"the constraint could not be compiled ({readable_error(exc)})"))
 
     def _compile(self, constraint: common_pb2.Constraint) -> xgrammar.CompiledGrammar:
         start = time.perf_counter()
@@ -195,48 +191,6 @@ class _Compile:
     future: Future = field(default_factory=Future)
     started: threading.Event = field(default_factory=threading.Event)
     started_at: float = 0.0
-
-
-class _TenantTurns:
-    """Queued compiles by tenant, taken round robin, at most one running per tenant."""
-
-    def __init__(self) -> None:
-        self._queues: OrderedDict[str, deque[_Compile]] = OrderedDict()
-        self._running: set[str] = set()
-        self._closed = False
-        self._cond = threading.Condition()
-
-    def put(self, tenant: str, compile_: _Compile) -> None:
-        with self._cond:
-            self._queues.setdefault(tenant, deque()).append(compile_)
-            self._cond.notify()
-
-    def take(self) -> tuple[str, _Compile]:
-        """The next tenant's oldest compile (that tenant moves to the back of the turns); blocks for
-        one, and for ever once closed."""
-        with self._cond:
-            while True:
-                tenant = None if self._closed else next((t for t in self._queues if t not in self._running), None)
-                if tenant is not None:
-                    queue = self._queues.pop(tenant)
-                    compile_ = queue.popleft()
-                    if queue:
-                        self._queues[tenant] = queue
-                    self._running.add(tenant)
-                    return tenant, compile_
-                self._cond.wait()
-
-    def done(self, tenant: str) -> None:
-        with self._cond:
-            self._running.discard(tenant)
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        """Start no more compiles and wait for the running ones (xgrammar cannot interrupt one: a
-        compile past its budget ends in its own time)."""
-        with self._cond:
-            self._closed = True
-            self._cond.wait_for(lambda: not self._running)
 
 
 @dataclass(eq=False)

@@ -20,25 +20,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import replace
+from typing import TypeVar
 
 import grpc
 
+from stageserve.fair_pool import FairPool
 from stageserve.logs import REQUEST_ID
 from stageserve.prepare.embeddings import embedding_requests
-from stageserve.prepare.errors import RequestError
+from stageserve.prepare.errors import RequestError, invalid_argument
 from stageserve.prepare.request_handle import LoopWaker, RequestHandle
 from stageserve.prepare.router import DeviceRouter
-from stageserve.prepare.limits import MAX_CHOICES
+from stageserve.prepare.limits import MAX_CHOICES, check_tokenize_bounds
 from stageserve.prepare.sampling_defaults import with_defaults
-from stageserve.prepare.validation import GenerationRequest, scoped_request_id, validate_choices, validate_generate_request
+from stageserve.prepare.validation import (GenerationRequest, release_freed_memory, scoped_request_id, tokenize_prompt, validate_choices,
+                                           validate_generate_request)
 from stageserve.v1 import common_pb2, prepare_pb2, reclaim_pb2
 
 log = logging.getLogger(__name__)
 
 _SEED_MASK = (1 << 64) - 1
+VALIDATION_WORKERS = 8
+"""Threads tokenizing and validating requests (both APIs); a 1 MiB prompt takes ~2.5 s and ~210 MB."""
+VALIDATION_PER_KEY = 2
+"""Of them, one API key's at once: its burst of huge prompts holds two threads and ~420 MB at most."""
+T = TypeVar("T")
 
 
 def choice_id(request_id: str, index: int) -> str:
@@ -156,10 +164,44 @@ class GenerationFrontend:
         self.waker = waker
         self.served_names = served_names
         self.sampling_defaults = sampling_defaults or prepare_pb2.GenerateRequest()
+        self._work = FairPool(VALIDATION_WORKERS, VALIDATION_PER_KEY, "prepare-validation")
 
     def model_name(self, attach) -> str:
         """The name both APIs show for the model a device attached with (``attach``: its ``AttachReply``)."""
         return self.served_names[0] if self.served_names else attach.model_name
+
+    async def in_turn(self, owner: str, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` (tokenization, validation) on the pool that API keys take in turns
+        (`FairPool`: two of a key's tasks at a time), off the event loop."""
+        return await asyncio.wrap_future(self._work.submit(owner, fn, *args))
+
+    async def tokenize(self, request: prepare_pb2.TokenizeRequest, owner: str = "", add_special_tokens: bool = True) -> list[int]:
+        """``Tokenize``'s token ids for both APIs, as ``Generate`` would see them (``add_special_tokens``
+        false: a plain prompt without the tokenizer's BOS), in ``owner``'s turn.
+
+        Raises:
+            RequestError: ``INVALID_ARGUMENT`` for a bad input, one past `MAX_PROMPT_CHARS`, or one
+                of more tokens than the model's context (when a device is attached).
+        """
+        return await self.in_turn(owner, self._tokenize, request, add_special_tokens)
+
+    def _tokenize(self, request: prepare_pb2.TokenizeRequest, add_special_tokens: bool) -> list[int]:
+        check_tokenize_bounds(request)
+        if request.prompt and not add_special_tokens:
+            ids = list(self.tokenizer.encode(request.prompt, add_special_tokens=False))
+            release_freed_memory(len(ids))
+        else:
+            ids = tokenize_prompt(self.tokenizer, prompt=request.prompt, messages=request.messages)
+        try:
+            context = self.router.model_limits().max_model_len
+        except RequestError:  # no device attached: nothing to bound the count by
+            return ids
+        if len(ids) > context:
+            count = len(ids)
+            del ids  # not kept alive by the refusal's traceback until the cyclic GC runs (~20 MB per 1 MiB prompt)
+            raise invalid_argument(f"{'prompt' if request.prompt else 'messages'}: {count} tokens is more than the model's context"
+                                   f" of {context} tokens; shorten it")
+        return ids
 
     async def submit(self, request: prepare_pb2.GenerateRequest, request_id: str, caller: str = "", owner: str = "") -> Submission:
         """Validate ``request`` and place its choices; the caller must call the submission's
@@ -173,7 +215,7 @@ class GenerationFrontend:
         """
         scoped_id = scoped_request_id(owner, request_id)
         try:
-            validated, n = await asyncio.get_running_loop().run_in_executor(None, self._validate, request, scoped_id)
+            validated, n = await self.in_turn(owner, self._validate, request, scoped_id)
             handles = self._place(choice_requests(self._of_tenant(validated, owner), n), caller, scoped_id)
         except RequestError as error:
             self._refused(error, request_id)
@@ -192,7 +234,7 @@ class GenerationFrontend:
         """
         scoped_id = scoped_request_id(owner, request_id)
         try:
-            requests = await asyncio.get_running_loop().run_in_executor(None, self._validate_embedding, request, scoped_id)
+            requests = await self.in_turn(owner, self._validate_embedding, request, scoped_id)
             requests = [self._of_tenant(r, owner) for r in requests]
             submission = Submission(request_id, self._place(requests, caller, scoped_id), self.router)
         except RequestError as error:

@@ -53,14 +53,14 @@ from stageserve.prepare.errors import RequestError, invalid_argument
 from stageserve.prepare.frontend import GenerationFrontend, Submission
 from stageserve.prepare.http_edge import (KEEP_ALIVE_S, MAX_CONNECTIONS, MAX_HEADER_BYTES, HeaderDeadlineProtocol,
                                           refuse_ambiguous_framing)
-from stageserve.prepare.limits import MAX_PROMPT_TOKEN_IDS, MAX_REQUEST_BYTES, at_most, check_tokenize_bounds
+from stageserve.prepare.limits import MAX_PROMPT_TOKEN_IDS, MAX_REQUEST_BYTES, at_most
 from stageserve.prepare.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeBody, EmbeddingsBody, TokenizeBody, chat_request,
                                                 completion_request)
 from stageserve.prepare.openai_responses import ResponseBuilder, sse
 from stageserve.prepare.reasoning import constrain_after_reasoning, reasoning_reader
 from stageserve.prepare.responses_api import ResponseEvents, ResponsesRequest, chat_body, response_object, response_shell
 from stageserve.prepare.tool_calls import tool_call_reader
-from stageserve.prepare.validation import tokenize_prompt, validate_request_id
+from stageserve.prepare.validation import validate_request_id
 from stageserve.security.guard import HEALTH_SERVICE, OPEN, PUBLIC, AccessPolicy
 from stageserve.security.tls import TlsFiles
 from stageserve.structured_output import MAX_JSON_DEPTH, too_deep
@@ -206,10 +206,11 @@ def create_app(frontend: GenerationFrontend, policy: AccessPolicy | None = None,
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
-        _owner(policy, request)
+        owner = _owner(policy, request)
         body = _parse(TokenizeBody, await _json(request))
         _check_model(frontend, body.model, optional=True)
-        ids = await asyncio.get_running_loop().run_in_executor(None, _tokenize, frontend.tokenizer, body)
+        tokenize = prepare_pb2.TokenizeRequest(prompt=body.prompt, messages=[m.grpc() for m in body.messages])
+        ids = await frontend.tokenize(tokenize, owner, body.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": frontend.router.model_limits().max_model_len, "tokens": ids,
                              "token_strs": frontend.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None})
 
@@ -262,15 +263,6 @@ def _check_model(frontend: GenerationFrontend, requested: str, optional: bool = 
 def _encoded(values, encoding_format: str) -> list[float] | str:
     """An embedding as OpenAI sends it: floats, or base64 of its float32 little-endian bytes."""
     return list(values) if encoding_format == "float" else base64.b64encode(array.array("f", values).tobytes()).decode()
-
-
-def _tokenize(tokenizer, body: TokenizeBody) -> list[int]:
-    """``body``'s token ids, as ``Generate`` would see them (in the executor)."""
-    request = prepare_pb2.TokenizeRequest(prompt=body.prompt, messages=[m.grpc() for m in body.messages])
-    check_tokenize_bounds(request)
-    if request.prompt and not body.add_special_tokens:
-        return list(tokenizer.encode(request.prompt, add_special_tokens=False))
-    return tokenize_prompt(tokenizer, prompt=request.prompt, messages=request.messages)
 
 
 async def _json(request: Request) -> object:

@@ -32,11 +32,10 @@ from stageserve.prepare.early_aborts import caller_of
 from stageserve.prepare.error_details import abort_rpc
 from stageserve.prepare.errors import RequestError, invalid_argument
 from stageserve.prepare.frontend import GenerationFrontend, Submission
-from stageserve.prepare.limits import check_tokenize_bounds
 from stageserve.prepare.reasoning import ReasoningReader, constrain_after_reasoning, reasoning_reader
 from stageserve.prepare.router import DeviceFigures
 from stageserve.prepare.tool_calls import TOOL_CALL_PARSERS, ToolCallReader
-from stageserve.prepare.validation import tokenize_prompt, validate_request_id
+from stageserve.prepare.validation import validate_request_id
 from stageserve.security.guard import current_principal
 from stageserve.v1 import prepare_pb2, prepare_pb2_grpc, reclaim_pb2
 
@@ -166,7 +165,8 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
     async def Tokenize(self, request: prepare_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> prepare_pb2.TokenizeResponse:
         """Token ids and strings of a prompt or chat, exactly as Generate would see them; INVALID_ARGUMENT for a bad input."""
         try:
-            return await asyncio.get_running_loop().run_in_executor(None, self._tokenize, request)
+            ids = await self._frontend.tokenize(request, _owner())
+            return prepare_pb2.TokenizeResponse(token_ids=ids, tokens=self._tokenizer.convert_ids_to_tokens(ids), count=len(ids))
         except RequestError as error:
             await abort_rpc(context, error)
 
@@ -242,12 +242,6 @@ class GenerationServicer(prepare_pb2_grpc.GenerationServicer):
         if not (request.parse_tool_calls and request.tools):
             return None
         return [TOOL_CALL_PARSERS[self._tool_call_parser]() for _ in submission.handles]
-
-    def _tokenize(self, request: prepare_pb2.TokenizeRequest) -> prepare_pb2.TokenizeResponse:
-        """``Tokenize``'s answer (in the executor). Raises RequestError (INVALID_ARGUMENT) for a bad input."""
-        check_tokenize_bounds(request)
-        ids = tokenize_prompt(self._tokenizer, prompt=request.prompt, messages=request.messages)
-        return prepare_pb2.TokenizeResponse(token_ids=ids, tokens=self._tokenizer.convert_ids_to_tokens(ids), count=len(ids))
 
     async def _events(self, submission: Submission, context: grpc.aio.ServicerContext) -> AsyncIterator[tuple[int, reclaim_pb2.SequenceEvent]]:
         """The choices' ``(index, event)``s, each fed to its observer first; a terminal error aborts

@@ -24,6 +24,8 @@ tokens again; ``prompt_token_ids`` are taken as given after a range check.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import json
 import secrets
@@ -179,6 +181,21 @@ def _json_field(field: str, text: str, kind: type) -> object:
     return value
 
 
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
+if _LIBC is not None and not hasattr(_LIBC, "malloc_trim"):  # not glibc (musl, macOS)
+    _LIBC = None
+LARGE_PROMPT_TOKENS = 65536
+"""A tokenization of at least this many tokens gives its freed memory back to the system."""
+
+
+def release_freed_memory(num_tokens: int) -> None:
+    """After a tokenization of ``num_tokens`` tokens, hand the memory its tokenizer freed back to the
+    system (glibc's ``malloc_trim``) when it was large: a 1 MiB prompt's encoding takes ~210 MB, of
+    which glibc keeps ~70 MB in its heap after the free otherwise. Small ones skip it (it walks the heap)."""
+    if num_tokens >= LARGE_PROMPT_TOKENS and _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
 def tokenize_prompt(
     tokenizer,
     prompt: str = "",
@@ -203,6 +220,7 @@ def tokenize_prompt(
     if (tools or template_kwargs) and not messages:
         raise invalid_argument(f"{'tools' if tools else 'chat_template_kwargs'}: only with messages (they go to the chat template)")
     ids = render_chat(messages, tokenizer, tools, template_kwargs) if messages else list(tokenizer.encode(prompt, add_special_tokens=True))
+    release_freed_memory(len(ids))
     if not ids:
         raise invalid_argument(f"{given[0]}: tokenizes to 0 tokens; give some text")
     return ids
