@@ -92,7 +92,7 @@ def _serve_apis(args: argparse.Namespace, server, tokenizer, sampling_defaults, 
     router = DeviceRouter(connector.sessions, metrics, lambda: server.stop_requested)
     metrics.watch_engine(router.current_load)
     frontend = GenerationFrontend(router, tokenizer, LoopWaker(server.loop), tuple(args.served_model_name), sampling_defaults,
-                                  share_prefix_cache=args.prefix_cache_sharing == "shared")
+                                  share_prefix_cache=args.prefix_cache_sharing == "shared", tenant_limits=security.policy.keys.limits())
     tool_call_parser = pick_tool_call_parser(args.tool_call_parser, tokenizer.chat_template)
     server.add_servicer(prepare_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(frontend, args.reasoning_parser, tool_call_parser))
     server.start([SERVICE_NAME])

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import replace
 from typing import TypeVar
@@ -29,6 +29,7 @@ import grpc
 
 from stageserve.fair_pool import FairPool
 from stageserve.logs import REQUEST_ID
+from stageserve.security.keys import NO_LIMITS, TenantLimits
 from stageserve.prepare.embeddings import embedding_requests
 from stageserve.prepare.errors import RequestError, invalid_argument
 from stageserve.prepare.request_handle import LoopWaker, RequestHandle
@@ -148,18 +149,20 @@ async def _observed(handle: RequestHandle, waker: LoopWaker) -> AsyncIterator[re
 class GenerationFrontend:
     """Validates and submits requests for the public APIs, on ``waker``'s event loop.
 
-    ``tokenizer`` is the served model's; tokenization runs in the loop's default executor, so that a
-    long prompt does not hold up every other stream's chunks. ``sampling_defaults`` (the model's,
+    ``tokenizer`` is the served model's; tokenization runs off the loop, in the API keys' turns
+    (`in_turn`), so that a long prompt holds up neither the other streams' chunks nor another key. ``sampling_defaults`` (the model's,
     ``sampling_defaults.py``) fill what a request leaves unset. ``served_names`` (``--served-model-name``)
     are the names clients know the model by, the first one shown; none: the device's model name.
     ``share_prefix_cache``: requests of different API keys share prefix-cache blocks (default: each
-    key's are its own).
+    key's are its own). ``tenant_limits``: each key name's limits (the keys file's).
     """
 
     def __init__(self, router: DeviceRouter, tokenizer, waker: LoopWaker, served_names: tuple[str, ...] = (),
-                 sampling_defaults: prepare_pb2.GenerateRequest | None = None, share_prefix_cache: bool = False) -> None:
+                 sampling_defaults: prepare_pb2.GenerateRequest | None = None, share_prefix_cache: bool = False,
+                 tenant_limits: Mapping[str, TenantLimits] | None = None) -> None:
         self.router = router
         self.share_prefix_cache = share_prefix_cache
+        self.tenant_limits = tenant_limits or {}
         self.tokenizer = tokenizer
         self.waker = waker
         self.served_names = served_names
@@ -271,10 +274,11 @@ class GenerationFrontend:
 
     def _of_tenant(self, request: GenerationRequest, owner: str) -> GenerationRequest:
         """``request`` as its API key's (``owner``, "" without keys): in that key's own prefix-cache
-        namespace unless the cache is shared across keys, and with that key's grammar-compile turns."""
+        namespace unless the cache is shared across keys, with that key's turns and limits."""
         if not owner:
             return request
-        return replace(request, tenant=owner, cache_tenant="" if self.share_prefix_cache else owner)
+        return replace(request, tenant=owner, tenant_limits=self.tenant_limits.get(owner, NO_LIMITS),
+                       cache_tenant="" if self.share_prefix_cache else owner)
 
     def _refused(self, error: RequestError, request_id: str) -> None:
         self.router.metrics.request_refused(error.code.name)

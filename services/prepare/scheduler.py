@@ -76,6 +76,7 @@ from stageserve.prepare.prefix_cache import BlockHash, cache_namespace, chain_ha
 from stageserve.prepare.scheduled_step import ScheduledStep, SequenceState
 from stageserve.prepare.scheduler_config import SchedulerConfig
 from stageserve.prepare.validation import GenerationRequest
+from stageserve.prepare.waiting_queues import WaitingQueues
 from stageserve.v1 import common_pb2, reclaim_pb2
 
 
@@ -113,7 +114,8 @@ class Scheduler:
         self._pending_finished = sorted(set(stale_seq_indices))
         self._free_indices = deque(i for i in range(config.max_num_seqs) if i not in set(self._pending_finished))
         self._pending_aborts: list[str] = []
-        self._waiting: deque[GenerationRequest] = deque()
+        self._waiting = WaitingQueues()
+        self._running_of: dict[str, int] = {}  # tenant -> its sequences holding a seq index
         self._block_hashes: dict[GenerationRequest, list[BlockHash]] = {}  # waiting requests' hash chains
         self._waiting_kv_blocks = 0  # blocks the waiting requests will reserve at admission
         self._running: list[SequenceState] = []  # admission order
@@ -180,6 +182,10 @@ class Scheduler:
             RequestError: ``RESOURCE_EXHAUSTED`` when the waiting queue is full, or when the request
                 needs more KV blocks than the whole pool has.
         """
+        limits = request.tenant_limits
+        if limits.max_waiting is not None and self._waiting.waiting_of(request.tenant) - self._admissible(request) >= limits.max_waiting:
+            raise resource_exhausted(f"API key {request.tenant!r} has {limits.max_waiting} requests waiting, its maximum; retry later",
+                                     reason="QUEUE_FULL", retry_after_s=QUEUE_FULL_RETRY_S)
         # Requests the free sequence slots will take at the next step are not waiting in the queue.
         if len(self._waiting) - len(self._free_indices) >= self.config.max_waiting:
             raise resource_exhausted(f"the waiting queue is full ({self.config.max_waiting} requests); retry later",
@@ -234,7 +240,7 @@ class Scheduler:
         if not self._waiting:
             return False
         # Listing freed indices in a plan is what lets a waiting request take one.
-        return bool(self._pending_finished) or self._can_admit(self._waiting[0])
+        return bool(self._pending_finished) or self._can_admit(self._next_admission())
 
     def schedule(self) -> ScheduledStep | None:
         """Build the next step (see the module docstring for the order), or ``None`` if there is
@@ -298,12 +304,29 @@ class Scheduler:
                 budget -= step.add_row(seq, min(seq.request.num_prompt_tokens - seq.num_kv_tokens, self.config.max_prefill_chunk, budget), self.block_manager)
         return budget
 
-    def _can_admit(self, request: GenerationRequest) -> bool:
-        return bool(self._free_indices) and self.block_manager.can_allocate(self.max_kv_tokens(request), self.prefix_hit(request))
+    def _admissible(self, request: GenerationRequest) -> int:
+        """Requests of ``request``'s tenant the free seq indices would take at the next step (not
+        counted as waiting, as for the whole queue's bound)."""
+        limit = request.tenant_limits.max_running
+        room = len(self._free_indices) if limit is None else min(len(self._free_indices), limit - self._running_of.get(request.tenant, 0))
+        return max(0, room)
+
+    def _next_admission(self) -> GenerationRequest | None:
+        """The waiting request whose turn it is (`WaitingQueues`), of a tenant below its ``max_running``."""
+        return self._waiting.head(self._may_run)
+
+    def _may_run(self, request: GenerationRequest) -> bool:
+        limit = request.tenant_limits.max_running
+        return limit is None or self._running_of.get(request.tenant, 0) < limit
+
+    def _can_admit(self, request: GenerationRequest | None) -> bool:
+        return (request is not None and bool(self._free_indices)
+                and self.block_manager.can_allocate(self.max_kv_tokens(request), self.prefix_hit(request)))
 
     def _admit(self, step: ScheduledStep, budget: int) -> None:
-        while budget > 0 and self._waiting and self._can_admit(self._waiting[0]):
-            request = self._waiting.popleft()
+        while budget > 0 and self._can_admit(request := self._next_admission()):
+            self._waiting.pop(request, request.tenant_limits.weight)
+            self._running_of[request.tenant] = self._running_of.get(request.tenant, 0) + 1
             self._waiting_kv_blocks -= self.block_manager.blocks_for_tokens(self.max_kv_tokens(request))
             index = self._free_indices.popleft()
             self._generations[index] += 1
@@ -442,6 +465,7 @@ class Scheduler:
     def _free_done(self, candidates: Iterable[SequenceState]) -> None:
         for seq in candidates:
             if seq.finished and seq.steps_in_flight == 0 and self._by_index.get(seq.seq_index) is seq:
+                self._running_of[seq.request.tenant] -= 1
                 self.block_manager.free(seq.blocks)
                 del self._by_index[seq.seq_index]
                 del self._by_request[seq.request]

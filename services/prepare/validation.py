@@ -35,6 +35,7 @@ from typing import Sequence
 from stageserve.prepare.errors import invalid_argument
 from stageserve.prepare.limits import MAX_CHOICES, MAX_REQUEST_ID_CHARS, at_most, check_generate_bounds
 from stageserve.sampling_rules import first_violation, logit_bias_problem
+from stageserve.security.keys import NO_LIMITS, TenantLimits
 from stageserve.structured_output import MAX_JSON_DEPTH, ConstraintError, constraint_grammar, nested_deeper_than, too_deep
 from stageserve.v1 import common_pb2, prepare_pb2
 
@@ -69,7 +70,9 @@ class GenerationRequest:
         cache_tenant: ... and of the same tenant: the API key's name under ``--prefix-cache-sharing
             per-key`` (the default), "" without keys or with ``shared``.
         constraint: the structured-output constraint, checked (it parses); ``None`` = free text.
-        tenant: the API key's name ("" without keys): whose turn its grammar's compile takes on the device.
+        tenant: the API key's name ("" without keys): whose turns its tokenization, grammar compile
+            and admission take.
+        tenant_limits: what that key's requests may hold (its keys-file line's limits).
         pooling: an embedding's pooling (``common_pb2.Pooling``, ``embeddings.py``); NONE = a generation.
         output_offset: a resumed request (``resumption.py``): its prompt's last tokens that are its own output.
     """
@@ -83,6 +86,7 @@ class GenerationRequest:
     cache_tenant: str = ""
     constraint: common_pb2.Constraint | None = None
     tenant: str = ""
+    tenant_limits: TenantLimits = NO_LIMITS
     pooling: int = common_pb2.POOLING_NONE
     output_offset: int = 0
 

@@ -190,3 +190,53 @@ def test_sixteen_large_tokenize_calls_are_bounded_by_the_context_and_give_their_
     assert len(answer.token_ids) == 4
     assert len(refusals) == 16 and all(code == grpc.StatusCode.INVALID_ARGUMENT and "the model's context" in details for code, details in refusals)
     assert end <= 1.1 * start, f"prepare's resident memory went from {start:.0f} to {end:.0f} MiB"
+
+
+def first_token_seconds(stub, key: str, prompt: str) -> float:
+    """Seconds from sending a streamed greedy request of ``key`` to its first token."""
+    start = time.monotonic()
+    stream = stub.GenerateStream(prepare_pb2.GenerateRequest(prompt=prompt, max_tokens=2, temperature=0.0, ignore_eos=True),
+                                 metadata=bearer(key), timeout=120)
+    next(chunk for chunk in stream if chunk.token_ids)
+    seconds = time.monotonic() - start
+    stream.cancel()
+    return seconds
+
+
+def test_a_key_at_its_limits_gets_429_and_does_not_hold_up_another_keys_first_token(tenants, tmp_path):
+    """team-a (``max_running=2 max_waiting=2`` in the keys file) sends 8 long streams over HTTP: 2
+    run, 2 wait, 4 get 429 with a Retry-After; team-b's first token comes as soon as on the idle
+    server, give or take the steps team-a's two rows lengthen (figures in the issue's note)."""
+    import httpx
+
+    keys = tmp_path / "limited-keys"
+    keys.write_text(f"{KEY_A} team-a max_running=2 max_waiting=2\n{KEY_B} team-b\n")
+    restart_prepare(tenants, ["--api-keys-file", str(keys)])
+    try:
+        channel, stub = stub_of(tenants)
+        with channel:
+            idle = min(first_token_seconds(stub, KEY_B, "Say hello.") for _ in range(3))
+            api = f"http://127.0.0.1:{tenants.prepare.http_port}/v1"
+            auth = {"authorization": f"Bearer {KEY_A}"}
+            model = httpx.get(f"{api}/models", headers=auth, timeout=30).json()["data"][0]["id"]
+            url = f"{api}/completions"
+            body = {"model": model, "prompt": "Write a long story.", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+            statuses = []
+
+            def send() -> None:
+                response = httpx.post(url, json=body, headers=auth, timeout=300)
+                statuses.append((response.status_code, response.headers.get("retry-after")))
+
+            senders = [threading.Thread(target=send) for _ in range(8)]
+            for sender in senders:
+                sender.start()
+            time.sleep(1.0)  # team-a's requests are in: two running, two waiting
+            busy = first_token_seconds(stub, KEY_B, "Say hello.")
+            for sender in senders:
+                sender.join(timeout=300)
+    finally:
+        restart_prepare(tenants, [])
+    assert sorted(code for code, _ in statuses) == [200] * 4 + [429] * 4
+    assert all(retry is not None and float(retry) > 0 for code, retry in statuses if code == 429)
+    print(f"team-b's first token: {idle * 1e3:.0f} ms idle, {busy * 1e3:.0f} ms with team-a at its limits")
+    assert busy <= 2 * idle + 0.25  # a step with team-a's rows is longer than an idle one; nothing waits for team-a

@@ -219,7 +219,7 @@ def test_abort_while_waiting_takes_no_reference():
     scheduler.add_request(request("busy", [50] * 8, max_tokens=4))
     busy = scheduler.schedule()
     scheduler.add_request(request("b", PROMPT))
-    assert scheduler.abort(scheduler._waiting[0]) is AbortOutcome.REMOVED_WAITING
+    assert scheduler.abort(next(iter(scheduler._waiting))) is AbortOutcome.REMOVED_WAITING
     finish(scheduler, busy)
     assert_idle_pool_exact(scheduler)
 

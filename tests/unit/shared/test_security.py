@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stageserve.security.config import ServiceSecurity
 from stageserve.security.guard import BAD_KEY, NO_KEY, AccessPolicy
-from stageserve.security.keys import KeyRing, Principal
+from stageserve.security.keys import KeyRing, Principal, TenantLimits
 from stageserve.security.tls import dial
 from stageserve.server import AioServiceServer, ServiceServer
 from stageserve.tracing import Tracer
@@ -44,10 +44,20 @@ def test_keys_are_kept_as_hashes_and_looked_up_by_hash(keys_files):
     assert KEY_A not in repr(ring.__dict__)  # only digests are kept
 
 
+def test_a_keys_line_may_give_the_keys_limits_after_its_name(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text(f"{KEY_A} team-a max_running=4 weight=2\nkey-of-team-b-0123456789 team-b\n")
+    ring = KeyRing.from_files(path)
+    assert ring.lookup(KEY_A).limits == TenantLimits(weight=2, max_running=4)
+    assert ring.limits() == {"team-a": TenantLimits(weight=2, max_running=4), "team-b": TenantLimits()}
+
+
 @pytest.mark.parametrize(("text", "expected"), [
     ("short\n", "at least 16 characters"),
     ("a-long-enough-key-0123 bad/name\n", "may hold only letters"),
-    ("one two three\n", "expected a key or sha256:HEX"),
+    ("one two three four five six\n", "expected a key or sha256:HEX"),
+    ("a-long-enough-key-0123 team-a three\n", "'three' is not a limit"),
+    ("a-long-enough-key-0123 team-a max_running=0\n", "max_running must be a positive integer"),
     ("# only a comment\n", "holds no key"),
 ])
 def test_a_bad_keys_file_is_refused_naming_the_flag_and_line_not_the_key(tmp_path, text, expected):
