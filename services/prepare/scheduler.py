@@ -22,7 +22,9 @@ One step, built in this order within ``max_step_tokens`` tokens:
    prefill rows, which speculation does not change;
 3. the next prefill chunk (at most ``max_prefill_chunk`` tokens) of every admitted sequence still
    in its prompt, first admitted first;
-4. admissions from the waiting queue (first come, first served), each with its first chunk.
+4. admissions from the waiting queue, each with its first chunk: first come, first served within
+   an API key, the keys in turns (``waiting_queues.py``; a key at its ``max_running`` is passed
+   over); without keys, first come, first served.
 
 **Admission policy (never deadlocks, no preemption).** A request is admitted when a seq index is
 free and the KV pool can *reserve* every block it may ever write: ``prompt + max_tokens - 1``
@@ -33,8 +35,8 @@ always cover the reservations), so every admitted sequence runs to its end and r
 A request that could not fit even the empty pool without any hit is refused at :meth:`add_request`
 with ``RESOURCE_EXHAUSTED`` naming the sizes. Once the running sequences are done every block is
 free or evictable, and a hit never makes a request need more than without one, so the head of the
-waiting queue always fits then; it is never overtaken (no starvation). The cost: a request that
-stops early held its reservation meanwhile.
+waiting queue always fits then; it is never overtaken (no starvation; with keys, the head is the
+request whose turn it is). The cost: a request that stops early held its reservation meanwhile.
 
 **Prefix caching** (``prefix_cache.py``, on unless ``enable_prefix_caching`` is false). A new
 sequence starts with the longest cached prefix of its prompt's full blocks, at most
