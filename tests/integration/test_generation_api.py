@@ -129,9 +129,9 @@ def test_max_tokens_one_and_ignore_eos(generation):
 
 
 def prompt_of_length(generation, n: int) -> list[int]:
-    ids = list(generation.Tokenize(prepare_pb2.TokenizeRequest(prompt="the quick brown fox jumps over the lazy dog " * 40)).token_ids)
-    assert len(ids) >= n
-    return ids[:n]
+    """``n`` token ids: a sentence's, repeated (Tokenize refuses text longer than the context)."""
+    ids = list(generation.Tokenize(prepare_pb2.TokenizeRequest(prompt="the quick brown fox jumps over the lazy dog ")).token_ids)
+    return (ids * (n // len(ids) + 1))[:n]
 
 
 def test_context_limits(generation):
