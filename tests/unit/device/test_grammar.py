@@ -102,7 +102,7 @@ def test_the_same_constraint_compiles_once_and_a_failed_step_releases_waiters(ta
 
 def wide_schema(properties: int) -> common_pb2.Constraint:
     """An object schema of optional integer properties: xgrammar's compile grows much faster than
-    its size (500 take ~1 s over this vocabulary, 1,500 tens of seconds)."""
+    its size (over this vocabulary 400 take ~0.1 s, 500 ~0.4 s, 600 ~0.8 s, 1,500 tens of seconds)."""
     import json
 
     return common_pb2.Constraint(json_schema=json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(properties)}}))
@@ -110,13 +110,13 @@ def wide_schema(properties: int) -> common_pb2.Constraint:
 
 def test_a_compile_past_its_budget_is_refused_naming_it_and_at_once_when_it_comes_again():
     looks = []
-    grammars = CompiledGrammars(lambda: xgrammar.TokenizerInfo(VOCAB, stop_token_ids=[EOS]), budget_s=0.2,
+    grammars = CompiledGrammars(lambda: xgrammar.TokenizerInfo(VOCAB, stop_token_ids=[EOS]), budget_s=0.1,
                                 on_compile=lambda cached, seconds: looks.append(cached))
     grammars.wait_ready()
-    with pytest.raises(ConstraintError, match="budget of 0.2 s"):
-        grammars.compile_within(wide_schema(500), "team-a", wait_s=30)
-    with pytest.raises(ConstraintError, match="budget of 0.2 s"):
-        grammars.compile_within(wide_schema(500), "team-a", wait_s=30)
+    with pytest.raises(ConstraintError, match="budget of 0.1 s"):
+        grammars.compile_within(wide_schema(600), "team-a", wait_s=30)
+    with pytest.raises(ConstraintError, match="budget of 0.1 s"):
+        grammars.compile_within(wide_schema(600), "team-a", wait_s=30)
     assert looks[-1] is True  # the refusal was found in the cache: no second compile
     assert grammars.compile_within(common_pb2.Constraint(regex="a+"), "team-b", wait_s=30)[0] is False  # compiled, not cached
 
@@ -125,9 +125,9 @@ def test_one_tenants_slow_compiles_run_one_at_a_time_and_never_delay_another_ten
     """Two workers; team-a queues three slow schemas: it holds one worker, team-b's compile takes the other at once."""
     grammars = CompiledGrammars(lambda: xgrammar.TokenizerInfo(VOCAB, stop_token_ids=[EOS]), workers=2, budget_s=0.1)
     grammars.wait_ready()
-    slow = [grammars.get(wide_schema(400 + i), "team-a") for i in range(3)]
+    slow = [grammars.get(wide_schema(500 + i), "team-a") for i in range(3)]
     time.sleep(0.05)
     started = time.perf_counter()
     cached, _ = grammars.compile_within(common_pb2.Constraint(regex="[a-z]+"), "team-b", wait_s=30)
-    assert not cached and time.perf_counter() - started < 1.0  # not behind team-a's ~1 s compiles
+    assert not cached and time.perf_counter() - started < 0.3  # not behind team-a's ~0.4 s compiles
     assert sum(future.done() for future in slow) <= 1  # team-a's run one after another
