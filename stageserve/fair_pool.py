@@ -11,6 +11,7 @@ SIGCOMM 1995). The tenant ``""`` (everyone, on a deployment without keys) has no
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -28,10 +29,13 @@ class FairPool:
         workers: threads.
         per_tenant: tasks of one named tenant running at once, at most.
         name: the threads' name prefix.
+        niceness: added to each thread's nice value (Linux: per thread), so that the tasks yield the
+            CPU to the process's other threads (the device's steps); 0 = as the process.
     """
 
-    def __init__(self, workers: int, per_tenant: int, name: str) -> None:
+    def __init__(self, workers: int, per_tenant: int, name: str, niceness: int = 0) -> None:
         self._per_tenant = per_tenant
+        self._niceness = niceness
         self._queues: OrderedDict[str, deque[tuple[Future, Callable[[], Any]]]] = OrderedDict()
         self._running: dict[str, int] = {}
         self._closed = False
@@ -71,6 +75,12 @@ class FairPool:
                 self._cond.wait()
 
     def _work(self) -> None:
+        if self._niceness:
+            try:
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self._niceness)
+            except (AttributeError, OSError):  # no per-thread priority here: the tasks run as the process
+                pass
         while True:
             tenant, future, task = self._take()
             try:

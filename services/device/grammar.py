@@ -48,6 +48,9 @@ COMPILE_CACHE_ENTRIES = 256
 """Compiled grammars kept (least recently used dropped first); a JSON schema's is ~70 KB."""
 COMPILE_WORKERS = 2
 """Threads compiling grammars (xgrammar releases the GIL while it compiles)."""
+COMPILE_NICENESS = 10
+"""Added to the compile threads' nice value: a compile (one past its budget included) yields the CPU
+to the step's compute threads."""
 COMPILE_MEMORY_BUDGET_BYTES = 256 * 2**20
 """Bytes a compiled grammar may hold; the 1,500-property schema's holds 6 MB."""
 MASK_WAIT_S = 60.0
@@ -65,8 +68,9 @@ class CompiledGrammars:
     refused at once when it comes again). xgrammar cannot interrupt a compile: one past its budget
     runs on to its end, its result dropped. Tenants take turns on the workers (round robin), each
     with one compile at a time, so one tenant's expensive schemas delay only its own requests, and
-    a tenant's overrunning compile holds at most one worker. Matchers (cheap: a compiled grammar's
-    state) are made on a thread of their own, never behind a compile.
+    a tenant's overrunning compile holds at most one worker; the workers run niced, so compiles
+    yield the CPU to the steps. Matchers (cheap: a compiled grammar's state) are made on a thread
+    of their own, never behind a compile.
 
     Args:
         tokenizer_info: builds the ``xgrammar.TokenizerInfo`` (vocabulary and stop tokens); run once
@@ -88,7 +92,7 @@ class CompiledGrammars:
         self._cache: OrderedDict[bytes, _Compile] = OrderedDict()
         self._max_entries = max_entries
         self._on_compile = on_compile
-        self._pool = FairPool(workers, per_tenant=1, name="device-grammar")
+        self._pool = FairPool(workers, per_tenant=1, name="device-grammar", niceness=COMPILE_NICENESS)
         # A thread still inside xgrammar's C++ when the interpreter finalizes aborts the process.
         atexit.register(self._pool.close)
         self._lock = threading.Lock()

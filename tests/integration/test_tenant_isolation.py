@@ -115,8 +115,8 @@ def slow_schema(variant: int) -> str:
 
 def test_slow_schemas_of_one_key_are_refused_naming_the_budget_while_another_keys_stream_goes_on(tenants):
     """Six distinct slow schemas from team-a compile off the step path: each ends INVALID_ARGUMENT
-    naming the budget, and team-b's stream, started first, runs on with no gap of more than a
-    second and a half between its tokens and ends OK."""
+    naming the budget, and team-b's stream, started first, runs on with no gap of more than
+    two seconds between its tokens and ends OK (even with a core kept busy)."""
     channel, stub = stub_of(tenants)
     with channel:
         stream = stub.GenerateStream(prepare_pb2.GenerateRequest(prompt="Count to fifty:", max_tokens=96, temperature=0.0, ignore_eos=True),
@@ -144,7 +144,7 @@ def test_slow_schemas_of_one_key_are_refused_naming_the_budget_while_another_key
             sender.join(timeout=120)
     assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert sum(len(chunk.token_ids) for chunk in chunks) == 96
-    assert max(b - a for a, b in zip(arrivals, arrivals[1:])) < 1.5
+    assert max(b - a for a, b in zip(arrivals, arrivals[1:])) < 2.0  # a step waiting for a compile would wait >= 2.5 s
     assert len(refusals) == 6
     for refusal in refusals:
         assert refusal is not None and refusal[0] == grpc.StatusCode.INVALID_ARGUMENT
