@@ -157,7 +157,6 @@ class CompiledGrammars:
         """From now on ``compile_``'s constraint is refused at once with ``message`` (its compile's result is dropped)."""
         refused = _Compile(compile_.key, compile_.constraint)
         refused.future.set_exception(ConstraintError(message))
-        refused.started_at = 0.0
         refused.started.set()
         with self._lock:
             if self._cache.get(compile_.key) is compile_:

@@ -67,6 +67,7 @@ reused only after that plan, with the generation bumped.
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -306,20 +307,22 @@ class Scheduler:
                 budget -= step.add_row(seq, min(seq.request.num_prompt_tokens - seq.num_kv_tokens, self.config.max_prefill_chunk, budget), self.block_manager)
         return budget
 
+    def _tenant_room(self, request: GenerationRequest) -> float:
+        """Sequences ``request``'s tenant may still start before its ``max_running`` (inf: no limit)."""
+        limit = request.tenant_limits.max_running
+        return math.inf if limit is None else limit - self._running_of.get(request.tenant, 0)
+
     def _admissible(self, request: GenerationRequest) -> int:
         """Requests of ``request``'s tenant the free seq indices would take at the next step (not
         counted as waiting, as for the whole queue's bound)."""
-        limit = request.tenant_limits.max_running
-        room = len(self._free_indices) if limit is None else min(len(self._free_indices), limit - self._running_of.get(request.tenant, 0))
-        return max(0, room)
+        return int(max(0, min(len(self._free_indices), self._tenant_room(request))))
 
     def _next_admission(self) -> GenerationRequest | None:
         """The waiting request whose turn it is (`WaitingQueues`), of a tenant below its ``max_running``."""
         return self._waiting.head(self._may_run)
 
     def _may_run(self, request: GenerationRequest) -> bool:
-        limit = request.tenant_limits.max_running
-        return limit is None or self._running_of.get(request.tenant, 0) < limit
+        return self._tenant_room(request) > 0
 
     def _can_admit(self, request: GenerationRequest | None) -> bool:
         return (request is not None and bool(self._free_indices)
