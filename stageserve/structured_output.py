@@ -8,6 +8,9 @@ kinds are interpreted: prepare calls it to refuse a bad constraint before admiss
 same grammar against the model's vocabulary (`stageserve.device.grammar`). JSON is generated
 compact (``any_whitespace=False``: ``", "`` and ``": "`` separators, no free whitespace), so a
 sampled completion cannot spend its tokens on whitespace.
+
+xgrammar is imported at the first parse, not with this module: it imports torch (about 200 MiB), which
+a prepare serving no constrained request then never loads.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from __future__ import annotations
 import functools
 import json
 import re
-
-import xgrammar
+from typing import TYPE_CHECKING
 
 from stageserve.v1 import common_pb2
+
+if TYPE_CHECKING:
+    import xgrammar
 
 MAX_CONSTRAINT_CHARS = 65536
 """Characters of a json_schema, regex or grammar, and of a choice's options together, at most."""
@@ -72,6 +77,8 @@ def constraint_grammar(constraint: common_pb2.Constraint) -> xgrammar.Grammar:
 def _parse(syntax: str, text: str) -> xgrammar.Grammar:
     """xgrammar's parse of ``text`` as ``json`` (a schema), ``regex`` or EBNF; cached, as the same
     schema usually comes again (a failed parse raises and is not cached)."""
+    import xgrammar
+
     if syntax == "json":
         return xgrammar.Grammar.from_json_schema(text, any_whitespace=False)
     if syntax == "regex":

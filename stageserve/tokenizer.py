@@ -12,13 +12,17 @@ by the file (path, size, modification time) and the transformers version, and la
 (~0.2 s). Where the cache cannot be written, every load builds from the file.
 
 reclaim only decodes: :func:`load_fast_tokenizer` gives it the Rust ``tokenizers.Tokenizer`` of the
-``tokenizer.json`` there, without transformers' tokenizer classes, whose imports take torch (about
-200 MiB of a service that never runs a tensor).
+``tokenizer.json`` there, without transformers' tokenizer classes. prepare needs transformers' class
+for the chat template; where ``tokenizer_config.json`` names the plain tokenizers-backed class (what a
+GGUF's cached tokenizer always names), :func:`load_tokenizer` loads that class directly instead of
+through ``AutoTokenizer``, whose model-config imports take torch (about 230 MiB of a service that
+never runs a tensor); ``AutoTokenizer`` would build the very same class.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -64,22 +68,41 @@ def load_tokenizer(model_path: Path) -> PreTrainedTokenizerBase:
     Raises:
         ValueError: the path holds no tokenizer transformers can read; the message names the path.
     """
-    from transformers import AutoTokenizer
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cached = _cache_dir(model_path) if model_path.is_file() else None
     if cached is not None and cached.is_dir():
         try:
-            return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+            return _from_folder(cached)
         except (OSError, ValueError, KeyError) as exc:
             log.warning("cached tokenizer %s unreadable (%s): building it from %s again", cached, exc, model_path)
     try:
+        if model_path.is_dir():
+            return _from_folder(model_path)
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(**transformers_source(model_path), local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"cannot load a tokenizer from {model_path}: {exc}") from exc
     if cached is not None:
         _save(tokenizer, cached)
     return tokenizer
+
+
+# The class names under which transformers keeps the tokenizer wholly in tokenizer.json (one class).
+_PLAIN_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _from_folder(folder: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a Hugging Face folder: the plain tokenizers-backed class, loaded directly,
+    where its ``tokenizer_config.json`` names it and a ``tokenizer.json`` is there (no torch
+    import, see the module docstring); else whatever ``AutoTokenizer`` picks."""
+    config = folder / "tokenizer_config.json"
+    plain = (folder / "tokenizer.json").is_file() and config.is_file() and json.loads(config.read_text()).get("tokenizer_class") in _PLAIN_CLASSES
+    if plain:
+        from transformers import PreTrainedTokenizerFast as loader
+    else:
+        from transformers import AutoTokenizer as loader
+    return loader.from_pretrained(str(folder), local_files_only=True)
 
 
 def _cache_dir(gguf: Path) -> Path:

@@ -57,3 +57,28 @@ def test_reclaims_rust_tokenizer_decodes_as_transformers_does_without_importing_
     assert plain == [built.decode(i, skip_special_tokens=True) for i in ids]
     assert special == [built.decode(i) for i in ids]
     assert torch_imported is False
+
+
+def test_prepares_tokenizer_of_a_gguf_templates_as_autotokenizer_without_importing_torch(tmp_path):
+    """``load_tokenizer`` from a GGUF's cache (what prepare loads after the first start), in a fresh
+    interpreter: the chat template and encodings of ``AutoTokenizer``'s tokenizer, torch and
+    xgrammar (structured output's parser, imported at the first constraint) never imported."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    built = load_tokenizer(embedded_model_path())
+    script = ("import json, sys\nfrom stageserve.model_files import embedded_model_path\n"
+              "from stageserve.tokenizer import load_tokenizer\nimport stageserve.structured_output\n"
+              "tokenizer = load_tokenizer(embedded_model_path())\n"
+              f"print(json.dumps([tokenizer.encode(t) for t in {TEXTS!r}] + [tokenizer.apply_chat_template({CHAT!r}, tokenize=False,"
+              " add_generation_prompt=True), type(tokenizer).__name__, 'torch' in sys.modules, 'xgrammar' in sys.modules]))")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    for _ in range(2):  # the first builds the cache (AutoTokenizer from the file, torch with it); the second reads it
+        out = json.loads(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout)
+    *encodings, template, class_name, torch_imported, xgrammar_imported = out
+    assert encodings == [built.encode(text) for text in TEXTS]
+    assert template == built.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert class_name == type(built).__name__
+    assert (torch_imported, xgrammar_imported) == (False, False)
