@@ -563,3 +563,22 @@ def test_a_prefix_cache_hit_on_latent_attention_gives_the_uncached_tokens(checkp
         b.append(int(logits[1].argmax()))
     assert b == ref_tokens
     assert a == alone
+
+
+@pytest.mark.parametrize("checkpoint", ["deepseek_v3"], indirect=True)
+def test_a_q8_0_deepseek_gguf_runs_its_latent_attention_and_experts_on_int8_kernels(checkpoint, reference, tmp_path):
+    """DeepSeek-V3 in Q8_0 kept quantized (``--weights auto``): the latent attention's linears
+    (``q_a``, ``q_b`` with its rotated rows reordered by rows of blocks, ``kv_a``, ``o``), the dense
+    layer's MLP, the experts and the shared experts run int8 (the router, the tied head and llama.cpp's
+    float ``attn_k_b`` / ``attn_v_b``, joined into the dense up-projections, stay float32) and give the
+    dequantized model's greedy tokens."""
+    prompt = reference[0]
+    path = write_gguf(checkpoint[1], tmp_path / "deepseek-q8_0.gguf", "deepseek2", gguf.GGMLQuantizationType.Q8_0)
+    model = DecoderModel.from_path(path, torch.float32, "cpu", weight_format="auto")
+    c = model.config
+    assert model.linear_formats["int8"] == 4 * c.num_layers + 2 + 2 * c.num_experts + 2
+    assert model.linear_formats["float32"] == 1 + 1
+    tokens, logits = greedy(model, prompt, NEW_TOKENS)
+    ref_tokens, ref_logits = greedy(DecoderModel.from_path(path, torch.float32, "cpu"), prompt, NEW_TOKENS)
+    assert (logits - ref_logits).abs().max() < 0.25  # int8 activations or per-row requantized weights, as Qwen3-MoE's
+    assert tokens == ref_tokens
