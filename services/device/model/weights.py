@@ -78,7 +78,8 @@ _GGUF_ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_s
 
 
 def load_weights(path: Path, dtype: torch.dtype, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight]]:
-    """Read a model's config and weights as CPU tensors of ``dtype`` under HF names.
+    """Read a model's config and weights as CPU tensors of ``dtype`` under HF names (DeepSeek's router
+    correction bias in float32).
 
     ``path`` is a ``.gguf`` file (F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/K-quants/IQ formats, dequantized
     as ``gguf.quants.dequantize`` does) or an HF directory (``config.json`` plus one or more
@@ -270,12 +271,18 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool) -> tuple[Mo
         if hf_name.endswith(("k_b_proj.weight", "v_b_proj.weight")) and kept:
             tensor = tensor.dequantize().view(info.shape)  # joined into kv_b_proj: the decoder keeps it dense
         for name, part in _split_fused(hf_name, tensor, config, path):
-            weights[name] = part if kept and isinstance(part, QuantizedWeight) else part.to(dtype, copy=True)
+            weights[name] = part if kept and isinstance(part, QuantizedWeight) else part.to(_load_dtype(name, dtype), copy=True)
     _joined_kv_b(weights, config)
     if dequantized_blocks:
         log.info("%s: tensors of type %s dequantized to %s at load: no weight-only kernel here takes that block format",
                  path.name, ", ".join(sorted(dequantized_blocks)), str(dtype).removeprefix("torch."))
     return config, weights
+
+
+def _load_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """``dtype``, but float32 for DeepSeek-V3's router correction bias: it decides between experts
+    whose scores differ by less than a bfloat16 step (transformers keeps it float32 too)."""
+    return torch.float32 if name.endswith("e_score_correction_bias") else dtype
 
 
 def _joined_kv_b(weights: dict[str, torch.Tensor | QuantizedWeight], config: ModelConfig) -> None:
@@ -361,7 +368,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str,
                         for part_name, part in _split_fused(name, handle.get_tensor(stored), config, file):
                             if family.hf_norm_offset and part_name.endswith("norm.weight"):  # (1 + w) norms: the multiplier, in float32
                                 part = part.float() + family.hf_norm_offset
-                            weights[part_name] = part.to(dtype)
+                            weights[part_name] = part.to(_load_dtype(part_name, dtype))
         except ModelLoadError:
             raise
         except Exception as exc:  # safetensors raises SafetensorError / OSError on bad headers or sizes
