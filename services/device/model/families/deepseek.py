@@ -7,8 +7,10 @@ scale ``(qk_nope + qk_rope) ** -0.5`` times YaRN's ``mscale(factor, mscale_all_d
 ``first_k_dense_replace`` on, with ``n_shared_experts`` shared experts and DeepSeek's routers: V2's
 softmax (``topk_method`` ``greedy``, or ``group_limited_greedy`` over ``n_group`` groups keeping
 ``topk_group``), V3's sigmoid with ``e_score_correction_bias`` over groups (``noaux_tc``);
-``routed_scaling_factor``, ``norm_topk_prob``. The checkpoint's multi-token-prediction layers
-(``num_nextn_predict_layers``, ``model.layers.{num_hidden_layers}.*``) are not loaded.
+``routed_scaling_factor``, ``norm_topk_prob`` (for V2 too, as DeepSeek's own ``modeling_deepseek.py``
+renormalises; transformers' V2 router ignores the flag, which DeepSeek's V2 checkpoints leave false).
+The checkpoint's multi-token-prediction layers (``num_nextn_predict_layers``,
+``model.layers.{num_hidden_layers}.*``) are not loaded.
 
 GGUF (``DeepseekV2Model`` in ``convert_hf_to_gguf.py``): architecture ``deepseek2`` for both; one KV
 head, ``key_length`` / ``value_length`` the latent's (``kv_lora_rank + qk_rope``, ``kv_lora_rank``),
