@@ -39,11 +39,17 @@ def write_tiny_checkpoint(
     ``(1 + w)`` norm weights around 0 (transformers sets them to 0). ``family="qwen3_moe"``: Qwen3's
     layer with 8 experts of 64, top 2 renormalised, layer 0 dense (``mlp_only_layers``);
     ``family="mixtral"``: Mistral's with 8 experts of 128, top 2, in every layer; both draw their router
-    weights (transformers' Qwen3-MoE leaves them 0, every expert tied). ``overrides``: further config fields.
+    weights (transformers' Qwen3-MoE leaves them 0, every expert tied). ``family="deepseek_v3"``: a
+DeepSeek-V3 with latent attention (``q_lora_rank`` 32, ``kv_lora_rank`` 32, heads of 16 unrotated
+and 16 rotated query/key values and 24 value ones, YaRN by 4 with ``mscale_all_dim``), layer 0
+dense, then 8 routed experts of 32 in 4 groups (2 kept), top 2, sigmoid scores with a random
+correction bias, 1 shared expert, weights scaled by 2.5; ``family="deepseek_v2"``: a DeepSeek-V2
+with no ``q_lora_rank``, no YaRN, softmax ``group_limited_greedy`` routing and 2 shared experts.
+``overrides``: further config fields.
     Head size 64 everywhere but Llama's, so the fused CPU kernels run them.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
+    from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
                               MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM,
                               PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
@@ -95,12 +101,25 @@ def write_tiny_checkpoint(
             for name, weight in model.named_parameters():
                 if name.endswith("norm.weight"):
                     weight.normal_(0.0, 0.3)
+    elif family in ("deepseek_v2", "deepseek_v3"):
+        mla = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2,
+                   moe_intermediate_size=32, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+        if family == "deepseek_v3":
+            rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+                    "mscale": 0.707, "mscale_all_dim": 0.707}
+            model = DeepseekV3ForCausalLM(DeepseekV3Config(**(mla | {"q_lora_rank": 32, "n_shared_experts": 1, "rope_parameters": rope} | shape)))
+        else:
+            model = DeepseekV2ForCausalLM(DeepseekV2Config(**(mla | {"q_lora_rank": None, "n_shared_experts": 2, "norm_topk_prob": False,
+                                                                  "topk_method": "group_limited_greedy", "routed_scaling_factor": 2.0} | shape)))
     else:
         model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=1, **shape))
     with torch.no_grad():
         for name, weight in model.named_parameters():
             if name.endswith("mlp.gate.weight"):  # a router
                 weight.normal_(0.0, 0.2)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # transformers leaves it 0
+                buffer.normal_(0.0, 0.1)
     model.save_pretrained(directory)
     return directory
 

@@ -1,7 +1,9 @@
 """The families added through ``services/device/model/README.md`` served through the three services:
 Qwen3, Mistral with a sliding window shorter than the prompts, and Gemma 2 and Gemma 3 with such a
-window on their local layers beside global ones (Gemma 2 soft-capped), and Qwen3-MoE (a dense layer and a
-mixture of experts: batched rows routed to different experts); one pipeline each. Phi-3 differs
+window on their local layers beside global ones (Gemma 2 soft-capped), Qwen3-MoE (a dense layer and a
+mixture of experts: batched rows routed to different experts) and DeepSeek-V3 (latent attention over a
+pool of latents, read back by a prefix-cache hit; grouped sigmoid routing and shared experts); one
+pipeline each. DeepSeek-V2 differs from V3 only in what loads and in its router, checked in the unit tests. Phi-3 differs
 only in what the model does at load and in its RoPE tables, checked in the unit tests, and Mixtral
 only in its names and routing, which Qwen3-MoE's pipeline runs the same code for. The same
 pipelines embed while they generate: Qwen3 by its last token (a plain checkpoint), the Mistral
@@ -35,6 +37,7 @@ CHECKPOINTS = {
     "gemma2": {"family": "gemma2", "sliding_window": 8},
     "gemma3": {"family": "gemma3", "sliding_window": 8},
     "qwen3_moe": {"family": "qwen3_moe"},
+    "deepseek_v3": {"family": "deepseek_v3"},
 }
 MEAN_POOLED = {"mistral-window"}  # written as sentence-transformers directories that mean-pool
 EMBEDDED = ("The quick brown fox", "x", "Hello, world")

@@ -87,6 +87,20 @@ class ModelConfig:
     all experts) choose its experts, renormalised to sum 1 with ``norm_topk_prob``; each expert is a
     SwiGLU MLP of ``moe_intermediate_size``; ``dense_mlp_layers`` keep the dense MLP of
     ``intermediate_size`` (Qwen3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``).
+    DeepSeek's router: ``router_scoring`` ``softmax`` or ``sigmoid`` (with a per-expert
+    ``e_score_correction_bias`` added for the choice only); with ``expert_groups`` > 1 the experts
+    form that many groups and each token chooses within its ``expert_groups_kept`` best groups (a
+    group's score: its best expert's with softmax, its best two experts' sum with sigmoid, as
+    DeepSeek-V2's ``group_limited_greedy`` and V3's ``noaux_tc``); the chosen weights are multiplied by
+    ``routed_scaling_factor``; ``shared_experts`` SwiGLU experts of ``moe_intermediate_size`` each,
+    fused into one MLP, run on every token beside the routed ones.
+
+    Multi-head latent attention (DeepSeek-V2/V3, ``mla.py``) where ``kv_lora_rank`` > 0: each token's
+    keys and values come from one latent of ``kv_lora_rank`` values (``kv_a_proj_with_mqa``, then
+    ``kv_a_layernorm``) and one rotated key of ``head_dim`` values shared by all heads
+    (``qk_rope_head_dim``); each head's query is ``qk_nope_head_dim`` + ``head_dim`` values (through a
+    ``q_lora_rank`` bottleneck where that is set), its value ``v_head_dim``; ``rope_interleaved``: the
+    rotated values pair up as (0, 1), (2, 3), ... (DeepSeek's layout) rather than rotate-half's halves.
     """
 
     architecture: str
@@ -123,6 +137,16 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     dense_mlp_layers: tuple[int, ...] = ()
+    router_scoring: str = "softmax"
+    expert_groups: int = 1
+    expert_groups_kept: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_experts: int = 0
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleaved: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -135,6 +159,10 @@ class ModelConfig:
             raise ValueError(f"full_attention_layers={self.full_attention_layers} names a layer outside 0..{self.num_layers - 1}")
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise ValueError(f"experts_per_token={self.experts_per_token} is not within 1..num_experts={self.num_experts}")
+        if self.num_experts and (self.num_experts % self.expert_groups or not 0 < self.expert_groups_kept <= self.expert_groups):
+            raise ValueError(f"expert_groups={self.expert_groups} (keeping {self.expert_groups_kept}) does not divide num_experts={self.num_experts}")
+        if self.router_scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"router_scoring={self.router_scoring!r} is not softmax or sigmoid")
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:
@@ -161,8 +189,15 @@ class ModelConfig:
 
     @property
     def q_size(self) -> int:
-        """Width of the query projection output (``num_heads * head_dim``)."""
-        return self.num_heads * self.head_dim
+        """Width of the query projection output (``num_heads * head_dim``; with latent attention
+        ``num_heads * (qk_nope_head_dim + head_dim)``)."""
+        return self.num_heads * (self.qk_nope_head_dim + self.head_dim)
+
+    @property
+    def kv_entry_size(self) -> int:
+        """Values the KV pool holds per token and layer: a latent attention's latent and rotated key
+        (``kv_lora_rank + head_dim``, shared by all heads), else every KV head's key and value."""
+        return self.kv_lora_rank + self.head_dim if self.kv_lora_rank else 2 * self.kv_size
 
     @property
     def kv_size(self) -> int:

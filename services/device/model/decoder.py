@@ -15,7 +15,9 @@ Mistral, Phi-3, Gemma; ``attention.py``) and Gemma's parts: a GeGLU MLP (``hidde
 the attention and MLP outputs (``sandwich_norms``), scaled embeddings (``embed_scale``), a softmax
 scale of its own (``attention_scale``), soft-capped attention scores and logits (``attn_softcap``,
 ``final_softcap``), a RoPE base of the local layers' own (``local_rope_theta``, ``rope.py``) and
-a mixture of experts as the MLP (``num_experts``: Qwen3-MoE, Mixtral; ``moe.py``).
+a mixture of experts as the MLP (``num_experts``: Qwen3-MoE, Mixtral, DeepSeek; ``moe.py``), and
+multi-head latent attention in place of grouped-query attention (``kv_lora_rank``: DeepSeek-V2/V3;
+``mla.py``, torch ops only).
 When every layer is windowed, prepare releases the blocks the window has left behind (README,
 "Sliding window"): their block-table entries point at block 0, which attention reads only under
 the window's mask.
@@ -40,8 +42,9 @@ from stageserve.device.model.config import ModelConfig
 from stageserve.device.model.forward_batch import ForwardBatch
 from stageserve.device.model.kv_cache import PagedKVCache
 from stageserve.device.model.linear import Linear
+from stageserve.device.model.mla import MLAWeights
 from stageserve.device.model.moe import MoEMLP
-from stageserve.device.model.rope import apply_rope, layer_rope_tables, rotary_row_order
+from stageserve.device.model.rope import apply_rope, interleaved_row_order, layer_rope_tables, rotary_row_order
 from stageserve.device.model.weights import expected_shapes, load_weights
 
 log = logging.getLogger(__name__)
@@ -52,8 +55,8 @@ class LayerWeights:
     """One decoder layer, with q/k/v and gate/up fused so each is a single matmul."""
 
     input_norm: torch.Tensor  # [hidden]
-    qkv: Linear  # [hidden] -> [q_size + 2 * kv_size], with Qwen2's bias
-    o: Linear  # [q_size] -> [hidden]
+    qkv: Linear | None  # [hidden] -> [q_size + 2 * kv_size], with Qwen2's bias; None with latent attention
+    o: Linear | None  # [q_size] -> [hidden]
     post_norm: torch.Tensor  # [hidden], the MLP's input norm (Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm)
     gate_up: Linear | None  # [hidden] -> [2 * intermediate]; None in a mixture-of-experts layer
     down: Linear | None  # [intermediate] -> [hidden]
@@ -62,10 +65,12 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None  # [hidden], with config.sandwich_norms: Gemma's post_attention_layernorm
     mlp_out_norm: torch.Tensor | None = None  # [hidden], with config.sandwich_norms: post_feedforward_layernorm
     moe: MoEMLP | None = None  # the mixture of experts that is this layer's MLP (config.moe_layers)
+    mla: MLAWeights | None = None  # the latent attention that is this layer's attention (config.kv_lora_rank)
 
     def linears(self) -> list[Linear | QuantizedLinear]:
         """Every linear of the layer (the experts' too)."""
-        return [self.qkv, self.o, *(self.moe.linears() if self.moe is not None else (self.gate_up, self.down))]
+        attention = self.mla.linears() if self.mla is not None else (self.qkv, self.o)
+        return [*attention, *(self.moe.linears() if self.moe is not None else (self.gate_up, self.down))]
 
     def norm_qk_heads_(self, qkv: torch.Tensor, heads: int, kv_heads: int, eps: float) -> torch.Tensor:
         """With ``q_norm``/``k_norm``: RMSNorm each query and key head of ``qkv`` [T, (H + 2K) * D] in place
@@ -110,6 +115,7 @@ class DecoderModel:
         self.cpu_kernels = (
             cpu_kernels_allowed
             and self.device.type == "cpu"
+            and not config.kv_lora_rank  # the fused paged attention does not read latents: MLA runs the torch path (mla.py)
             and cpu_kernels.available(self.dtype, config.head_dim, config.num_heads // config.num_kv_heads)
         )
         amx = self.cpu_kernels and amx_allowed  # decode-sized bf16 linears on AMX where the CPU has it (see Linear)
@@ -118,13 +124,14 @@ class DecoderModel:
 
         order = rotary_row_order(config)
         if order is not None:  # partial rotary as whole-head RoPE over rearranged q/k rows (see rotary_row_order)
-            weights = dict(weights)
             rotated = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias")
-            for name in [n for n in weights if n.endswith(rotated)]:
-                t = weights[name]
-                rows = t.blocks if isinstance(t, QuantizedWeight) else t  # a quantized weight's rows are its rows of blocks
-                rows = rows.view(-1, config.head_dim, *rows.shape[1:])[:, order].reshape(rows.shape)
-                weights[name] = QuantizedWeight(t.qtype, rows) if isinstance(t, QuantizedWeight) else rows
+            weights = weights | {n: _rows_reordered(t, order) for n, t in weights.items() if n.endswith(rotated)}
+        if config.kv_lora_rank and config.rope_interleaved:  # DeepSeek's paired rotated rows, into rotate-half order
+            nope, rope, rank = config.qk_nope_head_dim, config.head_dim, config.kv_lora_rank
+            q_order = torch.cat([torch.arange(nope), nope + interleaved_row_order(rope)])
+            kv_order = torch.cat([torch.arange(rank), rank + interleaved_row_order(rope)])
+            weights = weights | {n: _rows_reordered(t, q_order) for n, t in weights.items() if n.endswith(("self_attn.q_proj.weight", "q_b_proj.weight"))}
+            weights |= {n: _rows_reordered(t, kv_order) for n, t in weights.items() if n.endswith("kv_a_proj_with_mqa.weight")}
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(self.device)
@@ -166,17 +173,32 @@ class DecoderModel:
         qkv = tuple(attn + f"{x}_proj." for x in "qkv")
         c = self.config
         qk_norm, sandwich, gated = c.qk_norm, c.sandwich_norms, c.hidden_act == "silu"  # packed for the fused SwiGLU (amx_swiglu) only with SiLU
-        moe = None
+        moe = mla = None
         if c.moe_layers[index]:
             experts = [f"{mlp}experts.{j}." for j in range(c.num_experts)]
+            shared = mlp + "shared_experts."
             moe = MoEMLP(
                 router=self._linear([weights[mlp + "gate.weight"]], None, "dequantize", False, False),  # routing stays in the activation dtype
                 gate_ups=[linear((e + "gate_proj.weight", e + "up_proj.weight"), gated=gated) for e in experts],
-                downs=[linear((e + "down_proj.weight",)) for e in experts], top_k=c.experts_per_token, normalize=c.norm_topk_prob)
+                downs=[linear((e + "down_proj.weight",)) for e in experts], top_k=c.experts_per_token, normalize=c.norm_topk_prob,
+                scoring=c.router_scoring, groups=c.expert_groups, groups_kept=c.expert_groups_kept, scale=c.routed_scaling_factor,
+                bias=weights[mlp + "gate.e_score_correction_bias"].float().to(self.device) if c.router_scoring == "sigmoid" else None,
+                shared=(linear((shared + "gate_proj.weight", shared + "up_proj.weight"), gated=gated), linear((shared + "down_proj.weight",)))
+                if c.shared_experts else None)
+        if c.kv_lora_rank:
+            kv_b = weights[attn + "kv_b_proj.weight"]
+            kv_b = (kv_b.dequantize() if isinstance(kv_b, QuantizedWeight) else kv_b).to(self.device, self.dtype)
+            kv_b = kv_b.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+            lora = c.q_lora_rank is not None
+            mla = MLAWeights(
+                q_a=linear((attn + "q_a_proj.weight",)) if lora else None, q_a_norm=w(attn + "q_a_layernorm.weight") if lora else None,
+                q_b=linear((attn + ("q_b_proj.weight" if lora else "q_proj.weight"),)), kv_a=linear((attn + "kv_a_proj_with_mqa.weight",)),
+                kv_a_norm=w(attn + "kv_a_layernorm.weight"), w_uk=kv_b[:, : c.qk_nope_head_dim].contiguous(),
+                w_uv=kv_b[:, c.qk_nope_head_dim :].contiguous(), o=linear((attn + "o_proj.weight",)))
         return LayerWeights(
             input_norm=w(p + "input_layernorm.weight"),
-            qkv=linear(tuple(n + "weight" for n in qkv), tuple(n + "bias" for n in qkv) if self.config.attention_bias else ()),
-            o=linear((attn + "o_proj.weight",), (attn + "o_proj.bias",) if attn + "o_proj.bias" in weights else ()),
+            qkv=None if mla else linear(tuple(n + "weight" for n in qkv), tuple(n + "bias" for n in qkv) if self.config.attention_bias else ()),
+            o=None if mla else linear((attn + "o_proj.weight",), (attn + "o_proj.bias",) if attn + "o_proj.bias" in weights else ()),
             post_norm=w(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
             gate_up=None if moe else linear((mlp + "gate_proj.weight", mlp + "up_proj.weight"), gated=gated),
             down=None if moe else linear((mlp + "down_proj.weight",)),
@@ -185,6 +207,7 @@ class DecoderModel:
             attn_out_norm=w(p + "post_attention_layernorm.weight") if sandwich else None,
             mlp_out_norm=w(p + "post_feedforward_layernorm.weight") if sandwich else None,
             moe=moe,
+            mla=mla,
         )
 
     def _linear(self, parts: list[torch.Tensor | QuantizedWeight], bias: torch.Tensor | None, weight_format: str, amx: bool, gated: bool) -> Linear | QuantizedLinear:
@@ -235,6 +258,8 @@ class DecoderModel:
                 add(t)
         norms = [self.norm] + [t for layer in self.layers for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm,
                                                                       layer.attn_out_norm, layer.mlp_out_norm) if t is not None]
+        norms += [t for layer in self.layers if layer.mla is not None for t in layer.mla.tensors()]
+        norms += [layer.moe.bias for layer in self.layers if layer.moe is not None and layer.moe.bias is not None]
         for t in norms:
             add(t)
         if isinstance(self.embed, torch.Tensor):
@@ -306,19 +331,13 @@ class DecoderModel:
         if batch.num_decode:
             decode_rows = kv_cache.block_rows(batch.decode_blocks)  # [2 * kv_heads * Bd * W]
             decode_bias = {window: self._decode_bias(batch, window) for window in windows}
-        heads, kv_heads, d = c.num_heads, c.num_kv_heads, c.head_dim
         for index, layer in enumerate(self.layers):
             window, (cos, sin) = self.layer_windows[index], rope[self.layer_rope[index]]
             h = F.rms_norm(x, hidden, layer.input_norm, eps)
-            qkv = layer.norm_qk_heads_(layer.qkv(h), heads, kv_heads, eps)  # [T, (H + 2K) * D]
-            qk = apply_rope(qkv[:, : (heads + kv_heads) * d].view(-1, heads + kv_heads, d), cos, sin)  # [T, H + K, D]
-            v = qkv[:, (heads + kv_heads) * d :].view(-1, kv_heads, d)  # [T, K, D]
-            kv_cache.write(index, qk[:, heads:], v, batch.slot_mapping)
-            decode = None
-            if batch.num_decode:
-                k_context, v_context = kv_cache.gather_blocks(index, decode_rows)  # [K * Bd * W, block_size, D]
-                decode = decode_attention(qk[: batch.num_decode, :heads], k_context, v_context, decode_bias[window], self.scale, c.attn_softcap)
-            attention = layer.o(attention_output(index, decode, qk, v, batch, kv_cache, self.scale, masks[window], c.attn_softcap))
+            if layer.mla is not None:
+                attention = layer.mla(index, h, cos, sin, batch, kv_cache, self.scale, eps, masks[window], decode_rows, decode_bias.get(window))
+            else:
+                attention = self._attention(index, layer, h, cos, sin, batch, kv_cache, masks[window], decode_rows, decode_bias.get(window))
             if layer.attn_out_norm is not None:
                 attention = F.rms_norm(attention, hidden, layer.attn_out_norm, eps)
             x = x + attention
@@ -328,6 +347,24 @@ class DecoderModel:
                 mlp = F.rms_norm(mlp, hidden, layer.mlp_out_norm, eps)
             x = x + mlp
         return x
+
+    def _attention(
+        self, index: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+        kv_cache: PagedKVCache, masks: list[torch.Tensor | None], decode_rows: torch.Tensor | None, decode_bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Layer ``index``'s grouped-query attention of ``h`` [T, hidden] -> [T, hidden] in torch ops
+        (its K/V written into ``kv_cache``); ``cos``/``sin`` [T, 1, D], the masks as `_layers_torch` makes them."""
+        c = self.config
+        heads, kv_heads, d = c.num_heads, c.num_kv_heads, c.head_dim
+        qkv = layer.norm_qk_heads_(layer.qkv(h), heads, kv_heads, c.rms_norm_eps)  # [T, (H + 2K) * D]
+        qk = apply_rope(qkv[:, : (heads + kv_heads) * d].view(-1, heads + kv_heads, d), cos, sin)  # [T, H + K, D]
+        v = qkv[:, (heads + kv_heads) * d :].view(-1, kv_heads, d)  # [T, K, D]
+        kv_cache.write(index, qk[:, heads:], v, batch.slot_mapping)
+        decode = None
+        if batch.num_decode:
+            k_context, v_context = kv_cache.gather_blocks(index, decode_rows)  # [K * Bd * W, block_size, D]
+            decode = decode_attention(qk[: batch.num_decode, :heads], k_context, v_context, decode_bias, self.scale, c.attn_softcap)
+        return layer.o(attention_output(index, decode, qk, v, batch, kv_cache, self.scale, masks, c.attn_softcap))
 
     def _layers_fused(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """All decoder layers with ``cpu_kernels``' fused ops (CPU): ``x`` [T, hidden] -> [T, hidden].
@@ -379,3 +416,11 @@ class DecoderModel:
             return down(gate_up.swiglu(h))
         gate, up = gate_up(h).chunk(2, dim=-1)
         return down((F.silu(gate) if silu else F.gelu(gate, approximate="tanh")) * up)
+
+
+def _rows_reordered(t: torch.Tensor | QuantizedWeight, order: torch.Tensor) -> torch.Tensor | QuantizedWeight:
+    """``t`` [groups * len(order), ...] with each group of rows taken in ``order`` (a quantized
+    weight's rows are its rows of blocks)."""
+    rows = t.blocks if isinstance(t, QuantizedWeight) else t
+    rows = rows.view(-1, order.shape[0], *rows.shape[1:])[:, order].reshape(rows.shape)
+    return QuantizedWeight(t.qtype, rows) if isinstance(t, QuantizedWeight) else rows

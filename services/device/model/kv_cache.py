@@ -17,16 +17,20 @@ from stageserve.device.model.config import ModelConfig
 
 
 class PagedKVCache:
-    """Keys and values of every layer in one pool ``kv`` ``[num_layers, 2 * num_kv_heads, num_blocks, block_size, head_dim]``.
+    """Keys and values of every layer in one pool ``kv`` ``[num_layers, entries, num_blocks, block_size, width]``.
 
-    Per layer the K heads come first, then the V heads, and the pool is head-major: viewed as
-    ``[2 * num_kv_heads * num_blocks, block_size * head_dim]`` it has one contiguous row per (head,
-    block). Gathering a step's blocks is then a single row ``index_select`` (memcpy speed) for keys
-    and values together, whose halves are already the ``[kv_head * row, tokens, head_dim]`` operands
-    of batched matmuls, with no transpose copy; storing a step's new keys and values is one
-    ``index_copy_``. (One call instead of one per K and V: on a CPU each call's fixed cost is a few
-    µs, times two per layer per step.) The pool is zero-filled: attention reads padded slots under
-    a mask, and a masked NaN from uninitialised memory would still poison ``softmax(scores) @ V``.
+    For grouped-query attention the entries are the ``2 * num_kv_heads`` K heads, then the V heads,
+    each ``head_dim`` wide; for multi-head latent attention (``ModelConfig.kv_lora_rank``, ``mla.py``)
+    one entry of ``kv_lora_rank + head_dim`` values per token: the latent and the rotated key that
+    every head shares (DeepSeek-V2 paper, §2.1.2: what MLA caches), not the keys and values
+    expanded per head. The pool is entry-major: viewed as ``[entries * num_blocks, block_size *
+    width]`` it has one contiguous row per (entry, block). Gathering a step's blocks is then a single
+    row ``index_select`` (memcpy speed) for keys and values together, whose halves are already the
+    ``[kv_head * row, tokens, head_dim]`` operands of batched matmuls, with no transpose copy;
+    storing a step's new keys and values is one ``index_copy_``. (One call instead of one per K and
+    V: on a CPU each call's fixed cost is a few µs, times two per layer per step.) The pool is
+    zero-filled: attention reads padded slots under a mask, and a masked NaN from uninitialised
+    memory would still poison ``softmax(scores) @ V``.
 
     Raises:
         ValueError: ``num_blocks`` or ``block_size`` below 1.
@@ -37,39 +41,52 @@ class PagedKVCache:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
-        heads = 2 * config.num_kv_heads
-        self.kv = torch.zeros((config.num_layers, heads, num_blocks, block_size, config.head_dim), dtype=dtype, device=device)
-        # Per-layer views, made once for the hot path: slots [2K, num_blocks * block_size, head_dim] and
-        # block rows [2K * num_blocks, block_size, head_dim].
-        self._slots = [layer.view(heads, -1, config.head_dim) for layer in self.kv]
-        self._block_rows = [layer.view(-1, block_size, config.head_dim) for layer in self.kv]
-        self._head_offsets = torch.arange(heads, device=device)[:, None] * num_blocks  # [2K, 1]
+        entries = 1 if config.kv_lora_rank else 2 * config.num_kv_heads
+        width = config.kv_entry_size // entries
+        self.kv = torch.zeros((config.num_layers, entries, num_blocks, block_size, width), dtype=dtype, device=device)
+        # Per-layer views, made once for the hot path: slots [entries, num_blocks * block_size, width] and
+        # block rows [entries * num_blocks, block_size, width].
+        self._slots = [layer.view(entries, -1, width) for layer in self.kv]
+        self._block_rows = [layer.view(-1, block_size, width) for layer in self.kv]
+        self._head_offsets = torch.arange(entries, device=device)[:, None] * num_blocks  # [entries, 1]
 
     def layer(self, index: int) -> torch.Tensor:
-        """``index``'s pool ``[2 * num_kv_heads, num_blocks, block_size, head_dim]`` (a contiguous view)."""
+        """``index``'s pool ``[entries, num_blocks, block_size, width]`` (a contiguous view)."""
         return self.kv[index]
 
     def block_rows(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Pool rows ``[2 * num_kv_heads * B * W]`` int64 of block tables ``blocks`` ``[B, W]``, head-major
+        """Pool rows ``[entries * B * W]`` int64 of block tables ``blocks`` ``[B, W]``, entry-major
         (K heads, then V heads); compute once per step."""
         return (self._head_offsets + blocks.view(1, -1)).view(-1)
 
+    def gather_rows(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """``layer``'s pool ``rows`` (from ``block_rows``): ``[entries * B * W, block_size, width]``."""
+        return self._block_rows[layer].index_select(0, rows)
+
     def gather_blocks(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values, each ``[num_kv_heads * B * W, block_size, head_dim]``, of ``layer``'s pool ``rows`` (from ``block_rows``)."""
-        return self._block_rows[layer].index_select(0, rows).chunk(2)
+        return self.gather_rows(layer, rows).chunk(2)
+
+    def gather_entries(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """``layer``'s entries at flat slots ``slots`` ``[n]`` int64: ``[entries, n, width]``."""
+        return self._slots[layer].index_select(1, slots)
 
     def gather_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values, each ``[num_kv_heads, len(slots), head_dim]``, of ``layer`` at flat slots ``slots`` ``[n]`` int64."""
-        return self._slots[layer].index_select(1, slots).chunk(2)
+        return self.gather_entries(layer, slots).chunk(2)
+
+    def write_entries(self, layer: int, entries: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store new tokens' ``entries`` ``[T, entries, width]`` of ``layer`` at flat slots ``slot_mapping`` ``[T]`` int64."""
+        self._slots[layer].index_copy_(1, slot_mapping, entries.transpose(0, 1))
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store new keys/values ``[T, num_kv_heads, head_dim]`` of ``layer`` at flat slots ``slot_mapping`` ``[T]`` int64."""
-        self._slots[layer].index_copy_(1, slot_mapping, torch.cat((k, v), 1).transpose(0, 1))
+        self.write_entries(layer, torch.cat((k, v), 1), slot_mapping)
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V together."""
-    return 2 * config.num_layers * block_size * config.kv_size * dtype.itemsize
+    """Bytes one block takes across all layers (``ModelConfig.kv_entry_size`` values per token and layer)."""
+    return config.num_layers * block_size * config.kv_entry_size * dtype.itemsize
 
 
 def num_blocks_for_memory(config: ModelConfig, block_size: int, dtype: torch.dtype, memory_bytes: int, draft: ModelConfig | None = None) -> int:

@@ -1,5 +1,6 @@
-"""The mixture-of-experts MLP every MoE family shares (Qwen3-MoE, Mixtral): a softmax router choosing
-each token's top-k experts, and the experts run as one grouped pass each over the rows routed to it.
+"""The mixture-of-experts MLP every MoE family shares (Qwen3-MoE, Mixtral, DeepSeek-V2/V3): a router
+choosing each token's top-k experts, the experts run as one grouped pass each over the rows routed to
+it, and DeepSeek's shared experts beside them.
 
 Math as transformers' ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock`` (``modeling_qwen3_moe.py``,
 ``modeling_mixtral.py``) and llama.cpp's ``build_moe_ffn`` (``src/llama-graph.cpp``, used by
@@ -7,7 +8,11 @@ Math as transformers' ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock`` (``
 (float32), the top k kept and, with ``norm_topk_prob``, divided by their sum (Mixtral's softmax over
 the selected logits is the same); the output is the weighted sum of the chosen experts' SwiGLU MLPs
 (Shazeer et al. 2017, "Outrageously Large Neural Networks"; Lepikhin et al. 2020, "GShard"; Jiang et
-al. 2024, "Mixtral of Experts").
+al. 2024, "Mixtral of Experts"). DeepSeek's router (transformers' ``DeepseekV2TopkRouter`` /
+``DeepseekV3TopkRouter``; DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" §2.1.2): sigmoid scores
+(V3) with a per-expert correction bias that steers the choice but not the weights, the choice limited
+to each token's best expert groups, the weights times ``routed_scaling_factor``; shared experts
+(Dai et al. 2024, "DeepSeekMoE") run on every token and are added unweighted.
 
 The grouped pass sorts the step's (token, expert) pairs by expert with torch ops (``sort``,
 ``unique_consecutive``, ``index_select``, ``index_add_``): each expert that any row chose runs once
@@ -34,16 +39,32 @@ from stageserve.device.model.linear import Linear
 AnyLinear = Linear | QuantizedLinear
 
 
-def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, top_k: int, normalize: bool, scoring: str = "softmax", bias: torch.Tensor | None = None,
+    groups: int = 1, groups_kept: int = 1, scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's experts and their weights from router ``logits`` [T, E] (any float dtype).
 
-    Returns ``(weights, experts)``: float32 [T, top_k] (softmax probabilities over all E experts, divided
-    by their sum over the k kept with ``normalize``) and int64 [T, top_k] expert indices, highest first
-    (transformers' ``Qwen3MoeTopKRouter``; ``torch.topk``, so ties break as there)."""
-    weights, experts = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), top_k, dim=-1)
+    Scores are the softmax over all E experts or each expert's sigmoid (``scoring``), in float32;
+    the experts are chosen by the scores plus ``bias`` (float32 [E], DeepSeek-V3's
+    ``e_score_correction_bias``, or ``None``) among the ``groups_kept`` best of ``groups`` equal
+    groups (a group's score: its best choice score with softmax, its best two's sum with sigmoid);
+    their weights are their scores, divided by their sum with ``normalize``, times ``scale``.
+
+    Returns ``(weights, experts)``: float32 [T, top_k] and int64 [T, top_k] expert indices, highest
+    first (``torch.topk``, so ties break as in transformers' routers)."""
+    scores = F.softmax(logits, dim=-1, dtype=torch.float32) if scoring == "softmax" else logits.float().sigmoid()
+    choice = scores if bias is None else scores + bias
+    if groups > 1:
+        per_group = choice.view(choice.shape[0], groups, -1)
+        group_scores = per_group.max(-1).values if scoring == "softmax" else per_group.topk(2, dim=-1).values.sum(-1)
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_scores.topk(groups_kept, dim=-1).indices, True)
+        choice = choice.masked_fill(~kept.repeat_interleave(per_group.shape[2], dim=1), float("-inf"))
+    experts = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
     if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, experts
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # transformers' DeepSeek epsilon; nothing at float32 otherwise
+    return weights * scale if scale != 1.0 else weights, experts
 
 
 def grouped_experts(
@@ -86,23 +107,33 @@ def every_expert(
 @dataclass
 class MoEMLP:
     """One layer's mixture of experts: ``router`` [hidden] -> [E] logits (dense), and each expert's fused
-    ``[gate; up]`` ([hidden] -> [2 * moe_intermediate]) and ``down`` linears."""
+    ``[gate; up]`` ([hidden] -> [2 * moe_intermediate]) and ``down`` linears; the routing options
+    as in `route` (``bias`` float32 [E]); ``shared``: the shared experts' fused ``(gate_up, down)``
+    (DeepSeek), or ``None``."""
 
     router: AnyLinear
     gate_ups: Sequence[AnyLinear]
     downs: Sequence[AnyLinear]
     top_k: int
     normalize: bool
+    scoring: str = "softmax"
+    bias: torch.Tensor | None = None
+    groups: int = 1
+    groups_kept: int = 1
+    scale: float = 1.0
+    shared: tuple[AnyLinear, AnyLinear] | None = None
 
     def __call__(self, x: torch.Tensor, mlp: Callable[[AnyLinear, AnyLinear, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """``x`` [T, hidden] -> [T, hidden] in ``x``'s dtype; ``mlp(gate_up, down, rows)`` runs one expert's
         gated MLP (the decoder's, on its fused kernels or torch ops)."""
-        weights, experts = route(self.router(x), self.top_k, self.normalize)
+        weights, experts = route(self.router(x), self.top_k, self.normalize, self.scoring, self.bias, self.groups, self.groups_kept, self.scale)
         run = lambda e, rows: mlp(self.gate_ups[e], self.downs[e], rows)  # noqa: E731
         if x.device.type == "cpu":
-            return grouped_experts(x, weights, experts, run)
-        return every_expert(x, weights, experts, run, len(self.gate_ups))
+            out = grouped_experts(x, weights, experts, run)
+        else:
+            out = every_expert(x, weights, experts, run, len(self.gate_ups))
+        return out if self.shared is None else out + mlp(*self.shared, x)
 
     def linears(self) -> list[AnyLinear]:
-        """The router's and every expert's linears."""
-        return [self.router, *self.gate_ups, *self.downs]
+        """The router's, every expert's and the shared experts' linears."""
+        return [self.router, *self.gate_ups, *self.downs, *(self.shared or ())]

@@ -157,6 +157,15 @@ def rotary_row_order(config: ModelConfig) -> torch.Tensor | None:
     return torch.cat([torch.arange(r // 2), torch.arange(r, r + rest), torch.arange(r // 2, r), torch.arange(r + rest, d)])
 
 
+def interleaved_row_order(dim: int) -> torch.Tensor:
+    """The order ``[dim]`` int64 to take a rotated part's values (projection rows) in when a checkpoint
+    pairs them as ``(0, 1), (2, 3), ...`` (DeepSeek's ``rope_interleave``, transformers'
+    ``apply_rotary_pos_emb_interleave``; llama.cpp's NORM RoPE): evens, then odds, so rotate-half's
+    pairs ``(i, i + dim/2)`` are the checkpoint's ``(2i, 2i + 1)`` and give its outputs in the order
+    transformers writes them (queries and keys alike, so every dot product is the same)."""
+    return torch.cat([torch.arange(0, dim, 2), torch.arange(1, dim, 2)])
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[T, heads, D]`` by per-token ``cos``/``signed_sin`` ``[T, 1, D]``."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)

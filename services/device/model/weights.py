@@ -56,6 +56,19 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
     "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
+    # DeepSeek's (llama.cpp's deepseek2): latent attention, shared experts, the router's correction bias
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    "attn_k_b.weight": "self_attn.k_b_proj.weight",  # kv_b_proj split (see _joined_kv_b)
+    "attn_v_b.weight": "self_attn.v_b_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
 }
 # With sandwich norms llama.cpp's ffn_norm is the MLP's input norm, Gemma's pre_feedforward_layernorm
 # (its post_attention_layernorm, on the attention output, is attn_post_norm).
@@ -65,7 +78,8 @@ _GGUF_ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_s
 
 
 def load_weights(path: Path, dtype: torch.dtype, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight]]:
-    """Read a model's config and weights as CPU tensors of ``dtype`` under HF names.
+    """Read a model's config and weights as CPU tensors of ``dtype`` under HF names (DeepSeek's router
+    correction bias in float32).
 
     ``path`` is a ``.gguf`` file (F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/K-quants/IQ formats, dequantized
     as ``gguf.quants.dequantize`` does) or an HF directory (``config.json`` plus one or more
@@ -115,18 +129,21 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (c.hidden_size,),
-            p + "post_attention_layernorm.weight": (c.hidden_size,),
+        shapes |= {p + "input_layernorm.weight": (c.hidden_size,), p + "post_attention_layernorm.weight": (c.hidden_size,)}
+        shapes |= _mla_shapes(p + "self_attn.", c) if c.kv_lora_rank else {
             p + "self_attn.q_proj.weight": (c.q_size, c.hidden_size),
             p + "self_attn.k_proj.weight": (c.kv_size, c.hidden_size),
             p + "self_attn.v_proj.weight": (c.kv_size, c.hidden_size),
             p + "self_attn.o_proj.weight": (c.hidden_size, c.q_size),
         }
-        if c.moe_layers[i]:  # the router, then each expert's MLP
+        if c.moe_layers[i]:  # the router, then each expert's MLP, DeepSeek's correction bias and shared experts
             shapes[p + "mlp.gate.weight"] = (c.num_experts, c.hidden_size)
             for j in range(c.num_experts):
                 shapes |= _mlp_shapes(f"{p}mlp.experts.{j}.", c.hidden_size, c.moe_intermediate_size)
+            if c.router_scoring == "sigmoid":
+                shapes[p + "mlp.gate.e_score_correction_bias"] = (c.num_experts,)
+            if c.shared_experts:
+                shapes |= _mlp_shapes(p + "mlp.shared_experts.", c.hidden_size, c.moe_intermediate_size * c.shared_experts)
         else:
             shapes |= _mlp_shapes(p + "mlp.", c.hidden_size, c.intermediate_size)
         if c.attention_bias:
@@ -137,6 +154,17 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.sandwich_norms:
             shapes |= {p + "pre_feedforward_layernorm.weight": (c.hidden_size,), p + "post_feedforward_layernorm.weight": (c.hidden_size,)}
     return shapes
+
+
+def _mla_shapes(p: str, c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A latent attention's tensors (transformers' ``DeepseekV3Attention``; ``mla.py``)."""
+    shapes = {p + "kv_a_proj_with_mqa.weight": (c.kv_lora_rank + c.head_dim, c.hidden_size), p + "kv_a_layernorm.weight": (c.kv_lora_rank,),
+              p + "kv_b_proj.weight": (c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+              p + "o_proj.weight": (c.hidden_size, c.num_heads * c.v_head_dim)}
+    if c.q_lora_rank is None:
+        return shapes | {p + "q_proj.weight": (c.q_size, c.hidden_size)}
+    return shapes | {p + "q_a_proj.weight": (c.q_lora_rank, c.hidden_size), p + "q_a_layernorm.weight": (c.q_lora_rank,),
+                     p + "q_b_proj.weight": (c.q_size, c.q_lora_rank)}
 
 
 def _mlp_shapes(p: str, hidden: int, intermediate: int) -> dict[str, tuple[int, int]]:
@@ -240,12 +268,30 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool) -> tuple[Mo
         if qk_permuted and (".attn_q." in info.name or ".attn_k." in info.name):
             heads = config.num_heads if ".attn_q." in info.name else config.num_kv_heads
             tensor = QuantizedWeight(tensor.qtype, _unpermute_rope_rows(tensor.blocks, heads)) if kept else _unpermute_rope_rows(tensor, heads)
+        if hf_name.endswith(("k_b_proj.weight", "v_b_proj.weight")) and kept:
+            tensor = tensor.dequantize().view(info.shape)  # joined into kv_b_proj: the decoder keeps it dense
         for name, part in _split_fused(hf_name, tensor, config, path):
-            weights[name] = part if kept else part.to(dtype, copy=True)
+            weights[name] = part if kept and isinstance(part, QuantizedWeight) else part.to(_load_dtype(name, dtype), copy=True)
+    _joined_kv_b(weights, config)
     if dequantized_blocks:
         log.info("%s: tensors of type %s dequantized to %s at load: no weight-only kernel here takes that block format",
                  path.name, ", ".join(sorted(dequantized_blocks)), str(dtype).removeprefix("torch."))
     return config, weights
+
+
+def _load_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """``dtype``, but float32 for DeepSeek-V3's router correction bias: it decides between experts
+    whose scores differ by less than a bfloat16 step (transformers keeps it float32 too)."""
+    return torch.float32 if name.endswith("e_score_correction_bias") else dtype
+
+
+def _joined_kv_b(weights: dict[str, torch.Tensor | QuantizedWeight], config: ModelConfig) -> None:
+    """llama.cpp's converter (``DeepseekV2Model.modify_tensors``) splits ``kv_b_proj`` [H * (nope + v), r]
+    into ``attn_k_b`` [H, r, nope] (transposed) and ``attn_v_b`` [H, v, r]; join them back, in place."""
+    for name in [n for n in weights if n.endswith("self_attn.k_b_proj.weight")]:
+        k_b, v_b = weights.pop(name), weights.pop(name.replace("k_b_proj", "v_b_proj"))
+        kv_b = torch.cat((k_b.view(config.num_heads, config.kv_lora_rank, -1).transpose(1, 2), v_b.view(config.num_heads, -1, config.kv_lora_rank)), 1)
+        weights[name.replace("k_b_proj", "kv_b_proj")] = kv_b.reshape(-1, config.kv_lora_rank)
 
 
 _FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
@@ -322,7 +368,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str,
                         for part_name, part in _split_fused(name, handle.get_tensor(stored), config, file):
                             if family.hf_norm_offset and part_name.endswith("norm.weight"):  # (1 + w) norms: the multiplier, in float32
                                 part = part.float() + family.hf_norm_offset
-                            weights[part_name] = part.to(dtype)
+                            weights[part_name] = part.to(_load_dtype(part_name, dtype))
         except ModelLoadError:
             raise
         except Exception as exc:  # safetensors raises SafetensorError / OSError on bad headers or sizes

@@ -73,3 +73,40 @@ def test_the_accelerators_pass_of_every_expert_equals_the_grouped_one():
     weights, experts = route(moe.router(x), TOP_K, True)
     run = lambda e, rows: _gated(moe.gate_ups[e], moe.downs[e], rows)  # noqa: E731
     torch.testing.assert_close(every_expert(x, weights, experts, run, EXPERTS), grouped_experts(x, weights, experts, run), rtol=0, atol=1e-5)
+
+
+def _sorted_by_expert(weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    order = experts.argsort(dim=-1)
+    return weights.gather(1, order), experts.gather(1, order)
+
+
+def test_deepseek_routers_choose_and_weigh_as_transformers():
+    """DeepSeek-V3's sigmoid router (correction bias, the best 2 of 4 groups by their best two experts,
+    weights renormalised and scaled) and DeepSeek-V2's softmax ones (``greedy``, ``group_limited_greedy``
+    by each group's best expert, scaled) choose the experts transformers' ``DeepseekV3TopkRouter`` /
+    ``DeepseekV2TopkRouter`` choose, with their weights, for 37 random rows (the order of a row's
+    experts aside: transformers' routers do not sort)."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, HIDDEN, generator=g)
+    shape = dict(hidden_size=HIDDEN, num_attention_heads=4, n_routed_experts=EXPERTS, num_experts_per_tok=3, n_group=4, topk_group=2)
+    v3 = DeepseekV3TopkRouter(DeepseekV3Config(**shape, routed_scaling_factor=2.5, norm_topk_prob=True))
+    routers = [(v3, dict(scoring="sigmoid", groups=4, groups_kept=2, scale=2.5, normalize=True))]
+    for method, groups in (("greedy", 1), ("group_limited_greedy", 4)):
+        v2 = DeepseekV2TopkRouter(DeepseekV2Config(**shape, topk_method=method, routed_scaling_factor=2.0))
+        routers.append((v2, dict(scoring="softmax", groups=groups, groups_kept=2, scale=2.0, normalize=False)))
+    with torch.no_grad():
+        for router, ours in routers:
+            router.weight.copy_(torch.randn(EXPERTS, HIDDEN, generator=g))
+            bias = getattr(router, "e_score_correction_bias", None)
+            if bias is not None:
+                bias.copy_(torch.randn(EXPERTS, generator=g) * 0.3)
+            _, hf_weights, hf_experts = router(x)
+            weights, experts = route(x @ router.weight.T, 3, bias=bias, **ours)
+            hf_weights, hf_experts = _sorted_by_expert(hf_weights, hf_experts)
+            weights, experts = _sorted_by_expert(weights, experts)
+            assert torch.equal(experts, hf_experts)
+            torch.testing.assert_close(weights, hf_weights, rtol=1e-6, atol=1e-6)
