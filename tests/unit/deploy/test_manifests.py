@@ -42,7 +42,7 @@ K8S_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
 ROLES = ("prepare", "device", "reclaim")
 NAME_LABEL = "app.kubernetes.io/name"
 COMPONENT_LABEL = "app.kubernetes.io/component"
-WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+WORKLOAD_KINDS = ("Deployment",)
 REPLICA_LABELS = {NAME_LABEL: "stageserve", COMPONENT_LABEL: "replica"}
 
 # ---------------------------------------------------------------------------------------------
@@ -124,7 +124,7 @@ def find(manifests: list[dict], kind: str, **labels: str) -> list[dict]:
 
 
 def workload(manifests: list[dict]) -> dict:
-    """The one Deployment or StatefulSet: its pods are the replicas."""
+    """The one Deployment: its pods are the replicas."""
     found = [m for m in manifests if m["kind"] in WORKLOAD_KINDS]
     assert len(found) == 1, f"expected one workload, found {len(found)}"
     return found[0]
