@@ -1,13 +1,14 @@
 """``stageserve generate``: a small client that streams a generation to the terminal.
 
 Prints text as it arrives on stdout, then usage and timing on stderr: time to first token (TTFT),
-mean inter-token latency (ITL) and tokens/s. An ``UNAVAILABLE`` call (a draining or
-lost prepare replica), even one broken mid-stream, is retried from the start after the status's
-RetryInfo delay, printing only the text not printed yet (:mod:`stageserve.retrying`; a sampled
-request without ``--seed`` gets a random seed, so the retry reproduces it). ``--target`` may list
-several replicas (``ipv4:HOST:PORT,HOST:PORT``), used round robin. On any other gRPC error it prints
-the status code name and message and exits with 1. ``--tls-ca`` connects over TLS (trusting that CA); ``--api-key`` (or the
-``STAGESERVE_API_KEY`` environment variable) is sent as ``authorization: Bearer KEY``.
+mean inter-token latency (ITL) and tokens/s. An ``UNAVAILABLE`` call (a draining or lost prepare
+replica), even one broken mid-stream, is retried from the start after the status's RetryInfo delay,
+printing only the text not printed yet (:mod:`stageserve.retrying`; a sampled request without
+``--seed`` gets a random seed, so that the retry reproduces it). ``--target`` may name several
+replicas (``ipv4:HOST:PORT,HOST:PORT``), used round robin. On any other gRPC error it prints the
+status code name and message and exits with 1. ``--tls-ca`` connects over TLS (trusting that CA);
+``--api-key`` (or the ``STAGESERVE_API_KEY`` environment variable) is sent as
+``authorization: Bearer KEY``.
 """
 
 from __future__ import annotations
