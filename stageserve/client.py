@@ -1,9 +1,14 @@
 """``stageserve generate``: a small client that streams a generation to the terminal.
 
 Prints text as it arrives on stdout, then usage and timing on stderr: time to first token (TTFT),
-mean inter-token latency (ITL) and tokens/s. On a gRPC error it prints the status code name and
-message and exits with 1. ``--tls-ca`` connects over TLS (trusting that CA); ``--api-key`` (or the
-``STAGESERVE_API_KEY`` environment variable) is sent as ``authorization: Bearer KEY``.
+mean inter-token latency (ITL) and tokens/s. An ``UNAVAILABLE`` call (a draining or lost prepare
+replica), even one broken mid-stream, is retried from the start after the status's RetryInfo delay,
+printing only the text not printed yet (:mod:`stageserve.retrying`; a sampled request without
+``--seed`` gets a random seed, so that the retry reproduces it). ``--target`` may name several
+replicas (``ipv4:HOST:PORT,HOST:PORT``), used round robin. On any other gRPC error it prints the
+status code name and message and exits with 1. ``--tls-ca`` connects over TLS (trusting that CA);
+``--api-key`` (or the ``STAGESERVE_API_KEY`` environment variable) is sent as
+``authorization: Bearer KEY``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from pathlib import Path
 
 import grpc
 
+from stageserve.retrying import RetryDiverged, reproducible, stream_generation
 from stageserve.security.tls import TlsFiles, dial
 from stageserve.v1 import common_pb2, prepare_pb2, prepare_pb2_grpc
 
@@ -23,7 +29,8 @@ from stageserve.v1 import common_pb2, prepare_pb2, prepare_pb2_grpc
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", default="", help="raw prompt text (no chat template)")
     parser.add_argument("--chat", default="", help="a user chat message, rendered with the model's chat template")
-    parser.add_argument("--target", default="127.0.0.1:50051", help="prepare's address (HOST:PORT)")
+    parser.add_argument("--target", default="127.0.0.1:50051",
+                        help="prepare's address (HOST:PORT), or a gRPC target naming several replicas (ipv4:HOST:PORT,HOST:PORT)")
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=None, help="default 1.0; 0 = greedy")
     parser.add_argument("--top-p", type=float, default=None)
@@ -37,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def open_channel(target: str, tls_ca: Path | None = None) -> grpc.Channel:
-    """A channel to prepare: TLS trusting ``tls_ca`` when given, else plaintext."""
-    return dial(target, TlsFiles(None, None, tls_ca) if tls_ca else None)
+    """A channel to prepare: TLS trusting ``tls_ca`` when given, else plaintext; calls go round robin
+    over the addresses ``target`` resolves to (several replicas: a lost one is skipped)."""
+    return dial(target, TlsFiles(None, None, tls_ca) if tls_ca else None, options=[("grpc.lb_policy_name", "round_robin")])
 
 
 def key_metadata(api_key: str) -> list[tuple[str, str]] | None:
@@ -69,14 +77,15 @@ def build_request(args: argparse.Namespace) -> prepare_pb2.GenerateRequest:
 
 def stream(target: str, request: prepare_pb2.GenerateRequest, timeout_s: float | None = None, tls_ca: Path | None = None,
            api_key: str = "") -> int:
-    """Stream ``request`` to stdout; print usage and timing to stderr. Returns the exit code."""
+    """Stream ``request`` to stdout, retrying ``UNAVAILABLE`` (module docstring); print usage and
+    timing to stderr, and each retry. Returns the exit code."""
     start = time.perf_counter()
     arrivals: list[float] = []
     last = None
     with open_channel(target, tls_ca) as channel:
         stub = prepare_pb2_grpc.GenerationStub(channel)
         try:
-            for chunk in stub.GenerateStream(request, timeout=timeout_s, metadata=key_metadata(api_key)):
+            for chunk in stream_generation(stub, reproducible(request), timeout_s, key_metadata(api_key), on_retry=_tell_retry):
                 now = time.perf_counter()
                 arrivals.extend([now] * len(chunk.token_ids))
                 sys.stdout.write(chunk.text)
@@ -84,6 +93,9 @@ def stream(target: str, request: prepare_pb2.GenerateRequest, timeout_s: float |
                 last = chunk
         except grpc.RpcError as exc:
             print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+        except RetryDiverged as exc:
+            print(f"\nerror: {exc}", file=sys.stderr)
             return 1
     print(flush=True)
     if last is not None:
@@ -97,6 +109,10 @@ def stream(target: str, request: prepare_pb2.GenerateRequest, timeout_s: float |
             file=sys.stderr,
         )
     return 0
+
+
+def _tell_retry(error: grpc.RpcError, delay_s: float) -> None:
+    print(f"\n[{error.code().name}: {error.details()}; retrying in {delay_s:.1f} s]", file=sys.stderr, flush=True)
 
 
 def stream_chat(target: str, message: str, tls_ca: Path | None = None, api_key: str = "") -> int:

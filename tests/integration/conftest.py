@@ -28,7 +28,13 @@ DEVICE_ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--k
 def launch(tmp_path_factory: pytest.TempPathFactory, name: str, device_args: list[str] = (), prepare_args: list[str] = (),
            reclaim_args: list[str] = (), tls: TlsFiles | None = None) -> Pipeline:
     """Start a pipeline whose logs go to a temporary folder named ``name`` (with ``tls``: over mutual TLS)."""
-    workdir: Path = tmp_path_factory.mktemp(name)
+    return launch_in(tmp_path_factory.mktemp(name), device_args, prepare_args, reclaim_args, tls)
+
+
+def launch_in(workdir: Path, device_args: list[str] = (), prepare_args: list[str] = (), reclaim_args: list[str] = (),
+              tls: TlsFiles | None = None) -> Pipeline:
+    """Start a pipeline whose logs go to ``workdir`` (pytest's folder factory is not thread-safe: make
+    the folder first to start several pipelines side by side)."""
     try:
         return start_pipeline(workdir, device_args=[*DEVICE_ARGS, *device_args], prepare_args=list(prepare_args),
                               reclaim_args=list(reclaim_args), log_dir=workdir, tls=tls)

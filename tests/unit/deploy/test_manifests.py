@@ -1,6 +1,8 @@
 """The Kubernetes manifests (deploy/k8s): every overlay rendered, validated against the Kubernetes
 schemas offline, and checked against what the ``stageserve`` CLI really configures; the
 Prometheus Operator's PodMonitor (deploy/k8s/monitoring) checked against the pods it scrapes.
+Every replica is one pod of the one Deployment, with a container per role (prepare, device,
+reclaim); the tests check that replicas, rollout and disruption budget always leave one ready.
 
 Overlays are rendered by kustomize as ``kubectl kustomize`` (kubectl is on every machine of the
 project). Where kubectl is missing, :func:`render` stands in: it implements the subset of kustomize
@@ -40,7 +42,8 @@ K8S_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
 ROLES = ("prepare", "device", "reclaim")
 NAME_LABEL = "app.kubernetes.io/name"
 COMPONENT_LABEL = "app.kubernetes.io/component"
-WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+WORKLOAD_KINDS = ("Deployment",)
+REPLICA_LABELS = {NAME_LABEL: "stageserve", COMPONENT_LABEL: "replica"}
 
 # ---------------------------------------------------------------------------------------------
 # Minimal kustomize
@@ -120,17 +123,18 @@ def find(manifests: list[dict], kind: str, **labels: str) -> list[dict]:
     return [m for m in manifests if m["kind"] == kind and all(m["metadata"].get("labels", {}).get(k) == v for k, v in labels.items())]
 
 
-def workload(manifests: list[dict], role: str) -> dict:
-    """The one Deployment or StatefulSet running ``role``."""
-    found = [m for m in manifests if m["kind"] in WORKLOAD_KINDS and m["spec"]["template"]["metadata"]["labels"].get(COMPONENT_LABEL) == role]
-    assert len(found) == 1, f"expected one workload for {role}, found {len(found)}"
+def workload(manifests: list[dict]) -> dict:
+    """The one Deployment: its pods are the replicas."""
+    found = [m for m in manifests if m["kind"] in WORKLOAD_KINDS]
+    assert len(found) == 1, f"expected one workload, found {len(found)}"
     return found[0]
 
 
-def only_container(manifest: dict) -> dict:
-    containers = pod_spec(manifest)["containers"]
-    assert len(containers) == 1, f"{manifest['metadata']['name']}: expected one container"
-    return containers[0]
+def role_container(manifests: list[dict], role: str) -> dict:
+    """The replica pod's container running ``role`` (named after it)."""
+    found = [c for c in pod_spec(workload(manifests))["containers"] if c["name"] == role]
+    assert len(found) == 1, f"expected one container named {role}, found {len(found)}"
+    return found[0]
 
 
 def container_env(manifests: list[dict], container: dict) -> dict[str, str]:
@@ -177,11 +181,11 @@ def parse_cli(argv: list[str]):
 
 def container_cli_args(manifests: list[dict], role: str):
     """The role's container args, expanded and parsed by the stageserve parser."""
-    container = only_container(workload(manifests, role))
+    container = role_container(manifests, role)
     assert container.get("command") in (None, ["stageserve"]), f"{role}: command must be the image's entrypoint `stageserve`"
     env = container_env(manifests, container)
     argv = [expand(arg, env) for arg in container["args"]]
-    assert argv[0] == role, f"the {role} pod runs `stageserve {argv[0]}`"
+    assert argv[0] == role, f"the {role} container runs `stageserve {argv[0]}`"
     return parse_cli(argv)
 
 
@@ -238,7 +242,7 @@ def health_service_names() -> dict[str, str]:
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_every_manifest_validates_strictly_against_the_kubernetes_schema(overlay, version):
     name, manifests = overlay
-    assert len(manifests) >= 12, f"{name}: rendered only {len(manifests)} manifests"
+    assert len(manifests) >= 7, f"{name}: rendered only {len(manifests)} manifests"
     problems = []
     for manifest in manifests:
         try:
@@ -254,23 +258,18 @@ def test_overlay_renders_every_component_into_the_namespace(overlay):
     kinds = sorted((m["kind"], m["metadata"]["name"]) for m in manifests if m["kind"] != "NetworkPolicy")
     assert kinds == sorted([
         ("ConfigMap", "stageserve-flags"),
-        ("Deployment", "stageserve-prepare"),
-        ("Deployment", "stageserve-reclaim"),
-        ("HorizontalPodAutoscaler", "stageserve-prepare"),
-        ("PodDisruptionBudget", "stageserve-device"),
-        ("Service", "stageserve-device-headless"),
+        ("Deployment", "stageserve"),
+        ("PodDisruptionBudget", "stageserve"),
         ("Service", "stageserve-prepare"),
-        ("Service", "stageserve-reclaim"),
-        ("StatefulSet", "stageserve-device"),
         *([("PersistentVolumeClaim", "stageserve-models")] if name == "model-volume" else []),
     ])
     assert {m["metadata"].get("namespace") for m in manifests} == {NAMESPACE}
     variant = "cpu" if name in ("model-volume", "secure") else name  # these overlays build on the cpu one
-    for manifest in manifests:
-        if manifest["kind"] in WORKLOAD_KINDS:
-            # The overlay's images entry replaced the base's bare name with a tagged image of its variant.
-            repository, _, tag = only_container(manifest)["image"].rpartition(":")
-            assert repository.endswith("/stageserve") and tag.endswith(f"-{variant}")
+    assert sorted(c["name"] for c in pod_spec(workload(manifests))["containers"]) == sorted(ROLES)
+    for container in pod_spec(workload(manifests))["containers"]:
+        # The overlay's images entry replaced the base's bare name with a tagged image of its variant.
+        repository, _, tag = container["image"].rpartition(":")
+        assert repository.endswith("/stageserve") and tag.endswith(f"-{variant}")
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -286,14 +285,14 @@ def test_container_args_are_accepted_by_stageserve(overlay, role):
 @pytest.mark.parametrize("role", ROLES)
 def test_probes_use_the_cli_port_and_health_service_names(overlay, role, health_service_names):
     _, manifests = overlay
-    container = only_container(workload(manifests, role))
+    container = role_container(manifests, role)
     args = container_cli_args(manifests, role)
-    assert container_port(container, "grpc") == args.port
+    assert container_port(container, f"grpc-{role}") == args.port
     # With TLS the probes use the plaintext health-only port (Kubernetes' gRPC probes cannot do TLS).
     port = args.port if args.tls_cert is None else args.health_port
     assert port is not None, f"{role}: serves TLS but no --health-port for the probes"
     if args.health_port is not None:
-        assert container_port(container, "health") == args.health_port
+        assert container_port(container, f"health-{role}") == args.health_port
     probes = {kind: container[kind]["grpc"] for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
     assert {probe["port"] for probe in probes.values()} == {port}, f"{role}: probe ports {probes} differ from {port}"
     assert probes["readinessProbe"]["service"] == health_service_names[role]
@@ -304,45 +303,32 @@ def test_probes_use_the_cli_port_and_health_service_names(overlay, role, health_
     assert probes["startupProbe"].get("service", "") == expected_startup
 
 
-@pytest.mark.parametrize("role", ROLES)
-def test_service_targets_the_grpc_port_of_its_pods(overlay, role):
+def test_the_service_targets_prepare_in_every_replica(overlay):
     _, manifests = overlay
-    pods = workload(manifests, role)
-    pod_labels = pods["spec"]["template"]["metadata"]["labels"]
-    services = [s for s in find(manifests, "Service") if selects({"matchLabels": s["spec"]["selector"]}, pod_labels)]
-    assert len(services) == 1, f"{role}: {len(services)} Services select its pods"
-    ports = {port["name"]: port for port in services[0]["spec"]["ports"]}
-    args = container_cli_args(manifests, role)
-    assert set(ports) == ({"grpc", "http"} if role == "prepare" else {"grpc"})  # prepare: also the OpenAI-compatible API
-    assert ports["grpc"]["targetPort"] in ("grpc", args.port) and ports["grpc"]["port"] == args.port
-    if role == "prepare":
-        assert ports["http"]["targetPort"] == "http" and ports["http"]["port"] == args.http_port
-        assert container_port(only_container(pods), "http") == args.http_port
-    if role == "device":
-        assert services[0]["spec"]["clusterIP"] == "None", "device pods are found through a headless Service"
-        assert pods["kind"] == "StatefulSet" and pods["spec"]["serviceName"] == services[0]["metadata"]["name"]
+    pod_labels = workload(manifests)["spec"]["template"]["metadata"]["labels"]
+    (service,) = [s for s in find(manifests, "Service") if selects({"matchLabels": s["spec"]["selector"]}, pod_labels)]
+    assert service["metadata"]["name"] == "stageserve-prepare" and "clusterIP" not in service["spec"]
+    ports = {port["name"]: port for port in service["spec"]["ports"]}
+    args = container_cli_args(manifests, "prepare")
+    assert set(ports) == {"grpc", "http"}  # the gRPC API and the OpenAI-compatible one: prepare's only
+    assert ports["grpc"]["targetPort"] == "grpc-prepare" and ports["grpc"]["port"] == args.port
+    assert ports["http"]["targetPort"] == "http" and ports["http"]["port"] == args.http_port
+    assert container_port(role_container(manifests, "prepare"), "http") == args.http_port
 
 
-def test_peer_addresses_are_the_services_dns_names(overlay):
+def test_peers_are_dialled_in_their_own_pod(overlay):
+    # A device serves one prepare and one reclaim: each replica's are its own containers, on loopback.
     _, manifests = overlay
-    headless = find(manifests, "Service", **{COMPONENT_LABEL: "device"})[0]
-    reclaim_service = find(manifests, "Service", **{COMPONENT_LABEL: "reclaim"})[0]
-
-    def dns(service: dict) -> str:
-        meta, (port,) = service["metadata"], service["spec"]["ports"]
-        return f"{meta['name']}.{meta['namespace']}.svc.cluster.local:{port['port']}"
-
-    prepare, reclaim = container_cli_args(manifests, "prepare"), container_cli_args(manifests, "reclaim")
-    # Both follow every device pod: the headless Service's name, resolved to all its addresses.
-    assert prepare.device == reclaim.device == parse_device_endpoints(f"dns:///{dns(headless)}")
-    assert prepare.reclaim == dns(reclaim_service)
+    prepare, device, reclaim = (container_cli_args(manifests, role) for role in ROLES)
+    assert prepare.device == reclaim.device == parse_device_endpoints(f"127.0.0.1:{device.port}")
+    assert prepare.reclaim == f"127.0.0.1:{reclaim.port}"
 
 
 @pytest.mark.parametrize("role", ROLES)
 def test_termination_grace_outlasts_prestop_and_drain(overlay, role):
     _, manifests = overlay
-    pods = workload(manifests, role)
-    container = only_container(pods)
+    pods = workload(manifests)
+    container = role_container(manifests, role)
     pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep"
     stop_grace_s = inspect.signature(ServiceServer.run_until_stopped).parameters["grace_s"].default
@@ -352,21 +338,9 @@ def test_termination_grace_outlasts_prestop_and_drain(overlay, role):
 
 
 @pytest.mark.parametrize("role", ROLES)
-def test_prometheus_annotations_name_the_metrics_port(overlay, role):
-    _, manifests = overlay
-    pods = workload(manifests, role)
-    annotations = pods["spec"]["template"]["metadata"]["annotations"]
-    metrics_port = container_cli_args(manifests, role).metrics_port
-    assert annotations["prometheus.io/scrape"] == "true"
-    assert int(annotations["prometheus.io/port"]) == metrics_port == container_port(only_container(pods), "metrics")
-    assert annotations["prometheus.io/path"] == "/metrics"
-
-
-@pytest.mark.parametrize("role", ROLES)
 def test_pods_run_unprivileged_on_a_read_only_root(overlay, role):
     _, manifests = overlay
-    pods = workload(manifests, role)
-    spec, container = pod_spec(pods), only_container(pods)
+    spec, container = pod_spec(workload(manifests)), role_container(manifests, role)
     assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] != 0
     assert spec["automountServiceAccountToken"] is False
     security = container["securityContext"]
@@ -380,34 +354,36 @@ def test_pods_run_unprivileged_on_a_read_only_root(overlay, role):
         assert {"cpu", "memory"} <= set(container["resources"][kind]), f"{role}: {kind} must set cpu and memory"
 
 
-def test_prepare_and_reclaim_are_replaced_not_surged(overlay):
-    # A device accepts one Execute stream (prepare) and one Complete stream (reclaim) at a time and
-    # both are ready only once attached: a surge pod would wait forever for the old one to leave.
-    _, manifests = overlay
-    for role in ("prepare", "reclaim"):
-        assert workload(manifests, role)["spec"]["strategy"]["type"] == "Recreate"
-    autoscaler = find(manifests, "HorizontalPodAutoscaler")[0]
-    target = autoscaler["spec"]["scaleTargetRef"]
-    assert (target["kind"], target["name"]) == ("Deployment", workload(manifests, "prepare")["metadata"]["name"])
-    assert autoscaler["spec"]["maxReplicas"] == 1
-
-
-def test_disruption_budget_covers_the_device_pods(overlay):
-    _, manifests = overlay
+def test_replicas_rollout_and_disruption_budget_always_leave_one_ready(overlay):
+    """No single point of failure: two replicas at least; a rollout never has fewer than one ready
+    (a surge pod first, or one replaced at a time where a surge would need a spare accelerator);
+    node drains evict one at a time."""
+    name, manifests = overlay
+    pods = workload(manifests)
+    replicas = pods["spec"]["replicas"]
+    assert pods["kind"] == "Deployment" and replicas >= 2
+    strategy = pods["spec"]["strategy"]
+    assert strategy["type"] == "RollingUpdate"
+    surge, unavailable = strategy["rollingUpdate"]["maxSurge"], strategy["rollingUpdate"]["maxUnavailable"]
+    assert replicas - unavailable >= 1, f"a rollout may leave {replicas - unavailable} ready replicas"
+    _, accelerator = ACCELERATORS[name]
+    assert (surge, unavailable) == ((0, 1) if accelerator else (1, 0))
     (budget,) = find(manifests, "PodDisruptionBudget")
-    assert selects(budget["spec"]["selector"], workload(manifests, "device")["spec"]["template"]["metadata"]["labels"])
-    assert budget["spec"]["maxUnavailable"] == 1
+    assert selects(budget["spec"]["selector"], pods["spec"]["template"]["metadata"]["labels"])
+    available = budget["spec"]["minAvailable"] if "minAvailable" in budget["spec"] else replicas - budget["spec"]["maxUnavailable"]
+    assert available >= 1 and budget["spec"].get("maxUnavailable", 1) == 1
+    assert not find(manifests, "HorizontalPodAutoscaler")  # replicas are whole pipelines: scaled by hand
 
 
 def ingress_allowed(manifests: list[dict], dest_role: str, port_name: str, source_labels: dict, source_namespace: str) -> bool:
-    """NetworkPolicy semantics: may a pod (labels, namespace) open ``dest_role``'s port ``port_name``?
+    """NetworkPolicy semantics: may a pod (labels, namespace) open the port ``port_name`` of a
+    replica's ``dest_role`` container? (Its own pod's containers reach it on loopback, unfiltered.)
 
     A pod selected by no ingress policy accepts everything; otherwise some rule of a selecting
     policy must allow both the peer and the port.
     """
-    pods = workload(manifests, dest_role)
-    dest_labels = pods["spec"]["template"]["metadata"]["labels"]
-    port_number = container_port(only_container(pods), port_name)
+    dest_labels = workload(manifests)["spec"]["template"]["metadata"]["labels"]
+    port_number = container_port(role_container(manifests, dest_role), port_name)
     namespace_labels = {"kubernetes.io/metadata.name": source_namespace}
 
     def peer_allowed(peer: dict) -> bool:
@@ -431,25 +407,20 @@ def ingress_allowed(manifests: list[dict], dest_role: str, port_name: str, sourc
 
 def test_network_policy_lets_only_prepare_be_reached_from_outside(overlay):
     _, manifests = overlay
-
-    def labels(role: str) -> dict:
-        return {NAME_LABEL: "stageserve", COMPONENT_LABEL: role}
-
     sources = {
-        "prepare": (labels("prepare"), NAMESPACE),
-        "reclaim": (labels("reclaim"), NAMESPACE),
-        "device": (labels("device"), NAMESPACE),
+        "another replica": (REPLICA_LABELS, NAMESPACE),
         "debug pod in the namespace": ({"run": "debug"}, NAMESPACE),
-        "prepare-labelled pod elsewhere": (labels("prepare"), "clients"),
+        "replica-labelled pod elsewhere": (REPLICA_LABELS, "clients"),
         "client elsewhere": ({"app": "client"}, "clients"),
         "prometheus": ({"app.kubernetes.io/name": "prometheus"}, "monitoring"),
     }
     may_reach = {
-        ("prepare", "grpc"): set(sources),
+        ("prepare", "grpc-prepare"): set(sources),
         ("prepare", "http"): set(sources),
-        ("reclaim", "grpc"): {"prepare"},
-        ("device", "grpc"): {"prepare", "reclaim"},
-        **{(role, "metrics"): {"prometheus"} for role in ROLES},
+        # A replica's device and reclaim serve its own prepare, on the pod's loopback: no pod may open them.
+        ("reclaim", "grpc-reclaim"): set(),
+        ("device", "grpc-device"): set(),
+        **{(role, f"metrics-{role}"): {"prometheus"} for role in ROLES},
     }
     for (dest, port), allowed in may_reach.items():
         reached = {name for name, (source_labels, namespace) in sources.items() if ingress_allowed(manifests, dest, port, source_labels, namespace)}
@@ -458,8 +429,7 @@ def test_network_policy_lets_only_prepare_be_reached_from_outside(overlay):
 
 def test_accelerator_overlays_put_the_device_on_its_accelerator(overlay):
     name, manifests = overlay
-    device = workload(manifests, "device")
-    container, spec = only_container(device), pod_spec(device)
+    container, spec = role_container(manifests, "device"), pod_spec(workload(manifests))
     args = container_cli_args(manifests, "device")
     backend, resource = ACCELERATORS[name]
     assert args.backend == backend
@@ -475,20 +445,20 @@ def test_accelerator_overlays_put_the_device_on_its_accelerator(overlay):
         assert args.threads == int(container["resources"]["limits"]["cpu"])
     assert not set(container["resources"]["limits"]) - {"cpu", "memory", *([resource] if resource else [])}
     for role in ("prepare", "reclaim"):
-        assert set(only_container(workload(manifests, role))["resources"]["limits"]) == {"cpu", "memory"}
+        assert set(role_container(manifests, role)["resources"]["limits"]) == {"cpu", "memory"}
 
 
-def test_device_replicas_spread_over_nodes(overlay):
-    # The PodDisruptionBudget holds voluntary disruptions to one device pod at a time; only a spread
+def test_replicas_spread_over_nodes(overlay):
+    # The PodDisruptionBudget holds voluntary disruptions to one replica at a time; only a spread
     # keeps one node's drain or loss from taking both replicas.
     _, manifests = overlay
-    device = workload(manifests, "device")
-    pod_labels = device["spec"]["template"]["metadata"]["labels"]
-    by_key = {c["topologyKey"]: c for c in pod_spec(device)["topologySpreadConstraints"]}
+    pods = workload(manifests)
+    pod_labels = pods["spec"]["template"]["metadata"]["labels"]
+    by_key = {c["topologyKey"]: c for c in pod_spec(pods)["topologySpreadConstraints"]}
     hostname = by_key["kubernetes.io/hostname"]
     assert (hostname["maxSkew"], hostname["whenUnsatisfiable"]) == (1, "DoNotSchedule")
     assert selects(hostname["labelSelector"], pod_labels)
-    assert device["spec"]["replicas"] >= 2
+    assert pods["spec"]["replicas"] >= 2
 
 
 def test_the_secure_overlay_turns_on_mutual_tls_keys_and_mounts_them_from_secrets(overlay):
@@ -498,20 +468,20 @@ def test_the_secure_overlay_turns_on_mutual_tls_keys_and_mounts_them_from_secret
         if name != "secure":
             assert args.tls_cert is None and args.health_port is None, f"{role}: the other overlays stay plaintext"
             continue
-        container, spec = only_container(workload(manifests, role)), pod_spec(workload(manifests, role))
+        container, spec = role_container(manifests, role), pod_spec(workload(manifests))
         files = [args.tls_cert, args.tls_key, args.tls_ca] + ([args.api_keys_file, args.admin_keys_file] if role == "prepare" else [])
         for path in files:  # every file the flags name comes from a read-only Secret mount
             mount = next(m for m in container["volumeMounts"] if str(path).startswith(m["mountPath"].rstrip("/") + "/"))
             assert mount.get("readOnly") is True
             assert "secret" in next(v for v in spec["volumes"] if v["name"] == mount["name"])
-        assert (args.tls_server_name is not None) == (role != "device"), f"{role}: dials devices by pod IP"
+        assert (args.tls_server_name is not None) == (role != "device"), f"{role}: dials 127.0.0.1, not the certificates' name"
 
 
 def test_every_pod_loads_the_model_of_the_flags(overlay):
     name, manifests = overlay
     for role in ROLES:
         model = container_cli_args(manifests, role).model
-        container, spec = only_container(workload(manifests, role)), pod_spec(workload(manifests, role))
+        container, spec = role_container(manifests, role), pod_spec(workload(manifests))
         if name != "model-volume":
             assert model == "", f"{role}: the base serves the embedded model"
             continue
@@ -521,7 +491,7 @@ def test_every_pod_loads_the_model_of_the_flags(overlay):
         volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
         claim_name = volume["persistentVolumeClaim"]["claimName"]
         (claim,) = [m for m in find(manifests, "PersistentVolumeClaim") if m["metadata"]["name"] == claim_name]
-        assert claim["spec"]["accessModes"] == ["ReadOnlyMany"], "pods on several nodes mount it at once"
+        assert claim["spec"]["accessModes"] == ["ReadOnlyMany"], "replicas on several nodes mount it at once"
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (kustomize) to compare with")
@@ -559,21 +529,24 @@ def test_pod_monitor_scrapes_every_pods_metrics_port(overlay):
     assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
     assert monitor["metadata"]["namespace"] == NAMESPACE  # a PodMonitor selects pods of its own namespace by default
     assert set(monitor["spec"]) == {"selector", "podMetricsEndpoints"}
-    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert selects(monitor["spec"]["selector"], workload(manifests)["spec"]["template"]["metadata"]["labels"])
+    endpoints = {endpoint["port"]: endpoint for endpoint in monitor["spec"]["podMetricsEndpoints"]}
+    assert set(endpoints) == {f"metrics-{role}" for role in ROLES}
     for role in ROLES:
-        pods = workload(manifests, role)
-        assert selects(monitor["spec"]["selector"], pods["spec"]["template"]["metadata"]["labels"]), f"{role} is not scraped"
-        assert container_port(only_container(pods), endpoint["port"]) == container_cli_args(manifests, role).metrics_port
-        assert endpoint["path"] == pods["spec"]["template"]["metadata"]["annotations"]["prometheus.io/path"]
+        endpoint = endpoints[f"metrics-{role}"]
+        assert container_port(role_container(manifests, role), endpoint["port"]) == container_cli_args(manifests, role).metrics_port
+        assert endpoint["path"] == "/metrics"
         assert ingress_allowed(manifests, role, endpoint["port"], {NAME_LABEL: "prometheus"}, "monitoring")
-    targets = {relabel["targetLabel"]: relabel["sourceLabels"] for relabel in endpoint["relabelings"]}
-    assert targets["component"] == [f"__meta_kubernetes_pod_label_{re.sub('[^a-z0-9]', '_', COMPONENT_LABEL)}"]
+        # component: the container's name, which is its role (prepare, device, reclaim).
+        targets = {relabel["targetLabel"]: relabel["sourceLabels"] for relabel in endpoint["relabelings"]}
+        assert targets == {"component": ["__meta_kubernetes_pod_container_name"], "pod": ["__meta_kubernetes_pod_name"]}
 
 
-def test_the_cpu_device_pod_is_guaranteed_with_whole_cores(overlay):
-    """Issue 20: the device's compute threads get cores of their own (requests = limits, integer CPUs)."""
+def test_the_replica_pod_is_guaranteed_with_whole_cores(overlay):
+    """Issue 20: the device's compute threads get cores of their own (requests = limits, integer CPUs,
+    in every container of its pod: the static CPU manager pins only Guaranteed pods)."""
     _, manifests = overlay
-    for container in pod_spec(workload(manifests, "device"))["containers"]:
+    for container in pod_spec(workload(manifests))["containers"]:
         requests, limits = container["resources"]["requests"], container["resources"]["limits"]
         assert requests == limits, "Guaranteed QoS needs requests equal to limits for every resource"
         assert str(limits["cpu"]).isdigit() and int(limits["cpu"]) >= 1, "whole cores"
