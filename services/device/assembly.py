@@ -13,8 +13,9 @@ import logging
 import uuid
 from pathlib import Path
 
-from stageserve.device.flags import ACCELERATOR_DEFAULT_KV_FRACTION, CPU_DEFAULT_KV_BYTES, resolve_dtype
+from stageserve.device.flags import ACCELERATOR_DEFAULT_KV_FRACTION, CPU_DEFAULT_KV_CONTEXTS, CPU_MAX_KV_FRACTION, resolve_dtype
 from stageserve.model_files import EMBEDDED_MODEL_NAME, resolve_model_path
+from stageserve.process_memory import resident_bytes, return_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
     draft = _load_draft(args, model_path, dtype, backend.device) if args.speculative_method == "draft" else None
     if draft is not None:
         saved_bytes += _log_weight_memory(draft, dtype)
-    num_blocks = _num_blocks(args, config, draft and draft.config, dtype, _kv_bytes(args, backend.device, saved_bytes))
+    num_blocks = _num_blocks(args, config, draft and draft.config, dtype, _kv_bytes(args, backend.device, [config, draft and draft.config], dtype, saved_bytes))
     limits = _plan_limits(args, config, draft and draft.config, num_blocks)
     pooling = _pooling(config, model is not None and not limits.num_speculative_tokens)
     embedding_width = config.hidden_size if pooling else 0
@@ -73,6 +74,8 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
         # After the grammar worker's start-up work: it would take a core from the measured steps.
         step_costs = measure_step_costs(executor, table, limits, check_sampling, speculation)
     outbox.clear()
+    return_freed_memory()  # what loading, the dense-copy timings and the warm-up freed
+    log.info("resident memory %.1f MiB after warm-up", resident_bytes() / 2**20)
     attach_reply = _attach_reply(args, model_path, config, limits, backend.name, dtype_name, step_costs,
                                  speculation is not None and speculation.drops_unproposed)
     attach_reply.pooling, attach_reply.hidden_size = pooling, embedding_width
@@ -180,6 +183,10 @@ def _num_blocks(args: argparse.Namespace, config, draft_config, dtype, kv_bytes:
                  "the draft model's %.1f MiB (+ 1 scratch block)", kv_bytes / 2**20, num_blocks, args.block_size,
                  num_blocks * bytes_per_block(config, args.block_size, dtype) / 2**20,
                  num_blocks * bytes_per_block(draft_config, args.block_size, dtype) / 2**20)
+    else:
+        log.info("KV pool: %d blocks of %d tokens, %.1f MiB%s", num_blocks, args.block_size,
+                 num_blocks * bytes_per_block(config, args.block_size, dtype) / 2**20,
+                 " (held as blocks are first written)" if args.backend in ("cpu", "sim") else "")
     return num_blocks
 
 
@@ -266,17 +273,22 @@ def _load_decoder(args: argparse.Namespace, path: Path, dtype, device):
     return model
 
 
-def _kv_bytes(args: argparse.Namespace, device, saved_bytes: int = 0) -> int:
+def _kv_bytes(args: argparse.Namespace, device, configs: list, dtype, saved_bytes: int = 0) -> int:
     """Bytes for the KV pool: ``--kv-cache-memory``, else ``--kv-cache-fraction`` of the free
-    accelerator memory (a default fraction on cuda/npu), else a fixed default on the cpu and the sim
-    plus ``saved_bytes``, what quantized weights save against one dense copy."""
-    from stageserve.device.model.kv_cache import kv_memory_budget
+    accelerator memory (a default fraction on cuda/npu), else, on the cpu and the sim, room for
+    `CPU_DEFAULT_KV_CONTEXTS` sequences of the longest length accepted in the pools of ``configs``
+    (the model's and the draft model's, or ``None``), at most `CPU_MAX_KV_FRACTION` of the memory
+    available, plus ``saved_bytes``, what quantized weights save against one dense copy."""
+    from stageserve.device.model.kv_cache import available_memory_bytes, bytes_per_block, kv_memory_budget
 
     if args.kv_cache_memory is not None:
         return args.kv_cache_memory
     if args.kv_cache_fraction is not None or args.backend not in ("cpu", "sim"):
         return kv_memory_budget(device, args.kv_cache_fraction or ACCELERATOR_DEFAULT_KV_FRACTION)
-    return CPU_DEFAULT_KV_BYTES + saved_bytes
+    configs = [c for c in configs if c is not None]
+    tokens = CPU_DEFAULT_KV_CONTEXTS * (args.max_model_len or min(c.max_position_embeddings for c in configs))
+    per_token = sum(bytes_per_block(c, 1, dtype) for c in configs)
+    return min(tokens * per_token, int(CPU_MAX_KV_FRACTION * available_memory_bytes("cpu"))) + saved_bytes
 
 
 def _attach_reply(args: argparse.Namespace, model_path: Path, config, limits, backend_name: str, dtype_name: str, step_costs: list,
@@ -314,15 +326,6 @@ def _log_weight_memory(model, dtype) -> int:
     log.info("linears: %s; weights hold %.1f MiB (one dense %s copy: %.1f MiB, %.2fx); resident memory %.1f MiB",
              formats, held / 2**20, str(dtype).removeprefix("torch."), dense / 2**20, held / dense, resident_bytes() / 2**20)
     return max(0, dense - held)
-
-
-def resident_bytes(pid: int | str = "self") -> int:
-    """Resident set size of process ``pid`` (default this one) in bytes: VmRSS of /proc/PID/status; 0 where that is not readable."""
-    try:
-        line = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmRSS:"))
-    except (OSError, StopIteration):
-        return 0
-    return int(line.split()[1]) * 1024
 
 
 def _both(first, then):

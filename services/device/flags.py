@@ -21,7 +21,12 @@ DENSE_COPY_MODES = ("auto", "all", "none")  # --dense-copy: DecoderModel's dense
 # ngram: stageserve.device.speculation.proposer.PROPOSERS; draft: stageserve.device.speculation.draft_model (both import torch)
 PROPOSER_NAMES = ("ngram", "draft")
 SPECULATIVE_POLICIES = ("goodput", "always")  # --speculative-policy (docs/speculative.md#which-rows-draft)
-CPU_DEFAULT_KV_BYTES = 512 * 1024**2
+CPU_DEFAULT_KV_CONTEXTS = 2
+"""The cpu backend's default KV pool holds this many sequences of the longest length accepted (the
+model's context, or --max-model-len): one of that length never waits for a second to finish, and
+shorter ones share the pool (plus what quantized weights save against one dense copy)."""
+CPU_MAX_KV_FRACTION = 0.25
+"""The default pool takes at most this fraction of the memory available when the device starts."""
 ACCELERATOR_DEFAULT_KV_FRACTION = 0.85
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30}
@@ -76,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "(default %(default)s)")
     parser.add_argument("--pipeline-depth", type=int, default=2, metavar="N", help="output slots = steps in flight at most (default %(default)s)")
     kv = parser.add_mutually_exclusive_group()
-    kv.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES", help="KV pool size, e.g. 512MiB (default: 512MiB on cpu)")
+    kv.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES", help=f"KV pool size, e.g. 512MiB (default on cpu: {CPU_DEFAULT_KV_CONTEXTS} sequences of --max-model-len, "
+                    f"at most {CPU_MAX_KV_FRACTION:.0%} of the available memory; its pages are held as they are first written)")
     kv.add_argument("--kv-cache-fraction", type=float, default=None, metavar="F", help=f"KV pool as this fraction of free device memory after loading (default on cuda/npu: {ACCELERATOR_DEFAULT_KV_FRACTION})")
     parser.add_argument("--block-size", type=int, default=16, metavar="TOKENS", help="tokens per KV block (default %(default)s)")
     parser.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="sequence table size = sequences in flight at most (default %(default)s)")

@@ -24,8 +24,6 @@ tokens again; ``prompt_token_ids`` are taken as given after a range check.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
 import json
 import secrets
@@ -33,6 +31,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from stageserve.prepare.errors import invalid_argument
+from stageserve.process_memory import return_freed_memory
 from stageserve.prepare.limits import MAX_CHOICES, MAX_REQUEST_ID_CHARS, at_most, check_generate_bounds
 from stageserve.sampling_rules import first_violation, logit_bias_problem
 from stageserve.security.keys import NO_LIMITS, TenantLimits
@@ -185,9 +184,6 @@ def _json_field(field: str, text: str, kind: type) -> object:
     return value
 
 
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
-if _LIBC is not None and not hasattr(_LIBC, "malloc_trim"):  # not glibc (musl, macOS)
-    _LIBC = None
 LARGE_PROMPT_TOKENS = 65536
 """A tokenization of at least this many tokens gives its freed memory back to the system."""
 
@@ -196,8 +192,8 @@ def release_freed_memory(num_tokens: int) -> None:
     """After a tokenization of ``num_tokens`` tokens, hand the memory its tokenizer freed back to the
     system (glibc's ``malloc_trim``) when it was large: a 1 MiB prompt's encoding takes ~210 MB, of
     which glibc keeps ~70 MB in its heap after the free otherwise. Small ones skip it (it walks the heap)."""
-    if num_tokens >= LARGE_PROMPT_TOKENS and _LIBC is not None:
-        _LIBC.malloc_trim(0)
+    if num_tokens >= LARGE_PROMPT_TOKENS:
+        return_freed_memory()
 
 
 def tokenize_prompt(

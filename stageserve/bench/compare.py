@@ -143,11 +143,6 @@ class LlamaServerSide:
         records = asyncio.run(run_load(lambda: CompletionTransport(self.server.port), workload, load, progress))
         return RunResult(build_report(records, _config(self.name, workload, load)))
 
-    def resident_bytes(self) -> int:
-        from stageserve.device.assembly import resident_bytes
-
-        return resident_bytes(self.server.pid)
-
     def close(self) -> None:
         self.server.stop()
 

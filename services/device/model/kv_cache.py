@@ -8,6 +8,8 @@ Language Model Serving with PagedAttention").
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 from pathlib import Path
 
@@ -30,7 +32,8 @@ class PagedKVCache:
     storing a step's new keys and values is one ``index_copy_``. (One call instead of one per K and
     V: on a CPU each call's fixed cost is a few µs, times two per layer per step.) The pool is
     zero-filled: attention reads padded slots under a mask, and a masked NaN from uninitialised
-    memory would still poison ``softmax(scores) @ V``.
+    memory would still poison ``softmax(scores) @ V``. On the CPU the zeros are the kernel's
+    (`zeroed_pool`), so the pool's memory becomes resident only as its blocks are first written.
 
     Raises:
         ValueError: ``num_blocks`` or ``block_size`` below 1.
@@ -43,7 +46,7 @@ class PagedKVCache:
         self.num_kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
         entries = 1 if config.kv_lora_rank else 2 * config.num_kv_heads
         width = config.kv_entry_size // entries
-        self.kv = torch.zeros((config.num_layers, entries, num_blocks, block_size, width), dtype=dtype, device=device)
+        self.kv = zeroed_pool((config.num_layers, entries, num_blocks, block_size, width), dtype, torch.device(device))
         # Per-layer views, made once for the hot path: slots [entries, num_blocks * block_size, width] and
         # block rows [entries * num_blocks, block_size, width].
         self._slots = [layer.view(entries, -1, width) for layer in self.kv]
@@ -82,6 +85,19 @@ class PagedKVCache:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store new keys/values ``[T, num_kv_heads, head_dim]`` of ``layer`` at flat slots ``slot_mapping`` ``[T]`` int64."""
         self.write_entries(layer, torch.cat((k, v), 1), slot_mapping)
+
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor of ``shape``; on the CPU backed by an anonymous memory map, whose pages the
+    operating system zeroes when first touched, so an unused part of a large pool holds no memory
+    (``torch.zeros`` writes, and so commits, every page at once). Elsewhere ``torch.zeros``."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    if count == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # The tensor keeps the map alive (frombuffer holds the buffer).
+    return torch.frombuffer(mmap.mmap(-1, count * dtype.itemsize), dtype=dtype).view(shape)
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from stageserve.device.model.kv_cache import PagedKVCache, bytes_per_block, kv_memory_budget, num_blocks_for_memory
+from stageserve.device.model.kv_cache import PagedKVCache, bytes_per_block, kv_memory_budget, num_blocks_for_memory, zeroed_pool
 from stageserve.device.model.forward_batch import build_forward_batch
 from stageserve.device.model.decoder import DecoderModel
 from stageserve.model_files import embedded_model_path
@@ -91,3 +91,17 @@ def test_sizing_helpers(model):
     assert 0 < kv_memory_budget("cpu", 0.5) <= physical // 2
     with pytest.raises(ValueError):
         kv_memory_budget("cpu", 0.0)
+
+
+def test_the_cpu_pool_is_zeros_from_a_memory_map_that_the_tensor_keeps_alive():
+    """`zeroed_pool` on the CPU: every value 0 of the dtype asked for, writable, and still readable
+    once nothing but the tensor refers to its map (the map is the tensor's buffer)."""
+    import gc
+
+    pool = zeroed_pool((3, 2, 5, 4, 8), torch.bfloat16, torch.device("cpu"))
+    gc.collect()
+    assert (pool.shape, pool.dtype, pool.is_contiguous()) == ((3, 2, 5, 4, 8), torch.bfloat16, True)
+    assert torch.count_nonzero(pool) == 0
+    pool[1, 0, 2].fill_(1.5)
+    assert pool.sum().item() == 1.5 * 4 * 8
+    assert zeroed_pool((0, 4), torch.float32, torch.device("cpu")).shape == (0, 4)
