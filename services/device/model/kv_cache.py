@@ -122,18 +122,42 @@ def available_memory_bytes(device: torch.device | str) -> int:
 
     Accelerators answer through their torch device module's ``mem_get_info`` (``torch.cuda``,
     ``torch.npu`` once ``torch_npu`` is imported); the CPU reads ``MemAvailable`` from
-    ``/proc/meminfo``, falling back to ``os.sysconf`` free pages where that file does not exist.
+    ``/proc/meminfo`` (falling back to ``os.sysconf`` free pages where that file does not exist),
+    at most what the process's memory cgroup still allows (a container's limit, `_cgroup_room_bytes`).
     """
     device = torch.device(device)
     if device.type != "cpu":
         free, _total = torch.get_device_module(device.type).mem_get_info(device)
         return int(free)
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     meminfo = Path("/proc/meminfo")
     if meminfo.exists():
         for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024  # the file counts kB
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+                available = int(line.split()[1]) * 1024  # the file counts kB
+    room = _cgroup_room_bytes()
+    return available if room is None else min(available, room)
+
+
+# (limit, usage) files of the memory cgroup: v2, then v1; a limit past this means none.
+_CGROUP_FILES = ((Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),
+                 (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"), Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")))
+_NO_CGROUP_LIMIT = 2**60
+
+
+def _cgroup_room_bytes() -> int | None:
+    """What this process's memory cgroup (a container's memory limit) still allows, in bytes;
+    ``None`` where no limit is set or none can be read. /proc/meminfo shows the host's memory,
+    which a container may not use."""
+    for limit_file, usage_file in _CGROUP_FILES:
+        try:
+            limit, usage = limit_file.read_text().strip(), int(usage_file.read_text())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= _NO_CGROUP_LIMIT:
+            return None
+        return max(0, int(limit) - usage)
+    return None
 
 
 def kv_memory_budget(device: torch.device | str, fraction: float) -> int:

@@ -105,3 +105,22 @@ def test_the_cpu_pool_is_zeros_from_a_memory_map_that_the_tensor_keeps_alive():
     pool[1, 0, 2].fill_(1.5)
     assert pool.sum().item() == 1.5 * 4 * 8
     assert zeroed_pool((0, 4), torch.float32, torch.device("cpu")).shape == (0, 4)
+
+
+def test_the_cpu_budget_stays_within_a_containers_memory_limit(tmp_path, monkeypatch):
+    """The memory cgroup's limit less its usage bounds what the CPU offers (v2's files, then v1's);
+    no limit (v2 ``max``, v1's huge number) or no files leave /proc/meminfo's figure."""
+    from stageserve.device.model import kv_cache
+
+    v2, v1 = (tmp_path / "memory.max", tmp_path / "memory.current"), (tmp_path / "limit", tmp_path / "usage")
+    monkeypatch.setattr(kv_cache, "_CGROUP_FILES", (v2, v1))
+    assert kv_cache._cgroup_room_bytes() is None
+    v1[0].write_text(f"{2**63 - 4096}\n")
+    v1[1].write_text("1000\n")
+    assert kv_cache._cgroup_room_bytes() is None
+    v2[0].write_text("1073741824\n")
+    v2[1].write_text("73741824\n")
+    assert kv_cache._cgroup_room_bytes() == 10**9
+    assert kv_cache.available_memory_bytes("cpu") <= 10**9
+    v2[0].write_text("max\n")
+    assert kv_cache._cgroup_room_bytes() is None
