@@ -13,7 +13,7 @@ import logging
 import uuid
 from pathlib import Path
 
-from stageserve.device.flags import ACCELERATOR_DEFAULT_KV_FRACTION, CPU_DEFAULT_KV_CONTEXTS, CPU_MAX_KV_FRACTION, resolve_dtype
+from stageserve.device.flags import ACCELERATOR_DEFAULT_KV_FRACTION, CPU_DEFAULT_KV_CONTEXTS, CPU_DEFAULT_KV_TOKENS_PER_SEQ, CPU_MAX_KV_FRACTION, resolve_dtype
 from stageserve.model_files import EMBEDDED_MODEL_NAME, resolve_model_path
 from stageserve.process_memory import resident_bytes, return_freed_memory
 
@@ -276,9 +276,11 @@ def _load_decoder(args: argparse.Namespace, path: Path, dtype, device):
 def _kv_bytes(args: argparse.Namespace, device, configs: list, dtype, saved_bytes: int = 0) -> int:
     """Bytes for the KV pool: ``--kv-cache-memory``, else ``--kv-cache-fraction`` of the free
     accelerator memory (a default fraction on cuda/npu), else, on the cpu and the sim, room for
-    `CPU_DEFAULT_KV_CONTEXTS` sequences of the longest length accepted in the pools of ``configs``
-    (the model's and the draft model's, or ``None``), at most `CPU_MAX_KV_FRACTION` of the memory
-    available, plus ``saved_bytes``, what quantized weights save against one dense copy."""
+    `CPU_DEFAULT_KV_CONTEXTS` sequences of the longest length accepted, or for
+    `CPU_DEFAULT_KV_TOKENS_PER_SEQ` tokens of each of ``--max-num-seqs`` sequences where that is more,
+    in the pools of ``configs`` (the model's and the draft model's, or ``None``), at most
+    `CPU_MAX_KV_FRACTION` of the memory available, plus ``saved_bytes``, what quantized weights
+    save against one dense copy."""
     from stageserve.device.model.kv_cache import available_memory_bytes, bytes_per_block, kv_memory_budget
 
     if args.kv_cache_memory is not None:
@@ -286,7 +288,8 @@ def _kv_bytes(args: argparse.Namespace, device, configs: list, dtype, saved_byte
     if args.kv_cache_fraction is not None or args.backend not in ("cpu", "sim"):
         return kv_memory_budget(device, args.kv_cache_fraction or ACCELERATOR_DEFAULT_KV_FRACTION)
     configs = [c for c in configs if c is not None]
-    tokens = CPU_DEFAULT_KV_CONTEXTS * (args.max_model_len or min(c.max_position_embeddings for c in configs))
+    tokens = max(CPU_DEFAULT_KV_CONTEXTS * (args.max_model_len or min(c.max_position_embeddings for c in configs)),
+                 CPU_DEFAULT_KV_TOKENS_PER_SEQ * args.max_num_seqs)
     per_token = sum(bytes_per_block(c, 1, dtype) for c in configs)
     return min(tokens * per_token, int(CPU_MAX_KV_FRACTION * available_memory_bytes("cpu"))) + saved_bytes
 

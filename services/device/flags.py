@@ -24,7 +24,10 @@ SPECULATIVE_POLICIES = ("goodput", "always")  # --speculative-policy (docs/specu
 CPU_DEFAULT_KV_CONTEXTS = 2
 """The cpu backend's default KV pool holds this many sequences of the longest length accepted (the
 model's context, or --max-model-len): one of that length never waits for a second to finish, and
-shorter ones share the pool (plus what quantized weights save against one dense copy)."""
+shorter ones share the pool (plus what quantized weights save against one dense copy)..."""
+CPU_DEFAULT_KV_TOKENS_PER_SEQ = 64
+"""...or, where that is more, this many tokens for every sequence the table holds (--max-num-seqs):
+a short-context model still runs its sequence table full."""
 CPU_MAX_KV_FRACTION = 0.25
 """The default pool takes at most this fraction of the memory available when the device starts."""
 ACCELERATOR_DEFAULT_KV_FRACTION = 0.85
@@ -81,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "(default %(default)s)")
     parser.add_argument("--pipeline-depth", type=int, default=2, metavar="N", help="output slots = steps in flight at most (default %(default)s)")
     kv = parser.add_mutually_exclusive_group()
-    kv.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES", help=f"KV pool size, e.g. 512MiB (default on cpu: {CPU_DEFAULT_KV_CONTEXTS} sequences of --max-model-len, "
+    kv.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES", help=f"KV pool size, e.g. 512MiB (default on cpu: {CPU_DEFAULT_KV_CONTEXTS} sequences of --max-model-len "
+                    f"or {CPU_DEFAULT_KV_TOKENS_PER_SEQ} tokens per --max-num-seqs, whichever is more, "
                     f"at most {CPU_MAX_KV_FRACTION:.0%} of the available memory; its pages are held as they are first written)")
     kv.add_argument("--kv-cache-fraction", type=float, default=None, metavar="F", help=f"KV pool as this fraction of free device memory after loading (default on cuda/npu: {ACCELERATOR_DEFAULT_KV_FRACTION})")
     parser.add_argument("--block-size", type=int, default=16, metavar="TOKENS", help="tokens per KV block (default %(default)s)")

@@ -34,8 +34,8 @@ def test_every_row_count_and_draft_count_is_measured_and_a_long_context_line(tmp
 
 
 def test_a_small_pool_and_table_drop_the_largest_row_counts_first_and_always_skips_the_measurement(tmp_path):
-    # 12 sequences: the long-context group's 8, then 1 + 2 short ones (4 would pass 12).
-    built = core(tmp_path, "--max-num-seqs", "12")
+    # 12 sequences: the long-context group's 8, then 1 + 2 short ones (4 would pass 12); a pool that holds them all.
+    built = core(tmp_path, "--max-num-seqs", "12", "--kv-cache-memory", "64MiB")
     assert cells(built) == {(rows, k, SHORT_CONTEXT) for rows in (1, 2) for k in range(3)} | {(8, k, LONG_CONTEXT) for k in range(3)}
     built.executor.close()
     built = core(tmp_path, "--speculative-policy", "always")
