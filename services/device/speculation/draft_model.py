@@ -93,6 +93,9 @@ class DraftModelProposer:
         later = [up([i for i, row in enumerate(drafting) if limits[row] >= j]) for j in range(2, max(limits, default=0) + 1)]
         return StagedDraft(up(layout.decode_entry), up(limits), up(layout.plain_single), up(drafting), up([2 * row + 1 for row in drafting]), later)
 
+    def follow(self, history: TokenHistory, step: ProposalStep, hidden: torch.Tensor, pending_entry: torch.Tensor) -> None:
+        """Nothing: the draft model reads tokens only (its KV follows them in ``propose``)."""
+
     def propose(self, history: TokenHistory, seq_index: torch.Tensor, num_drafts: int, max_length: int,
                 step: ProposalStep | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """See `proposer.Proposer.propose`; ``step`` is required (the step's forward batch)."""
