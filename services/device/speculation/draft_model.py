@@ -39,8 +39,7 @@ from stageserve.device.backends import to_device
 from stageserve.device.model.forward_batch import ForwardBatch, PrefillSegment, decode_batch, decode_slots_and_masks
 from stageserve.device.model.kv_cache import PagedKVCache
 from stageserve.device.model.decoder import DecoderModel
-from stageserve.device.speculation.proposer import ProposalStep, StepLayout, TokenHistory, no_drafts
-from stageserve.device.sampler import argmax_rows
+from stageserve.device.speculation.proposer import ProposalStep, StepLayout, TokenHistory, greedy_drafts, no_drafts
 
 
 @dataclass
@@ -118,9 +117,7 @@ class DraftModelProposer:
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """``[R]`` int64 greedy drafts from the draft's logits ``[R, draft vocab]``, among the ids the target has."""
-        if logits.shape[1] > self.vocab_size:
-            logits = logits[:, : self.vocab_size].contiguous()
-        return argmax_rows(logits, self.model.cpu_kernels)
+        return greedy_drafts(logits, self.vocab_size, self.model.cpu_kernels)
 
     def _first_pass(self, history: TokenHistory, seq_index: torch.Tensor, pos: torch.Tensor, batch: ForwardBatch,
                     staged: StagedDraft) -> ForwardBatch:

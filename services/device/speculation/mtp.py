@@ -52,8 +52,7 @@ from stageserve.device.model.forward_batch import ForwardBatch
 from stageserve.device.model.kv_cache import PagedKVCache
 from stageserve.device.model.linear import Linear
 from stageserve.device.model.weights import load_mtp_weights
-from stageserve.device.sampler import argmax_rows
-from stageserve.device.speculation.proposer import ProposalStep, StepLayout, TokenHistory, no_drafts
+from stageserve.device.speculation.proposer import ProposalStep, StepLayout, TokenHistory, greedy_drafts, no_drafts
 
 
 @dataclass
@@ -183,7 +182,7 @@ class MTPProposer:
         state = h[pending_entry]
         for j in range(self.num_drafts):
             state = self.module.block.layers_of(self.module.inputs(token, state), self._single(position, staged), self.kv_cache)
-            token = self._argmax(self.module.block.logits(state))
+            token = greedy_drafts(self.module.block.logits(state), self.vocab_size, self.module.block.cpu_kernels)
             self.drafts[staged.sample_seq, j] = token
             position = position + 1
 
@@ -199,9 +198,3 @@ class MTPProposer:
         rows = position.shape[0]
         return ForwardBatch(torch.zeros(rows, dtype=torch.int64, device=position.device), position, slots, rows, blocks, mask, [],
                             torch.arange(rows, device=position.device))
-
-    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[R]`` int64 greedy drafts among the ids the target has."""
-        if logits.shape[1] > self.vocab_size:
-            logits = logits[:, : self.vocab_size].contiguous()
-        return argmax_rows(logits, self.module.block.cpu_kernels)

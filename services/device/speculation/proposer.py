@@ -20,6 +20,7 @@ import torch
 
 from stageserve.device.backends import to_device
 from stageserve.device.model.forward_batch import ForwardBatch
+from stageserve.device.sampler import argmax_rows
 from stageserve.device.step_plan import StartedSequence
 from stageserve.prompt_lookup import MAX_N, MIN_N
 
@@ -145,6 +146,15 @@ class Proposer(Protocol):
         sampled token each sampling row now has pending; ``history`` holds the step's tokens.
         """
         ...
+
+
+def greedy_drafts(logits: torch.Tensor, vocab_size: int, fused: bool) -> torch.Tensor:
+    """``[R]`` int64 argmaxes of a proposer model's logits ``[R, V]`` among the first ``vocab_size``
+    ids (the target's: a model sharing its tokenizer may pad its table to another size);
+    ``fused``: the CPU kernels' argmax (`sampler.argmax_rows`)."""
+    if logits.shape[1] > vocab_size:
+        logits = logits[:, :vocab_size].contiguous()
+    return argmax_rows(logits, fused)
 
 
 def no_drafts(rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,7 +44,8 @@ def test_the_mtp_layer_loads_as_a_one_layer_model_of_the_layer_after_the_last(tm
 
 
 def test_a_checkpoint_without_mtp_layers_is_refused_saying_what_to_use(tmp_path):
-    """transformers writes ``num_nextn_predict_layers`` 1 and no such layer; with 0 the config says so."""
+    """transformers writes ``num_nextn_predict_layers`` 1 and no such layer; with 0 the config says
+    so; llama.cpp's GGUF drops the layer."""
     path = write_tiny_checkpoint(tmp_path / "v3", family="deepseek_v3")
     with pytest.raises(ModelLoadError, match=r"has none \(no model.layers.2.\* tensors, though config.json's num_nextn_predict_layers is 1\); "
                                              "choose --speculative-method ngram or draft"):
@@ -53,6 +54,10 @@ def test_a_checkpoint_without_mtp_layers_is_refused_saying_what_to_use(tmp_path)
     config.write_text(config.read_text().replace('"num_nextn_predict_layers": 1', '"num_nextn_predict_layers": 0'))
     with pytest.raises(ModelLoadError, match="num_nextn_predict_layers is 0; choose --speculative-method ngram or draft"):
         load_mtp_weights(path, torch.float32)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError, match="a GGUF file does not carry them here; choose --speculative-method ngram or draft"):
+        load_mtp_weights(gguf, torch.float32)
 
 
 @pytest.fixture(scope="module")
