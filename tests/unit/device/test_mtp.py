@@ -116,3 +116,32 @@ def test_a_module_that_copies_the_target_drafts_its_greedy_continuation(copy):
         emitted += 1 + K
         drafts = run(rows, layout(1 + K, K, False), PROMPT + expected[:emitted], K)
         assert drafts == expected[emitted : emitted + K]
+
+
+def test_a_prompt_in_chunks_gets_the_drafts_of_the_prompt_at_once(tmp_path):
+    """A random module (its ``h`` matters): the second chunk's first entry takes the target's hidden
+    state that the first chunk kept, so chunked and whole prefills draft alike."""
+    path = add_mtp_layer(write_tiny_checkpoint(tmp_path / "v3", family="deepseek_v3"))
+    target, module = DecoderModel.from_path(path, torch.float32, CPU), MTPModule.from_path(path, torch.float32, CPU)
+
+    def drafts_after(chunks: list[list[int]]) -> list[int]:
+        proposer = MTPProposer(target, module, K, 1, NUM_BLOCKS, BLOCK_SIZE, torch.float32)
+        kv = PagedKVCache(target.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, CPU)
+        history = TokenHistory(1, 64, CPU)
+        history.prompt_len[0] = len(PROMPT)
+        start = 0
+        for index, chunk in enumerate(chunks):
+            last = index == len(chunks) - 1
+            batch = build_forward_batch([(chunk, start, TABLE, last)], BLOCK_SIZE, CPU)
+            hidden = target.hidden_states(batch, kv)
+            first_token = int(target.logits(hidden[-1:]).argmax()) if last else None
+            history.tokens[0, : len(PROMPT) + 1] = torch.tensor(PROMPT + [first_token or 0])
+            history.length[0] = len(PROMPT) + 1 if last else start + len(chunk)
+            step = StepLayout([], [], [], [0] * len(chunk), [0], [len(chunk) - 1], [index == 0], [0] if last else [], [TABLE])
+            proposer.follow(history, ProposalStep(batch, proposer.stage(step)), hidden, torch.tensor([len(chunk) - 1] if last else [], dtype=torch.int64))
+            start += len(chunk)
+        return proposer.drafts[0].tolist()
+
+    whole = drafts_after([PROMPT])
+    assert drafts_after([PROMPT[:5], PROMPT[5:]]) == whole
+    assert drafts_after([PROMPT[:1], PROMPT[1:]]) == whole
