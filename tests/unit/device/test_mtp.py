@@ -145,3 +145,25 @@ def test_a_prompt_in_chunks_gets_the_drafts_of_the_prompt_at_once(tmp_path):
     whole = drafts_after([PROMPT])
     assert drafts_after([PROMPT[:5], PROMPT[5:]]) == whole
     assert drafts_after([PROMPT[:1], PROMPT[1:]]) == whole
+
+
+def test_a_device_with_mtp_measures_its_step_costs_and_reports_the_method(tmp_path):
+    """The start-up measurement (goodput) runs the module's drafting steps through the real executor."""
+    import argparse
+
+    from stageserve.device import assembly, flags
+
+    path = add_mtp_layer(write_tiny_checkpoint(tmp_path / "v3", family="deepseek_v3"))
+    parser = argparse.ArgumentParser()
+    flags.add_arguments(parser)
+    args = parser.parse_args(["--model", str(path), "--dtype", "float32", "--speculative-method", "mtp", "--num-speculative-tokens", "2",
+                              "--max-num-seqs", "12"])
+    built = assembly.build_core(args, path)
+    try:
+        reply = built.attach_reply
+        assert reply.speculative_method == "mtp" and reply.num_speculative_tokens == 2
+        assert {(cost.rows, cost.drafts) for cost in reply.step_costs} >= {(1, 0), (1, 1), (1, 2), (2, 2)}
+        assert all(cost.seconds > 0 for cost in reply.step_costs)
+        assert built.table.active_count() == 0
+    finally:
+        built.executor.close()
