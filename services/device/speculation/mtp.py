@@ -168,10 +168,10 @@ class MTPProposer:
         h = self.target.final_norm(hidden)  # [T, hidden]
         # The hidden state before each token: its row's previous token, else its sequence's last one run.
         before = torch.cat([h.new_zeros(1, h.shape[1]), h[:-1]])
-        first = self.last_hidden[staged.row_seq]
-        first[staged.row_started] = 0  # a new sequence (from a prefix-cache hit, the cached positions did not run)
-        before[staged.row_first] = first
-        before[batch.positions == 0] = 0
+        # Zero for a new sequence (after a prefix-cache hit the cached positions did not run) and at
+        # position 0; torch.where, not a boolean index, which would wait for the device on CUDA/NPU.
+        before[staged.row_first] = torch.where(staged.row_started.unsqueeze(1), 0.0, self.last_hidden[staged.row_seq])
+        before = torch.where((batch.positions == 0).unsqueeze(1), 0.0, before)
         self.module.block.layers_of(self.module.inputs(batch.input_ids, before), batch, self.kv_cache)  # for its KV writes
         self.last_hidden[staged.row_seq] = h[staged.row_last]
         if pending_entry.numel() == 0:
