@@ -264,7 +264,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-dense-copy", dest="dense_copy", action="store_const", const="none", help="the same as --dense-copy none")
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES",
                         help="the device's KV pool, e.g. 256MiB (default: the device's)")
-    parser.add_argument("--speculative-method", default="none", choices=["none", "ngram", "draft"], help="the device's speculative decoding (docs/speculative.md)")
+    parser.add_argument("--speculative-method", default="none", choices=["none", "ngram", "draft", "mtp"], help="the device's speculative decoding (docs/speculative.md)")
     parser.add_argument("--draft-model", default="", metavar="PATH",
                         help="with --speculative-method draft: GGUF file or Hugging Face directory of a smaller model sharing --model's tokenizer")
     parser.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K", help="drafts per decode row and step, with a --speculative-method")

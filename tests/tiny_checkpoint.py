@@ -124,6 +124,60 @@ with no ``q_lora_rank``, no YaRN, softmax ``group_limited_greedy`` routing and 2
     return directory
 
 
+def add_mtp_layer(directory: Path, seed: int = 1, copy_target: bool = False) -> Path:
+    """Add one multi-token-prediction layer to the DeepSeek-V3 checkpoint in ``directory`` (written by
+    `write_tiny_checkpoint`), as DeepSeek stores it: ``model.layers.{num_hidden_layers}.*`` (``enorm``,
+    ``hnorm``, ``eh_proj``, a decoder block, ``shared_head.norm`` / ``shared_head.head``, its own
+    ``embed_tokens``) in ``model-mtp.safetensors``, and ``num_nextn_predict_layers`` 1 in
+    ``config.json``. transformers' DeepseekV3 ignores these tensors on load, so they are written here.
+
+    Random (``seed``): the block of a checkpoint with one more layer, norms drawn around 1, a random
+    ``eh_proj`` and head. ``copy_target``: the module reproduces a one-layer target exactly: its
+    block is the target's layer, ``eh_proj`` passes the embedding half only, ``enorm`` is 1 over
+    embedding rows rescaled to RMS 1 (so ``enorm(embed(t)) = embed(t)``, the target's input), the
+    shared head is the target's final norm and (tied) head; fed the token at a position, it gives
+    the target's logits there.
+    """
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    config_file = directory / "config.json"
+    config = json.loads(config_file.read_text())
+    n, hidden = config["num_hidden_layers"], config["hidden_size"]
+    weights = load_file(directory / "model.safetensors")
+    own = f"model.layers.{n}."
+    if copy_target:
+        assert n == 1, "a copy of the target's one layer"
+        embed = weights["model.embed_tokens.weight"]
+        embed = embed / embed.pow(2).mean(dim=1, keepdim=True).sqrt()
+        weights["model.embed_tokens.weight"] = embed
+        save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+        block = {own + name.removeprefix("model.layers.0."): t for name, t in weights.items() if name.startswith("model.layers.0.")}
+        mtp = {own + "enorm.weight": torch.ones(hidden), own + "hnorm.weight": torch.ones(hidden),
+               own + "eh_proj.weight": torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1),
+               own + "shared_head.norm.weight": weights["model.norm.weight"], own + "shared_head.head.weight": embed,
+               own + "embed_tokens.weight": embed}
+    else:
+        donor = write_tiny_checkpoint(directory / "mtp-donor", seed=seed, num_layers=n + 1, family=config["model_type"],
+                                      overrides={"first_k_dense_replace": config["first_k_dense_replace"]})
+        block = {name: t for name, t in load_file(donor / "model.safetensors").items() if name.startswith(own)}
+        generator = torch.Generator().manual_seed(seed)
+
+        def around_one() -> torch.Tensor:
+            return 1.0 + 0.2 * torch.randn(hidden, generator=generator)
+
+        mtp = {own + "enorm.weight": around_one(), own + "hnorm.weight": around_one(),
+               own + "eh_proj.weight": 0.2 * torch.randn(hidden, 2 * hidden, generator=generator),
+               own + "shared_head.norm.weight": around_one(), own + "shared_head.head.weight": 0.2 * torch.randn(config["vocab_size"], hidden, generator=generator),
+               own + "embed_tokens.weight": weights["model.embed_tokens.weight"]}
+        shutil.rmtree(donor)
+    save_file({name: t.clone().contiguous() for name, t in (block | mtp).items()}, directory / "model-mtp.safetensors", metadata={"format": "pt"})
+    config_file.write_text(json.dumps(config | {"num_nextn_predict_layers": 1}, indent=2))
+    return directory
+
+
 THINK_TOKENS = ("<think>", "</think>")
 
 

@@ -43,9 +43,19 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
     dtype = getattr(torch, dtype_name)
     backend, model, config = _load_model(args, model_path, dtype, backend)
     saved_bytes = _log_weight_memory(model, dtype) if model is not None else 0
-    draft = _load_draft(args, model_path, dtype, backend.device) if args.speculative_method == "draft" else None
-    if draft is not None:
-        saved_bytes += _log_weight_memory(draft, dtype)
+    # The draft model or the checkpoint's MTP layer: a second model with a KV pool of its own.
+    draft = mtp = None
+    if args.speculative_method == "draft":
+        draft = _load_draft(args, model_path, dtype, backend.device)
+    elif args.speculative_method == "mtp" and model is not None:
+        from stageserve.device.speculation.mtp import MTPModule
+
+        mtp = MTPModule.from_path(model_path, dtype, backend.device, cpu_kernels_allowed=not args.no_cpu_kernels)
+        log.info("--speculative-method mtp: the checkpoint's multi-token-prediction layer %d drafts", config.num_layers)
+    for second in (draft, mtp and mtp.block):
+        if second is not None:
+            saved_bytes += _log_weight_memory(second, dtype)
+    draft = draft or mtp
     num_blocks = _num_blocks(args, config, draft and draft.config, dtype, _kv_bytes(args, backend.device, [config, draft and draft.config], dtype, saved_bytes))
     limits = _plan_limits(args, config, draft and draft.config, num_blocks)
     pooling = _pooling(config, model is not None and not limits.num_speculative_tokens)
@@ -56,7 +66,7 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
         runner = SimStepRunner(args.sim_step_ms / 1e3, args.sim_token_us / 1e6, config.vocab_size, config.eos_token_ids)
     else:
         grammar = _grammar_table(model_path, config, backend.device, metrics, args.grammar_compile_budget)
-        speculation = _speculation(args, limits, draft, dtype, backend.device) if limits.num_speculative_tokens else None
+        speculation = _speculation(args, limits, model, draft, dtype, backend.device) if limits.num_speculative_tokens else None
         runner = ModelStepRunner(model, PagedKVCache(config, num_blocks, args.block_size, dtype, backend.device), table, grammar, speculation)
     outbox = CompletionOutbox()
     executor = _executor(args, backend, runner, outbox, limits, tracer, metrics, embedding_width)
@@ -180,7 +190,7 @@ def _num_blocks(args: argparse.Namespace, config, draft_config, dtype, kv_bytes:
         raise RuntimeError(f"--kv-cache-memory/--kv-cache-fraction: {kv_bytes} bytes hold no KV block of {args.block_size} tokens; give more memory")
     if draft_config is not None:
         log.info("KV memory %.1f MiB holds %d blocks of %d tokens in two pools indexed by the same block ids: the target's %.1f MiB, "
-                 "the draft model's %.1f MiB (+ 1 scratch block)", kv_bytes / 2**20, num_blocks, args.block_size,
+                 "the draft's (draft model or MTP layer) %.1f MiB (+ 1 scratch block)", kv_bytes / 2**20, num_blocks, args.block_size,
                  num_blocks * bytes_per_block(config, args.block_size, dtype) / 2**20,
                  num_blocks * bytes_per_block(draft_config, args.block_size, dtype) / 2**20)
     else:
@@ -190,14 +200,18 @@ def _num_blocks(args: argparse.Namespace, config, draft_config, dtype, kv_bytes:
     return num_blocks
 
 
-def _speculation(args: argparse.Namespace, limits, draft, dtype, device):
-    """The device's `Speculation` for ``--speculative-method`` (``draft``: over the loaded ``draft`` model)."""
+def _speculation(args: argparse.Namespace, limits, model, draft, dtype, device):
+    """The device's `Speculation` for ``--speculative-method`` (``draft``: over the loaded ``draft``
+    model; ``mtp``: ``draft`` is the target ``model``'s `mtp.MTPModule`)."""
     from stageserve.device.speculation.draft_model import DraftModelProposer
+    from stageserve.device.speculation.mtp import MTPProposer
     from stageserve.device.speculation.proposer import PROPOSERS
     from stageserve.device.speculation.verification import Speculation
 
     if args.speculative_method == "draft":
         proposer = DraftModelProposer(draft, limits.vocab_size, limits.num_blocks, limits.block_size, dtype)
+    elif args.speculative_method == "mtp":
+        proposer = MTPProposer(model, draft, limits.num_speculative_tokens, limits.max_num_seqs, limits.num_blocks, limits.block_size, dtype)
     else:
         proposer = PROPOSERS[args.speculative_method]()
     return Speculation(proposer, limits.num_speculative_tokens, limits.max_num_seqs, limits.max_model_len, limits.block_size, device)

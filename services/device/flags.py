@@ -18,8 +18,9 @@ DEFAULT_METRICS_PORT = 9102
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("auto", "dequantize", "int8", "int4")  # --weights; stageserve.device.kernels.quant maps each onto kernels
 DENSE_COPY_MODES = ("auto", "all", "none")  # --dense-copy: DecoderModel's dense_copy (stageserve.device.kernels.dense_copies)
-# ngram: stageserve.device.speculation.proposer.PROPOSERS; draft: stageserve.device.speculation.draft_model (both import torch)
-PROPOSER_NAMES = ("ngram", "draft")
+# ngram: stageserve.device.speculation.proposer.PROPOSERS; draft: stageserve.device.speculation.draft_model; mtp:
+# stageserve.device.speculation.mtp (all import torch)
+PROPOSER_NAMES = ("ngram", "draft", "mtp")
 SPECULATIVE_POLICIES = ("goodput", "always")  # --speculative-policy (docs/speculative.md#which-rows-draft)
 CPU_DEFAULT_KV_CONTEXTS = 2
 """The cpu backend's default KV pool holds this many sequences of the longest length accepted (the
@@ -73,7 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     spec = parser.add_argument_group("speculative decoding (docs/speculative.md)")
     spec.add_argument("--speculative-method", choices=("none", *PROPOSER_NAMES), default="none",
                       help="ngram: prompt lookup, drafts copied from the sequence's own prompt and output; "
-                           "draft: a smaller model (--draft-model) drafts greedily (default %(default)s)")
+                           "draft: a smaller model (--draft-model) drafts greedily; "
+                           "mtp: the checkpoint's own multi-token-prediction layer drafts greedily (DeepSeek-V3's num_nextn_predict_layers) "
+                           "(default %(default)s)")
     spec.add_argument("--draft-model", default=None, metavar="PATH",
                       help="with --speculative-method draft: GGUF file or Hugging Face directory of a smaller model sharing --model's tokenizer, "
                            "loaded as --model is (--dtype, --weights); its KV pool shares the KV memory")

@@ -17,7 +17,8 @@ rows, the new sequences' parameters. ``run`` (backend compute context, in submis
 
 With speculative decoding (``speculation``), steps 2, 4 and 5 are those of `speculation.verification`: each
 decode row verifies the proposer's drafts in the same forward pass (on a CPU device, only the
-entries of drafts the proposer made run) and emits 1 + accepted tokens
+entries of drafts the proposer made run) and emits 1 + accepted tokens, after which the proposer
+follows the target's hidden states (`proposer.Proposer.follow`: the MTP module drafts there)
 (a constrained row asks for no drafts: prepare plans it with none, so its one entry is masked as
 in step 3b).
 
@@ -41,6 +42,7 @@ from stageserve.device.grammar import GrammarRows, GrammarTable
 from stageserve.device.model.decoder import DecoderModel
 from stageserve.device.sampler import SampleResult, sample
 from stageserve.device.sequence_table import SequenceTable, StagedStarts
+from stageserve.device.speculation.proposer import ProposalStep
 from stageserve.device.speculation.verification import Speculation, StagedSpeculation
 from stageserve.device.step_plan import AdmittedStep
 from stageserve.v1 import common_pb2
@@ -212,9 +214,12 @@ class ModelStepRunner:
         table, speculation, spec, batch = self.table, self.speculation, staged.speculation, staged.batch
         drafts, valid = speculation.fill_inputs(spec, batch, table.last_token)
         forward, kept = speculation.without_unproposed(spec, batch, valid)
-        logits = self.model.forward(forward, self.kv_cache)  # [S', vocab]: the entries run
+        hidden = self.model.hidden_states(forward, self.kv_cache)  # [T', hidden]: the entries run
+        logits = self.model.logits(hidden[forward.sample_indices])  # [S', vocab]
         entries, rows = spec.sample_seq, spec.row_seq
+        proposal = ProposalStep(forward, spec.proposer_inputs)
         if entries.numel() == 0:
+            speculation.proposer.follow(speculation.history, proposal, hidden, entries)
             return
         output_index = speculation.output_index(spec, batch)
         if kept is not None:
@@ -232,6 +237,9 @@ class ModelStepRunner:
         if kept is not None:  # a dropped entry's token is never emitted (its row's accepted run ends before it)
             sampled = torch.zeros(count, dtype=torch.int64).index_copy_(0, kept, sampled)
         verified = speculation.verify(spec, batch, sampled, drafts, valid)
+        # A row's pending entry always ran (a draft accepted was proposed), so it has a place in ``forward``.
+        pending = verified.pending_entry if kept is None else torch.searchsorted(kept, verified.pending_entry)
+        speculation.proposer.follow(speculation.history, proposal, hidden, forward.sample_indices[pending])
         table.record_sampled(rows, verified.last_token, tensors)  # penalised rows never draft: one token each
         out.token_ids[:count].copy_(sampled, non_blocking=True)
         out.num_tokens[:num_rows].copy_(verified.num_tokens, non_blocking=True)

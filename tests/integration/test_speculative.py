@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -22,7 +23,7 @@ import pytest
 from stageserve.model_files import embedded_model_path
 from stageserve.v1 import prepare_pb2, prepare_pb2_grpc
 
-from tests.tiny_checkpoint import write_tiny_checkpoint
+from tests.tiny_checkpoint import add_mtp_layer, write_tiny_checkpoint
 
 from .conftest import MAX_MODEL_LEN, launch
 from .test_generation_api import ABORT, chat, collect, wait_kv_all_free
@@ -229,6 +230,45 @@ def test_a_draft_model_that_is_often_wrong_leaves_the_tokens_exact(tmp_path_fact
     assert [list(r.token_ids) for r in results["draft"]] == [list(r.token_ids) for r in results["plain"]]
     drafted, accepted = (sum(getattr(r.usage, field) for r in results["draft"]) for field in ("draft_tokens", "accepted_tokens"))
     assert 0 <= accepted < drafted
+
+
+def test_the_checkpoints_mtp_layer_drafts_and_leaves_the_tokens_exact(tmp_path_factory):
+    """``--speculative-method mtp`` on tiny DeepSeek-V3 checkpoints with a multi-token-prediction
+    layer: a random one leaves the tokens the non-speculative run's, greedy and seeded; one that
+    copies its one-layer target has every greedy draft accepted, counted per position in the
+    device's metrics and in each response's usage. The three pipelines run side by side."""
+    target = add_mtp_layer(write_tiny_checkpoint(tmp_path_factory.mktemp("v3-mtp"), family="deepseek_v3"))
+    copied = write_tiny_checkpoint(tmp_path_factory.mktemp("v3-copy"), family="deepseek_v3", num_layers=1, overrides={"first_k_dense_replace": 0})
+    add_mtp_layer(copied, copy_target=True)
+    requests = [prepare_pb2.GenerateRequest(prompt=prompt, max_tokens=32, ignore_eos=True, **fields)
+                for prompt in ("abcabcabc", "Hello, world") for fields in (dict(temperature=0.0), dict(temperature=1.0, seed=5))]
+    mtp = ("--speculative-method", "mtp", "--num-speculative-tokens", "3", *ALWAYS)
+
+    def serve(name: str, model: Path, *flags: str) -> tuple[list[prepare_pb2.GenerateResponse], dict]:
+        for pipeline, stub in start(tmp_path_factory, f"tiny-{name}", *flags, model=str(model)):
+            responses = [stub.Generate(request) for request in requests]
+            samples = scrape(pipeline.device)
+        return responses, samples
+
+    with ThreadPoolExecutor(3) as pool:
+        runs = {name: pool.submit(serve, name, *args) for name, args in
+                (("v3-plain", (target,)), ("v3-mtp", (target, *mtp)), ("v3-copy", (copied, *mtp)))}
+        (plain, _), (speculating, _), (copy, samples) = (runs[name].result() for name in ("v3-plain", "v3-mtp", "v3-copy"))
+    assert [list(r.token_ids) for r in speculating] == [list(r.token_ids) for r in plain]
+    assert sum(r.usage.draft_tokens for r in speculating) > 0
+    for response in copy[::2]:  # greedy: every draft is the target's token
+        assert response.usage.draft_tokens > 0 and response.usage.accepted_tokens == response.usage.draft_tokens
+    drafted = [metric(samples, "stageserve_spec_position_drafted_total", position=str(j)) for j in range(3)]
+    accepted = [metric(samples, "stageserve_spec_position_accepted_total", position=str(j)) for j in range(3)]
+    assert all(count > 0 for count in drafted) and all(0 < a <= d for a, d in zip(accepted, drafted))
+    assert metric(samples, "stageserve_spec_accepted_tokens_total") == sum(r.usage.accepted_tokens for r in copy)
+
+
+def test_mtp_on_a_checkpoint_without_mtp_layers_exits_with_code_2(tmp_path):
+    code, errors = device_exit("--model", str(write_tiny_checkpoint(tmp_path / "v3", family="deepseek_v3")), "--speculative-method", "mtp")
+    assert code == 2 and len(errors) == 1, errors
+    assert "--speculative-method mtp needs multi-token-prediction layers, and the checkpoint has none" in errors[0]
+    assert "choose --speculative-method ngram or draft" in errors[0]
 
 
 def test_the_goodput_policy_measures_step_costs_plans_drafts_by_them_and_keeps_the_tokens_exact(tmp_path_factory, generation):

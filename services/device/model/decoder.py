@@ -293,9 +293,18 @@ class DecoderModel:
     def hidden_states(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """The decoder layers of one step (K/V written as in `forward`): ``[T, hidden]`` in the
         activation dtype, before the final norm."""
-        x = self.embed.embedding(batch.input_ids) if isinstance(self.embed, QuantizedLinear) else F.embedding(batch.input_ids, self.embed)  # [T, hidden]
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
+        return self.layers_of(self.embed_tokens(batch.input_ids), batch, kv_cache)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The (optionally scaled) embeddings ``[T, hidden]`` of ``input_ids`` ``[T]`` int64, in the activation dtype."""
+        x = self.embed.embedding(input_ids) if isinstance(self.embed, QuantizedLinear) else F.embedding(input_ids, self.embed)  # [T, hidden]
+        return x if self.embed_scale is None else x * self.embed_scale
+
+    @torch.inference_mode()
+    def layers_of(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        """The decoder layers over inputs ``x`` ``[T, hidden]`` (the embeddings, or what a
+        multi-token-prediction module makes of them) at ``batch``'s positions and KV slots:
+        ``[T, hidden]``, before the final norm."""
         return self._layers_fused(x, batch, kv_cache) if self.cpu_kernels else self._layers_torch(x, batch, kv_cache)
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:

@@ -356,14 +356,90 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str,
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors files")
-    family = family_named(config.architecture)
     wanted = expected_shapes(config).keys() | {f"model.layers.{i}.self_attn.o_proj.bias" for i in range(config.num_layers)}
+    return config, _read_hf_tensors(files, config, dtype, wanted, lambda name: name)
+
+
+def load_mtp_weights(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """A Hugging Face directory's first multi-token-prediction module (DeepSeek-V3 technical report
+    §2.2; ``num_nextn_predict_layers``, stored as ``model.layers.{num_hidden_layers}.*``) as a
+    one-layer model: its config (the target's, one layer, dense or mixture of experts as layer
+    ``num_hidden_layers`` would be) and its tensors under the names a one-layer `DecoderModel` reads
+    (the block as ``model.layers.0.*``, ``shared_head.norm`` as ``model.norm``, ``shared_head.head``
+    as ``lm_head``, the module's ``embed_tokens`` or else the target's), plus ``mtp.enorm.weight``,
+    ``mtp.hnorm.weight`` ``[hidden]`` and ``mtp.eh_proj.weight`` ``[hidden, 2 * hidden]``, all of
+    ``dtype`` on the CPU.
+
+    Raises:
+        ModelLoadError: not a Hugging Face directory, no such layers (the message says what to use
+            instead), or a missing or misshapen tensor.
+    """
+    path = Path(path)
+    instead = "choose --speculative-method ngram or draft"
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: --speculative-method mtp reads the multi-token-prediction layers of a Hugging Face directory; "
+                             f"a GGUF file does not carry them here; {instead}")
+    raw = _read_json(path / "config.json")
+    if not int(raw.get("num_nextn_predict_layers") or 0):
+        raise ModelLoadError(f"{path}: --speculative-method mtp needs multi-token-prediction layers, and config.json's "
+                             f"num_nextn_predict_layers is {raw.get('num_nextn_predict_layers', 'absent')}; {instead}")
+    target = load_config(path)
+    index = target.num_layers
+    # DeepSeek's rule for the layer at ``index`` (its MTP layers are mixtures of experts past the dense ones).
+    dense = index < int(raw.get("first_k_dense_replace") or 0)
+    config = dataclasses.replace(target, num_layers=1, tie_word_embeddings=False, dense_mlp_layers=(0,) if dense else ())
+    own = f"model.layers.{index}."
+    names = {own + "shared_head.norm.weight": "model.norm.weight", own + "shared_head.head.weight": "lm_head.weight",
+             own + "embed_tokens.weight": "model.embed_tokens.weight", **{own + n: "mtp." + n for n in _MTP_TENSORS}}
+
+    def rename(name: str) -> str:
+        if name in names:
+            return names[name]
+        if name.startswith(own):
+            return "model.layers.0." + name.removeprefix(own)
+        # The target's layers and final norm are not the module's; its embedding and head are shared unless the module has its own.
+        return "" if name.startswith("model.layers.") or name == "model.norm.weight" else name
+
+    shapes = expected_shapes(config) | {"mtp.enorm.weight": (config.hidden_size,), "mtp.hnorm.weight": (config.hidden_size,),
+                                        "mtp.eh_proj.weight": (config.hidden_size, 2 * config.hidden_size)}
+    files = sorted(path.glob("*.safetensors"))
+    module = _read_hf_tensors(files, config, dtype, shapes.keys(), rename, prefer=("model.embed_tokens.weight", "lm_head.weight"))
+    if not any(name.startswith("mtp.") for name in module):  # transformers writes num_nextn_predict_layers and drops the layers
+        raise ModelLoadError(f"{path}: --speculative-method mtp needs multi-token-prediction layers, and the checkpoint has none "
+                             f"(no model.layers.{index}.* tensors, though config.json's num_nextn_predict_layers is "
+                             f"{raw['num_nextn_predict_layers']}); {instead}")
+    if "lm_head.weight" not in module and "model.embed_tokens.weight" in module:  # no head of its own, the target's tied one
+        module["lm_head.weight"] = module["model.embed_tokens.weight"]
+    for name, shape in shapes.items():
+        if name not in module:
+            raise ModelLoadError(f"{path}: missing tensor {name!r} of the multi-token-prediction layer {index}")
+        if tuple(module[name].shape) != shape:
+            raise ModelLoadError(f"{path}: the multi-token-prediction layer's {name!r} has shape {tuple(module[name].shape)}, expected {shape}")
+    return config, module
+
+
+_MTP_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight")  # what a multi-token-prediction layer adds to a decoder block
+
+
+def _read_hf_tensors(files: list[Path], config: ModelConfig, dtype: torch.dtype, wanted, rename,
+                     prefer: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """The tensors of ``files`` (safetensors) whose name, as the family and then ``rename`` write it,
+    is in ``wanted`` (fused and stacked ones split), as CPU tensors of ``dtype``; a name in
+    ``prefer`` that ``rename`` produced from another name keeps that one over the name as stored."""
+    family = family_named(config.architecture)
     weights: dict[str, torch.Tensor] = {}
+    renamed: set[str] = set()
     for file in files:
         try:
             with safe_open(file, framework="pt") as handle:
                 for stored in handle.keys():
-                    name = family.hf_weight_names(_renamed(stored, family.hf_weight_prefixes + _BASE_MODEL_PREFIXES))
+                    plain = family.hf_weight_names(_renamed(stored, family.hf_weight_prefixes + _BASE_MODEL_PREFIXES))
+                    name = rename(plain)
+                    if name in prefer:
+                        if name != plain:
+                            renamed.add(name)
+                        elif name in renamed:
+                            continue
                     if name in wanted or name.endswith(tuple(_FUSED_HF_NAMES) + tuple(_EXPERT_STACKS)):
                         for part_name, part in _split_fused(name, handle.get_tensor(stored), config, file):
                             if family.hf_norm_offset and part_name.endswith("norm.weight"):  # (1 + w) norms: the multiplier, in float32
@@ -373,7 +449,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str,
             raise
         except Exception as exc:  # safetensors raises SafetensorError / OSError on bad headers or sizes
             raise ModelLoadError(f"{file}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
-    return config, weights
+    return weights
 
 
 def _renamed(name: str, prefixes: tuple[tuple[str, str], ...]) -> str:

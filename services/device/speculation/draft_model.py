@@ -39,8 +39,7 @@ from stageserve.device.backends import to_device
 from stageserve.device.model.forward_batch import ForwardBatch, PrefillSegment, decode_batch, decode_slots_and_masks
 from stageserve.device.model.kv_cache import PagedKVCache
 from stageserve.device.model.decoder import DecoderModel
-from stageserve.device.speculation.proposer import ProposalStep, StepLayout, TokenHistory, no_drafts
-from stageserve.device.sampler import argmax_rows
+from stageserve.device.speculation.proposer import ProposalStep, StepLayout, TokenHistory, greedy_drafts, no_drafts
 
 
 @dataclass
@@ -93,6 +92,9 @@ class DraftModelProposer:
         later = [up([i for i, row in enumerate(drafting) if limits[row] >= j]) for j in range(2, max(limits, default=0) + 1)]
         return StagedDraft(up(layout.decode_entry), up(limits), up(layout.plain_single), up(drafting), up([2 * row + 1 for row in drafting]), later)
 
+    def follow(self, history: TokenHistory, step: ProposalStep, hidden: torch.Tensor, pending_entry: torch.Tensor) -> None:
+        """Nothing: the draft model reads tokens only (its KV follows them in ``propose``)."""
+
     def propose(self, history: TokenHistory, seq_index: torch.Tensor, num_drafts: int, max_length: int,
                 step: ProposalStep | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """See `proposer.Proposer.propose`; ``step`` is required (the step's forward batch)."""
@@ -115,9 +117,7 @@ class DraftModelProposer:
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """``[R]`` int64 greedy drafts from the draft's logits ``[R, draft vocab]``, among the ids the target has."""
-        if logits.shape[1] > self.vocab_size:
-            logits = logits[:, : self.vocab_size].contiguous()
-        return argmax_rows(logits, self.model.cpu_kernels)
+        return greedy_drafts(logits, self.vocab_size, self.model.cpu_kernels)
 
     def _first_pass(self, history: TokenHistory, seq_index: torch.Tensor, pos: torch.Tensor, batch: ForwardBatch,
                     staged: StagedDraft) -> ForwardBatch:

@@ -6,10 +6,9 @@ sequence's prompt and output tokens as the device itself produced them, so it is
 the host does not know yet how many drafts the step in flight accepted.
 
 `Proposer` is the interface; `NgramProposer` (prompt lookup, no extra model) implements it here,
-`draft_model.DraftModelProposer` (a smaller model with its own paged KV) in its own module. A
-model-provided head (MTP, EAGLE) would implement the same ``stage`` and ``propose`` and would
-additionally need the target's hidden states of the accepted positions of the previous step (see
-docs/speculative.md).
+`draft_model.DraftModelProposer` (a smaller model with its own paged KV) and `mtp.MTPProposer`
+(the checkpoint's own multi-token-prediction module, which also ``follow``s the target's hidden
+states after each step's verification) in their own modules.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import torch
 
 from stageserve.device.backends import to_device
 from stageserve.device.model.forward_batch import ForwardBatch
+from stageserve.device.sampler import argmax_rows
 from stageserve.device.step_plan import StartedSequence
 from stageserve.prompt_lookup import MAX_N, MIN_N
 
@@ -82,11 +82,22 @@ class StepLayout:
         draft_limit: per decode row, the drafts it asks for (``k``).
         plain_single: batch indices of the single-token rows that are not decode rows (a prefill
             chunk of one token); the batch's rows past ``num_decode`` are the longer prefill chunks.
+        token_seq: per batch token, its sequence's seq_index (a row's tokens sit together, in position order).
+        row_first, row_last: per row of the plan, the batch indices of its first and last token.
+        row_started: per row of the plan, whether its sequence started in this step.
+        sample_rows: the rows of the plan that sample, in the order of the step's sampling rows.
+        block_tables: per row of the plan, its KV block table.
     """
 
     decode_entry: list[int]
     draft_limit: list[int]
     plain_single: list[int]
+    token_seq: list[int] = ()
+    row_first: list[int] = ()
+    row_last: list[int] = ()
+    row_started: list[bool] = ()
+    sample_rows: list[int] = ()
+    block_tables: list[list[int]] = ()
 
 
 @dataclass(frozen=True)
@@ -125,6 +136,26 @@ class Proposer(Protocol):
         """
         ...
 
+    def follow(self, history: TokenHistory, step: ProposalStep, hidden: torch.Tensor, pending_entry: torch.Tensor) -> None:
+        """After the step's verification, in its device work: what the target computed, for a
+        proposer that conditions on it (`mtp.MTPProposer`; the others do nothing).
+
+        ``step.batch`` is the batch the target ran (the staged one, less the entries of drafts not
+        proposed on a CPU device), ``hidden`` ``[T, hidden]`` its hidden states before the final
+        norm (activation dtype), ``pending_entry`` ``[Rs]`` int64 the batch index of the entry whose
+        sampled token each sampling row now has pending; ``history`` holds the step's tokens.
+        """
+        ...
+
+
+def greedy_drafts(logits: torch.Tensor, vocab_size: int, fused: bool) -> torch.Tensor:
+    """``[R]`` int64 argmaxes of a proposer model's logits ``[R, V]`` among the first ``vocab_size``
+    ids (the target's: a model sharing its tokenizer may pad its table to another size);
+    ``fused``: the CPU kernels' argmax (`sampler.argmax_rows`)."""
+    if logits.shape[1] > vocab_size:
+        logits = logits[:, :vocab_size].contiguous()
+    return argmax_rows(logits, fused)
+
 
 def no_drafts(rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(draft_ids, valid)`` of ``rows`` rows that propose nothing: ``[rows, 0]`` int64 and bool."""
@@ -150,6 +181,9 @@ class NgramProposer:
     def stage(self, layout: StepLayout) -> None:
         """Nothing to upload: the history is all the lookup reads."""
         return None
+
+    def follow(self, history: TokenHistory, step: ProposalStep, hidden: torch.Tensor, pending_entry: torch.Tensor) -> None:
+        """Nothing: the lookup reads the history only."""
 
     def propose(self, history: TokenHistory, seq_index: torch.Tensor, num_drafts: int, max_length: int,
                 step: ProposalStep | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,5 +215,5 @@ class NgramProposer:
 
 
 PROPOSERS = {"ngram": NgramProposer}
-"""``--speculative-method`` name -> proposer class constructed without arguments (``draft`` needs
-its model: `draft_model.DraftModelProposer`)."""
+"""``--speculative-method`` name -> proposer class constructed without arguments (``draft`` and
+``mtp`` need their models: `draft_model.DraftModelProposer`, `mtp.MTPProposer`)."""

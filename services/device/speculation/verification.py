@@ -20,7 +20,9 @@ Per step (`Speculation`):
 3. the sampler draws the target's token at every entry, with its noise keyed by (seed, output
    index), where the output index follows from the position;
 4. ``verify`` (device): `accept_drafts` keeps the drafts up to the first one that differs from the
-   target's token there; the row emits the accepted drafts and the target's token after them.
+   target's token there; the row emits the accepted drafts and the target's token after them;
+5. ``follow`` (device, the step runner): the proposer sees the target's hidden states and each
+   row's new pending entry (`proposer.Proposer.follow`; the MTP module drafts the next step there).
 
 Exactness (Leviathan et al. 2023, Chen et al. 2023). For a proposer whose draft distribution is a
 point mass ``q = 1[d]`` the rejection-sampling rule is: accept ``d`` with probability
@@ -29,8 +31,8 @@ removed. Drawing the target's token ``y ~ p`` (independent noise per output inde
 iff ``y == d`` is that rule: ``P(accept) = p(d)``, and on rejection ``y`` is distributed as ``p``
 conditioned on ``y != d``. Because the noise depends only on (seed, output index), the emitted
 tokens are exactly those the non-speculative run draws with the same seed, at any temperature
-(temperature 0: the argmax). Both proposers draft point masses (the draft model its argmax); one
-with a proper draft distribution (sampled drafts, an MTP head's ``q``) needs the general rule
+(temperature 0: the argmax). Every proposer drafts point masses (the draft model and the MTP
+module their argmax); one with a proper draft distribution (sampled drafts) needs the general rule
 instead; see docs/speculative.md.
 """
 
@@ -104,6 +106,7 @@ class Verified:
     num_tokens: torch.Tensor  # tokens the row emits: accepted drafts + 1
     num_drafted: torch.Tensor  # valid drafts the proposer made for the row
     last_token: torch.Tensor  # the row's new pending token
+    pending_entry: torch.Tensor  # the sampling entry (index into S) that drew it
 
 
 class Speculation:
@@ -151,9 +154,19 @@ class Speculation:
         decode_seq, draft_limit, decode_sample_row, max_length = [], [], [], 0
         sample_seq, row_seq, row_entries, plain_single = [], [], [], []
         single = 0  # single-token rows so far: the forward batch puts them first, in row order
+        # The longer prefill chunks follow the single-token rows (decode entries, one-token chunks).
+        long_at = sum(n for n, end in zip(step.num_tokens, accumulate(step.num_tokens))
+                      if n == 1 or step.token_ids[end - n] == PLACEHOLDER)
+        started = {start.seq_index for start in step.started}
+        row_first, sample_rows = [], []
         for seq, n, end, start, table, sample in zip(step.seq_index, step.num_tokens, accumulate(step.num_tokens),
                                                      step.start_pos, admitted.block_tables, step.sample):
             tokens = step.token_ids[end - n : end]
+            if tokens[0] == PLACEHOLDER or n == 1:
+                row_first.append(single)
+            else:
+                row_first.append(long_at)
+                long_at += n
             if tokens[0] == PLACEHOLDER:  # a decode row: the pending token, then n - 1 drafts
                 decode_sample_row.append(len(row_seq))
                 for j in range(n):
@@ -173,12 +186,18 @@ class Speculation:
                     single += 1
                 entries = [len(sample_seq)] if sample else []
             if entries:
+                sample_rows.append(len(row_first) - 1)
                 row_seq.append(seq)
                 sample_seq += [seq] * len(entries)
                 row_entries.append(entries)
         width = 1 + max(draft_limit, default=0)
         decode_entry = [index for index, offset in zip(entry_index, entry_offset) if offset == 0]
-        proposer_inputs = self.proposer.stage(StepLayout(decode_entry, draft_limit, plain_single))
+        token_seq = [0] * long_at
+        for seq, n, first in zip(step.seq_index, step.num_tokens, row_first):
+            token_seq[first : first + n] = [seq] * n
+        proposer_inputs = self.proposer.stage(StepLayout(
+            decode_entry, draft_limit, plain_single, token_seq, row_first, [first + n - 1 for first, n in zip(row_first, step.num_tokens)],
+            [seq in started for seq in step.seq_index], sample_rows, admitted.block_tables))
         padded = [entries + [entries[-1]] * (width - len(entries)) for entries in row_entries]
         device = self.device
 
@@ -251,7 +270,8 @@ class Speculation:
         # Every entry's token goes after its position; those past the accepted run lie beyond the new length.
         history.tokens[staged.sample_seq, position + 1] = sampled
         history.length[staged.row_seq] = position[staged.row_entries[:, 0]] + accepted + 2
-        return Verified(accepted + 1, row_valid.sum(dim=1), target.gather(1, accepted.unsqueeze(1)).squeeze(1))
+        pending = staged.row_entries.gather(1, accepted.unsqueeze(1)).squeeze(1)
+        return Verified(accepted + 1, row_valid.sum(dim=1), sampled[pending], pending)
 
 
 class _EveryDraftProposed:
@@ -267,3 +287,6 @@ class _EveryDraftProposed:
                 step: ProposalStep | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         drafts, valid = self.inner.propose(history, seq_index, num_drafts, max_length, step)
         return drafts, torch.ones_like(valid)
+
+    def follow(self, history: TokenHistory, step: ProposalStep, hidden: torch.Tensor, pending_entry: torch.Tensor) -> None:
+        self.inner.follow(history, step, hidden, pending_entry)

@@ -10,7 +10,8 @@ softmax (``topk_method`` ``greedy``, or ``group_limited_greedy`` over ``n_group`
 ``routed_scaling_factor``, ``norm_topk_prob`` (for V2 too, as DeepSeek's own ``modeling_deepseek.py``
 renormalises; transformers' V2 router ignores the flag, which DeepSeek's V2 checkpoints leave false).
 The checkpoint's multi-token-prediction layers (``num_nextn_predict_layers``,
-``model.layers.{num_hidden_layers}.*``) are not loaded.
+``model.layers.{num_hidden_layers}.*``) are not part of the model: ``--speculative-method mtp``
+loads the first as its proposer (``weights.load_mtp_weights``, ``speculation/mtp.py``).
 
 GGUF (``DeepseekV2Model`` in ``convert_hf_to_gguf.py``): architecture ``deepseek2`` for both; one KV
 head, ``key_length`` / ``value_length`` the latent's (``kv_lora_rank + qk_rope``, ``kv_lora_rank``),
