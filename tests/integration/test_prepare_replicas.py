@@ -33,7 +33,7 @@ from .conftest import launch_in
 from .test_generation_api import chat
 
 PROMPTS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea.", "Say hello in Spanish."]
-MAX_TOKENS = 24  # ignore_eos: each stream runs this many steps, long enough to be cut mid-way
+MAX_TOKENS = 64  # ignore_eos: each stream runs this many steps, long enough to be cut mid-way (on a loaded machine too)
 LENGTH = common_pb2.FINISH_REASON_LENGTH
 
 
@@ -176,21 +176,23 @@ def wait_draining(stack: Pipeline, timeout_s: float = 30.0) -> None:
 def test_a_replica_drained_under_load_fails_no_request(replicas, reference):
     """A rollout's step: SIGTERM ends one replica (as the kubelet ends a pod: its three containers at
     once) while its streams run and new requests come; then a new replica takes its place."""
-    with replicas.client() as stub:
-        running = Load(stub).start()
-        running.wait_streaming()  # every stream has tokens: round robin put two on each replica
-        leaving = replicas.serving.pop(0)
-        for process in leaving.processes:
-            os.kill(process.pid, signal.SIGTERM)
-        wait_draining(leaving)  # the signal handled: from now on it refuses what it is sent
-        arriving = Load(stub).start()  # two refused by the draining replica, retried on the other
-        running.join()
-        arriving.join()
-        assert running.answers() == reference and running.retries == [0] * len(PROMPTS)  # finished where they ran
-        assert arriving.answers() == reference
-        assert 0.5 in arriving.delays_s, arriving.delays_s  # DRAINING's RetryInfo delay, honoured
-        assert [process.process.wait(60) for process in leaving.processes] == [0, 0, 0]  # each drained, exit 0
-    replicas.start("c")
+    try:
+        with replicas.client() as stub:
+            running = Load(stub).start()
+            running.wait_streaming()  # every stream has tokens: round robin put two on each replica
+            leaving = replicas.serving.pop(0)
+            for process in leaving.processes:
+                os.kill(process.pid, signal.SIGTERM)
+            wait_draining(leaving)  # the signal handled: from now on it refuses what it is sent
+            arriving = Load(stub).start()  # two refused by the draining replica, retried on the other
+            running.join()
+            arriving.join()
+            assert running.answers() == reference and running.retries == [0] * len(PROMPTS)  # finished where they ran
+            assert arriving.answers() == reference
+            assert 0.5 in arriving.delays_s, arriving.delays_s  # DRAINING's RetryInfo delay, honoured
+            assert [process.process.wait(60) for process in leaving.processes] == [0, 0, 0]  # each drained, exit 0
+    finally:
+        replicas.start("c")  # the next test has two replicas whatever happened here
 
 
 def test_a_replica_killed_under_load_fails_no_request(replicas, reference):
