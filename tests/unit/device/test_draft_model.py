@@ -13,32 +13,19 @@ import torch
 
 from stageserve.device.speculation.draft_model import DraftModelProposer
 from stageserve.device.model.forward_batch import build_forward_batch
-from stageserve.device.model.kv_cache import PagedKVCache
 from stageserve.device.model.decoder import DecoderModel
 from stageserve.device.speculation.proposer import ProposalStep, StepLayout, TokenHistory
 from stageserve.device.speculation.verification import PLACEHOLDER
+from tests.unit.device.greedy_reference import BLOCK_SIZE, CPU, NUM_BLOCKS, TABLE, greedy_continuation
 from tests.tiny_checkpoint import write_tiny_checkpoint
 
-CPU = torch.device("cpu")
-BLOCK_SIZE, NUM_BLOCKS, K = 4, 8, 3
-TABLE = list(range(NUM_BLOCKS))
+K = 3
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]  # two full blocks: the second could be a shared prefix block
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> DecoderModel:
     return DecoderModel.from_path(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny")), torch.float32, CPU)
-
-
-def greedy_continuation(model: DecoderModel, prompt: list[int], count: int) -> list[int]:
-    """The model's greedy tokens after ``prompt``, decoded one at a time over a KV pool of its own."""
-    kv = PagedKVCache(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, CPU)
-    logits = model.forward(build_forward_batch([(prompt, 0, TABLE, True)], BLOCK_SIZE, CPU), kv)
-    tokens: list[int] = []
-    for _ in range(count):
-        tokens.append(int(logits.argmax()))
-        logits = model.forward(build_forward_batch([([tokens[-1]], len(prompt) + len(tokens) - 1, TABLE, True)], BLOCK_SIZE, CPU), kv)
-    return tokens
 
 
 def test_drafts_are_the_greedy_continuation_and_prompt_positions_are_not_written_again(model):

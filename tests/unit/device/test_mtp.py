@@ -20,11 +20,10 @@ from stageserve.device.model.kv_cache import PagedKVCache
 from stageserve.device.model.weights import load_mtp_weights
 from stageserve.device.speculation.mtp import MTPModule, MTPProposer
 from stageserve.device.speculation.proposer import ProposalStep, StepLayout, TokenHistory
+from tests.unit.device.greedy_reference import BLOCK_SIZE, CPU, NUM_BLOCKS, TABLE, greedy_continuation
 from tests.tiny_checkpoint import add_mtp_layer, write_tiny_checkpoint
 
-CPU = torch.device("cpu")
-BLOCK_SIZE, NUM_BLOCKS, K = 4, 8, 3
-TABLE = list(range(NUM_BLOCKS))
+K = 3
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111]
 
 
@@ -66,17 +65,6 @@ def copy(tmp_path_factory):
     path = write_tiny_checkpoint(tmp_path_factory.mktemp("v3"), family="deepseek_v3", num_layers=1, overrides={"first_k_dense_replace": 0})
     add_mtp_layer(path, copy_target=True)
     return DecoderModel.from_path(path, torch.float32, CPU), MTPModule.from_path(path, torch.float32, CPU)
-
-
-def greedy_continuation(model: DecoderModel, prompt: list[int], count: int) -> list[int]:
-    """The model's greedy tokens after ``prompt``, decoded one at a time."""
-    kv = PagedKVCache(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, CPU)
-    logits = model.forward(build_forward_batch([(prompt, 0, TABLE, True)], BLOCK_SIZE, CPU), kv)
-    tokens: list[int] = []
-    for _ in range(count):
-        tokens.append(int(logits.argmax()))
-        logits = model.forward(build_forward_batch([([tokens[-1]], len(prompt) + len(tokens) - 1, TABLE, True)], BLOCK_SIZE, CPU), kv)
-    return tokens
 
 
 def layout(tokens: int, decode_drafts: int | None, started: bool) -> StepLayout:
