@@ -3,9 +3,12 @@ one without compute the same many-row input alike."""
 
 from __future__ import annotations
 
+import functools
+
+import pytest
 import torch
 
-from stageserve.device.kernels import dense_copies, quant
+from stageserve.device.kernels import cpu_kernels, dense_copies, quant
 from stageserve.device.model.linear import Linear
 from stageserve.device.kernels.quant_linear import QuantizedLinear
 
@@ -44,6 +47,17 @@ def test_a_budget_of_nothing_keeps_no_copy_and_the_kernel_takes_every_row_count(
 
 def test_the_real_timer_measures_both_paths_and_drops_the_copy_it_built():
     lin = linear(128, 64)
+    kernel_ms, dense_ms = dense_copies.time_on_kernel_and_dense(lin, rows=32, repeats=2)
+    assert kernel_ms > 0 and dense_ms > 0 and lin.dense is None
+
+
+@pytest.mark.skipif(not cpu_kernels.load_cpu_kernels(), reason="a SwiGLU linear runs through the CPU kernels' silu_and_mul")
+def test_the_real_timer_times_a_swiglu_linear_as_the_model_runs_it():
+    """A gated [gate; up] linear's dense copy is AMX-only where the CPU has AMX (no plain product):
+    the timer runs it, and the kernel, through swiglu as the decoder's fused MLP does."""
+    generator = torch.Generator().manual_seed(0)
+    weight = quant.int4_from_float(torch.randn(64, 64, generator=generator) * 0.02)
+    lin = QuantizedLinear(weight, None, torch.bfloat16, make_dense=functools.partial(Linear, amx=True, gated=True, one_copy=True))
     kernel_ms, dense_ms = dense_copies.time_on_kernel_and_dense(lin, rows=32, repeats=2)
     assert kernel_ms > 0 and dense_ms > 0 and lin.dense is None
 
