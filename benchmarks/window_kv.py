@@ -10,6 +10,11 @@ layers (``kv_cache.bytes_per_block``). For a model whose local layers sit beside
 last column is what a pool per layer group would hold (the local layers' blocks for the window,
 the global layers' for every token); stageserve's one pool releases nothing there.
 
+The second table is admission: 16 such sequences queued against a pool of 1,024 blocks, the blocks
+prepare reserves for each (its whole length, or on a fully windowed model the most it can hold at
+once, when fewer), how many the first step admits, and, all run to their end, the most running at
+once and the most blocks one held.
+
     python benchmarks/window_kv.py
 """
 
@@ -28,6 +33,7 @@ from stageserve.device.model.config import ModelConfig  # noqa: E402
 from stageserve.device.model.kv_cache import bytes_per_block  # noqa: E402
 
 PROMPT, GENERATED, BLOCK, CHUNK = 2048, 2049, 16, 512  # 4,096 positions written
+POOL, QUEUED = 1024, 16  # the admission table's pool (blocks) and requests
 # (name, layers, KV heads, head_dim, sliding_window, local layers): the models' Hugging Face config.json
 MODELS = (
     ("Phi-3-mini-4k-instruct", 32, 32, 96, 2047, 32),
@@ -45,6 +51,22 @@ def peak_blocks(window: int) -> int:
     pipeline = WindowedPipeline(scheduler)
     pipeline.run(max_steps=10 * (PROMPT + GENERATED))
     return pipeline.peak_held["a"]
+
+
+def admission(window: int) -> tuple[int, int, int, int]:
+    """``QUEUED`` of the 4,096-position sequences against a pool of ``POOL`` blocks with
+    ``kv_window`` = ``window``: (blocks each reserves, sequences the first step admits, most running
+    at once, most blocks one held), all run to their end."""
+    scheduler = make_scheduler(max_num_seqs=QUEUED, max_step_tokens=QUEUED * CHUNK, kv_num_blocks=POOL, kv_block_size=BLOCK,
+                               max_prefill_chunk=CHUNK, max_waiting=QUEUED, kv_window=window, enable_prefix_caching=False)
+    for i in range(QUEUED):
+        scheduler.add_request(make_request(f"r{i}", prompt_tokens=PROMPT, max_tokens=GENERATED))
+    reserved = scheduler.num_waiting_kv_blocks // QUEUED
+    pipeline = WindowedPipeline(scheduler)
+    first = len(pipeline.schedule().started)
+    pipeline.run(max_steps=10 * QUEUED * (PROMPT + GENERATED))
+    assert set(pipeline.produced.values()) == {GENERATED} and len(pipeline.produced) == QUEUED
+    return reserved, first, pipeline.most_running, max(pipeline.peak_held.values())
 
 
 def block_bytes(layers: int, kv_heads: int, head_dim: int) -> int:
@@ -68,6 +90,14 @@ def main() -> None:
         else:
             grouped = (local * windowed + (layers - local) * full) * per_block / layers
             print(f"| {name} | {window} | {per_block:.3f} | {full} | {full * per_block:.1f} | {full} | {full * per_block:.1f} | {grouped:.1f} |")
+    print()
+    print(f"Admission: {QUEUED} such sequences queued against a pool of {POOL} blocks ({POOL * BLOCK} tokens), all run to their end")
+    print("| model | window | blocks reserved per sequence | admitted by the first step | running at once, at most | blocks one held, at most |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, layers, _, _, window, local in MODELS:
+        if local == layers:
+            print(f"| {name} | {window} | " + " | ".join(map(str, admission(window))) + " |")
+    print("| a model with a global layer (kv_window 0) | | " + " | ".join(map(str, admission(0))) + " |")
 
 
 if __name__ == "__main__":

@@ -17,11 +17,12 @@ who calls what (everything shares one lock and condition):
   through its :class:`~stageserve.prepare.request_handle.RequestHandle`.
 
 An *attachment* is one attached device (while prepare is subscribed to reclaim); it has a fresh
-:class:`~stageserve.prepare.scheduler.Scheduler` and ``pipeline_depth`` credits (a plan takes one;
-its publication or its refusal returns it). When it ends, its requests go to ``resume`` (the
-router places them again: ``resumption.py``), or fail with ``UNAVAILABLE`` when there is none or
-prepare is stopping. Step ids keep increasing from one attachment to the next, so a late receipt or
-``StepEvents`` of an earlier attachment matches no step sent and is dropped.
+:class:`~stageserve.prepare.scheduler.Scheduler` and ``SchedulerConfig.pipeline_depth`` credits (a
+plan takes one; its publication or its refusal returns it; the scheduler's sliding-window bound
+counts on them). When it ends, its requests go to ``resume`` (the router places them again:
+``resumption.py``), or fail with ``UNAVAILABLE`` when there is none or prepare is stopping. Step
+ids keep increasing from one attachment to the next, so a late receipt or ``StepEvents`` of an
+earlier attachment matches no step sent and is dropped.
 
 Every accepted request ends with exactly one terminal item on its ``RequestHandle``: its event
 with a finish reason, or a :class:`RequestError`. :meth:`Engine._end` is the one place that
@@ -209,7 +210,7 @@ class Engine:
         with self._cond:
             stale = self._indices_in_use if reply.instance_id == self._last_instance_id else ()
             scheduler = Scheduler(config, self._generations, stale, first_step_id=self._next_step_id)
-            self._attachment = _Attachment(reply, scheduler, send_plan, credits=max(1, reply.pipeline_depth),
+            self._attachment = _Attachment(reply, scheduler, send_plan, credits=config.pipeline_depth,
                                            compile_constraint=compile_constraint)
             self._cond.notify_all()
 

@@ -27,35 +27,60 @@ One step, built in this order within ``max_step_tokens`` tokens:
    over); without keys, first come, first served.
 
 **Admission policy (never deadlocks, no preemption).** A request is admitted when a seq index is
-free and the KV pool can *reserve* every block it may ever write: ``prompt + max_tokens - 1``
-tokens (the last sampled token is never fed back), less the cached blocks it starts with (a prefix
-hit), plus those of them no sequence held (they stop being evictable). Blocks leave the pool only
-as rows reach them, but a running sequence can always grow (free and evictable blocks together
-always cover the reservations), so every admitted sequence runs to its end and returns its blocks.
-A request that could not fit even the empty pool without any hit is refused at :meth:`add_request`
-with ``RESOURCE_EXHAUSTED`` naming the sizes. Once the running sequences are done every block is
-free or evictable, and a hit never makes a request need more than without one, so the head of the
-waiting queue always fits then; it is never overtaken (no starvation; with keys, the head is the
-request whose turn it is). The cost: a request that stops early held its reservation meanwhile.
+free and the KV pool can *reserve* the most blocks it can hold at once: a block for every position
+it may ever write, ``prompt + max_tokens - 1`` tokens (the last sampled token is never fed back),
+or, on a windowed model, its bound H when that is fewer (*Sliding window*, below). With a prefix
+hit it takes no more: the cached blocks it starts with are not reserved again, but those no
+sequence held stop being evictable, and sharing blocks with windowed reservations sets aside the
+blocks that back their refunds (``block_manager.py``). Blocks leave the pool only as rows reach
+them, but a running sequence can always grow (free and evictable blocks together always cover the
+reservations, and a windowed one's reservation plus what it holds never falls below H), so every
+admitted sequence runs to its end and returns its blocks. A request whose reservation could not
+fit even the empty pool is refused at :meth:`add_request` with ``RESOURCE_EXHAUSTED`` naming the
+sizes. Once the running sequences are done every block is free or evictable and nothing is set
+aside, and a hit never makes a request need more than without one, so the head of the waiting
+queue always fits then; it is never overtaken (no starvation; with keys, the head is the request
+whose turn it is). The cost: a request that stops early held its reservation meanwhile.
 
 **Prefix caching** (``prefix_cache.py``, on unless ``enable_prefix_caching`` is false). A new
 sequence starts with the longest cached prefix of its prompt's full blocks, at most
 ``(prompt - 1) // block_size`` blocks so that its last prompt token is always computed (its
-logits are sampled): its first row has ``start_pos`` past the hit, and its first
-``new_block_ids`` are the shared blocks. A prompt block becomes shareable only when the step that
-wrote its last token is published without error (:meth:`update_from_output`); a sequence any of
-whose steps failed or was refused never makes a block shareable. The cache lives and dies with
-the scheduler, i.e. with one attachment of one device.
+logits are sampled), fewer on a windowed model when its prompt spans more than H blocks (below):
+its first row has ``start_pos`` past the hit, and its first ``new_block_ids`` are the shared
+blocks. A prompt block becomes shareable only when the step that wrote its last token is
+published without error (:meth:`update_from_output`); a sequence any of whose steps failed or was
+refused never makes a block shareable. The cache lives and dies with the scheduler, i.e. with one
+attachment of one device.
 
 **Sliding window** (``kv_window`` W > 0: every layer of the device's model is windowed). A query at
 position q reads keys ``q - W < k <= q`` only. A running sequence's published steps wrote
-``num_kv_tokens - num_tokens_in_flight`` = P positions; every row in flight or still to come computes
-positions >= P (a speculative row's real position too: the upper bound less its unaccepted drafts),
-so blocks whose last position is <= P - W are read by none of them: each step releases them
-(`BlockManager.release_prefix`) and lists them in its plan's ``released``, which the device applies
-before the plan's rows, so the plan may hand them on. A refused plan's releases are listed again.
-A sequence thus holds about ``W / block_size + 2`` blocks however long it runs (the tokens in flight
-add to it); a model with a global layer releases nothing.
+``num_kv_tokens - num_tokens_in_flight`` = P positions (a prefix hit's count as published); every
+row in flight or still to come computes positions >= P (a speculative row's real position too: the
+upper bound less its unaccepted drafts), so blocks whose last position is <= P - W are read by none
+of them: each step releases them before it adds rows (`BlockManager.release_prefix`) and lists
+them in its plan's ``released``, which the device applies before the plan's rows, so the plan may
+hand them on. A refused plan's releases are listed again. A model with a global layer releases
+nothing.
+
+What a windowed sequence holds (`_max_held_blocks`): at most D = ``pipeline_depth`` steps are
+unpublished, this one included (the engine's credits), each with at most one row of the sequence:
+a prompt chunk of at most C = ``max_prefill_chunk`` tokens, or a decode row of at most S = 1 + K.
+So after a step's releases and rows it holds the blocks from ``floor((P - W + 1) / B)`` (0 while
+negative; B = ``kv_block_size``) to the one of its last position scheduled, E - 1, where E <= P +
+D * max(C, S); once P reaches the prompt's end every row in flight is a decode row, E <= P + D * S,
+and before that any decode row in flight follows a prompt row, E <= prompt + (D - 1) * S
+(``num_kv_tokens`` = E only overstates while drafts are in flight). As ``ceil((a + L) / B) -
+floor(a / B) <= ceil((L + B - 1) / B)`` for a >= 0, it holds at most
+
+    H = max(span(S), min(span(max(C, S)), ceil((prompt + (D - 1) * S) / B)))
+    span(t) = ceil((W + D * t + B - 2) / B)
+
+blocks however long it runs, and admission reserves H when that is below its whole length (the
+block manager gives a block of reservation back for every block released, so its reservation plus
+what it holds stays H). Its first row comes before any release of it: with a hit of h blocks it
+holds at most h + ceil(C / B), so when the prompt spans more than H blocks the hit is cut to H -
+ceil(C / B) blocks. vLLM's ``SlidingWindowManager`` (``vllm/v1/core/single_type_kv_cache_manager.py``)
+releases the same blocks but allocates on demand and preempts, so it needs no bound.
 
 **Finish lag.** A sequence gets no more rows once reclaim reports its finish, once it has been
 given ``max_tokens`` sampling rows, or once it is aborted or failed. Its blocks and seq index are
@@ -166,6 +191,24 @@ class Scheduler:
         """KV entries a request writes at most: its prompt and every sampled token but the last."""
         return request.num_prompt_tokens + request.max_tokens - 1
 
+    def _max_held_blocks(self, request: GenerationRequest) -> int | None:
+        """H, the most KV blocks ``request``'s sequence holds at once on a windowed model (module
+        docstring, *Sliding window*); ``None`` without a window."""
+        config = self.config
+        if not config.kv_window:
+            return None
+        depth, block, decode = config.pipeline_depth, config.kv_block_size, 1 + config.num_speculative_tokens
+
+        def span(row_tokens: int) -> int:  # the window and `depth` rows of `row_tokens` in flight
+            return -(-(config.kv_window + depth * row_tokens + block - 2) // block)
+
+        in_prompt = -(-(request.num_prompt_tokens + (depth - 1) * decode) // block)
+        return max(span(decode), min(span(max(config.max_prefill_chunk, decode)), in_prompt))
+
+    def _reservation(self, request: GenerationRequest) -> int:
+        """KV blocks ``request`` reserves at admission without a prefix hit."""
+        return self.block_manager.reservation(self.max_kv_tokens(request), self._max_held_blocks(request))
+
     # ---- requests in -----------------------------------------------------------------------------
     def add_request(self, request: GenerationRequest) -> None:
         """Queue a validated request for admission.
@@ -194,12 +237,16 @@ class Scheduler:
             raise resource_exhausted(f"the waiting queue is full ({self.config.max_waiting} requests); retry later",
                                      reason="QUEUE_FULL", retry_after_s=QUEUE_FULL_RETRY_S)
         kv_tokens = self.max_kv_tokens(request)
-        needed = self.block_manager.blocks_for_tokens(kv_tokens)
+        needed, block_size = self._reservation(request), self.block_manager.block_size
         if needed > self.block_manager.num_blocks:
+            if needed < self.block_manager.blocks_for_tokens(kv_tokens):
+                size = (f"at once ({self.config.kv_window}-token window, prompt {request.num_prompt_tokens},"
+                        f" {self.config.pipeline_depth} steps in flight, {block_size} tokens per block)")
+            else:
+                size = f"(prompt {request.num_prompt_tokens} + max_tokens {request.max_tokens} - 1 = {kv_tokens} tokens, {block_size} per block)"
             raise resource_exhausted(
-                f"the request needs {needed} KV blocks (prompt {request.num_prompt_tokens} + max_tokens {request.max_tokens}"
-                f" - 1 = {kv_tokens} tokens, {self.block_manager.block_size} per block) but the KV cache has"
-                f" {self.block_manager.num_blocks} blocks in all; lower max_tokens or shorten the prompt"
+                f"the request needs {needed} KV blocks {size} but the KV cache has {self.block_manager.num_blocks} blocks in all;"
+                " lower max_tokens or shorten the prompt"
             )
         return needed
 
@@ -215,7 +262,17 @@ class Scheduler:
         """The cached blocks ``request`` would start with if admitted now (see the module docstring)."""
         if hashes is None:
             hashes = self._block_hashes.get(request) or self.block_hashes(request)
-        return self.block_manager.cache.longest_prefix(hashes[: (request.num_prompt_tokens - 1) // self.config.kv_block_size])
+        return self.block_manager.cache.longest_prefix(hashes[: self._max_hit_blocks(request)])
+
+    def _max_hit_blocks(self, request: GenerationRequest) -> int:
+        """Cached blocks ``request`` may start with: not the one of its last prompt token, nor, on a
+        windowed model, so many that its first row would hold more than H (module docstring)."""
+        blocks = self.block_manager.blocks_for_tokens
+        limit = (request.num_prompt_tokens - 1) // self.config.kv_block_size
+        held = self._max_held_blocks(request)
+        if held is not None and blocks(request.num_prompt_tokens) > held:
+            limit = min(limit, held - blocks(self.config.max_prefill_chunk))
+        return limit
 
     def abort(self, request: GenerationRequest) -> AbortOutcome:
         """Stop scheduling ``request``: drop it from the waiting queue, or forward the abort to reclaim."""
@@ -224,7 +281,7 @@ class Scheduler:
             if request in self._waiting:
                 self._waiting.remove(request)
                 del self._block_hashes[request]
-                self._waiting_kv_blocks -= self.block_manager.blocks_for_tokens(self.max_kv_tokens(request))
+                self._waiting_kv_blocks -= self._reservation(request)
                 return AbortOutcome.REMOVED_WAITING
             return AbortOutcome.NOT_FOUND
         if seq.finished:
@@ -326,18 +383,19 @@ class Scheduler:
 
     def _can_admit(self, request: GenerationRequest | None) -> bool:
         return (request is not None and bool(self._free_indices)
-                and self.block_manager.can_allocate(self.max_kv_tokens(request), self.prefix_hit(request)))
+                and self.block_manager.can_allocate(self.max_kv_tokens(request), self.prefix_hit(request), self._max_held_blocks(request)))
 
     def _admit(self, step: ScheduledStep, budget: int) -> None:
         while budget > 0 and self._can_admit(request := self._next_admission()):
             self._waiting.pop(request, request.tenant_limits.weight)
             self._running_of[request.tenant] = self._running_of.get(request.tenant, 0) + 1
-            self._waiting_kv_blocks -= self.block_manager.blocks_for_tokens(self.max_kv_tokens(request))
+            self._waiting_kv_blocks -= self._reservation(request)
             index = self._free_indices.popleft()
             self._generations[index] += 1
             hashes = self._block_hashes.pop(request)
             shared = self.prefix_hit(request, hashes)
-            seq = SequenceState(request, index, self._generations[index], self.block_manager.allocate(self.max_kv_tokens(request), shared),
+            blocks = self.block_manager.allocate(self.max_kv_tokens(request), shared, self._max_held_blocks(request))
+            seq = SequenceState(request, index, self._generations[index], blocks,
                                 num_kv_tokens=len(shared) * self.config.kv_block_size, block_hashes=hashes,
                                 num_cached_tokens=len(shared) * self.config.kv_block_size,
                                 drafts=self._new_drafts(request))

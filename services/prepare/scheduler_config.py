@@ -26,6 +26,9 @@ class SchedulerConfig:
             (`draft_planner`); ``None``: every decode row asks for ``num_speculative_tokens``.
         kv_window: the device's ``kv_window`` (tokens): every layer attends at most this far back,
             so the blocks a sequence's window has left behind are released; 0: none are.
+        pipeline_depth: steps unpublished at most, the one being scheduled included (the device's
+            output slots; the engine's credits keep to it). It bounds the rows of one sequence in
+            flight, hence what a windowed sequence holds and reserves (see the scheduler).
     """
 
     max_num_seqs: int
@@ -40,6 +43,7 @@ class SchedulerConfig:
     speculative_method: str = ""
     step_costs: StepCostModel | None = None
     kv_window: int = 0
+    pipeline_depth: int = 2
 
     @classmethod
     def from_attach(cls, reply: device_pb2.AttachReply, max_prefill_chunk: int, max_waiting: int,
@@ -58,4 +62,5 @@ class SchedulerConfig:
             speculative_method=reply.speculative_method,
             step_costs=StepCostModel.from_attach(reply),
             kv_window=reply.kv_window,
+            pipeline_depth=max(1, reply.pipeline_depth),
         )

@@ -1,16 +1,20 @@
 """The scheduler on a fully windowed model (``kv_window``): a sequence releases the blocks its
 window has left behind, never one a row in flight or still to come reads; a model with a global
 layer releases nothing; released blocks serve other sequences; the prefix cache only returns blocks
-whose KV is still its prefix's. Every plan also goes through the device's sequence table, which
-must accept it (a released block handed on in the same plan)."""
+whose KV is still its prefix's; admission reserves the most blocks a sequence holds at once (H),
+which it never exceeds, so a pool of H runs a sequence of any length. Every plan also goes through
+the device's sequence table, which must accept it (a released block handed on in the same plan)."""
 
 from __future__ import annotations
 
+import grpc
+import pytest
 import torch
 
 from stageserve.device.sequence_table import SequenceTable
 from stageserve.device.step_plan import PlanError, PlanLimits, decode_plan
 from stageserve.prepare.block_manager import RELEASED
+from stageserve.prepare.errors import RequestError
 from stageserve.prepare.scheduled_step import ScheduledStep, build_step_plan
 from stageserve.prepare.scheduler import Scheduler
 from stageserve.v1 import reclaim_pb2
@@ -18,20 +22,24 @@ from stageserve.v1 import reclaim_pb2
 from .test_scheduler import LENGTH, make_request, make_scheduler
 
 WINDOW, BLOCK = 16, 4
-BOUND = -(-WINDOW // BLOCK) + 2  # blocks a sequence may hold at once
+# The most blocks a sequence holds at once, H (scheduler docstring, "Sliding window"), with chunks of
+# 8 and two steps in flight: span(t) = ceil((16 + 2t + 2) / 4) for rows of t tokens; decoding, span(1).
+BOUND = 5
 VOCAB = 1 << 16  # make_request's token ids stay below it
 
 
 class WindowedPipeline:
-    """Drives ``scheduler`` with ``depth`` steps in flight, publishes as reclaim would (a decode row
-    accepts ``step_id % (drafts + 1)`` of its drafts), feeds every plan to a device sequence table,
-    and checks that no row reads a block released while it was in flight or before, nor the prefix
-    cache returns a block whose KV is not its prefix's. A plan the table refuses is failed as the
-    engine does (``refused``). ``peak_held``: per request, the most blocks its table held at once.
-    (``benchmarks/window_kv.py`` measures with it.)"""
+    """Drives ``scheduler`` with its ``pipeline_depth`` steps in flight (as the engine's credits),
+    publishes as reclaim would (a decode row accepts ``step_id % (drafts + 1)`` of its drafts), feeds
+    every plan to a device sequence table, and checks that no row reads a block released while it
+    was in flight or before, nor the prefix cache returns a block whose KV is not its prefix's, nor
+    the reservations outgrow the free and evictable blocks. A plan the table refuses is failed as
+    the engine does (``refused``). ``peak_held``: per request, the most blocks its table held at
+    once; ``most_running``: the most sequences running at once. (``benchmarks/window_kv.py``
+    measures with it.)"""
 
-    def __init__(self, scheduler: Scheduler, depth: int = 2) -> None:
-        self.scheduler, self.depth = scheduler, depth
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler, self.depth = scheduler, scheduler.config.pipeline_depth
         config = scheduler.config
         self.window, self.block_size = config.kv_window, config.kv_block_size
         self.limits = PlanLimits(max_num_seqs=config.max_num_seqs, vocab_size=VOCAB, num_blocks=config.kv_num_blocks, block_size=self.block_size,
@@ -43,6 +51,7 @@ class WindowedPipeline:
         self.written: dict[str, int] = {}  # request id -> positions really written (published)
         self.produced: dict[str, int] = {}
         self.peak_held: dict[str, int] = {}
+        self.most_running = 0
         self.content: dict[int, object] = {}  # block id -> what its KV holds: a prefix hash, or (request id, block index)
         self.requests = {}  # request id -> its hash chain
         self.handed_on_in_same_plan = 0
@@ -64,6 +73,7 @@ class WindowedPipeline:
             self._note_writes(step, admitted.block_tables)
             self.in_flight.append(step)
         self._check_prefix_cache()
+        assert self.scheduler.block_manager.num_available >= 0, "reservations exceed the free and evictable blocks"
         for flying in self.in_flight:
             for seq in flying.rows:
                 key = (flying.step_id, seq.request.request_id)
@@ -71,6 +81,7 @@ class WindowedPipeline:
         for seq in self.scheduler._running:
             held = len(seq.blocks.block_ids) - seq.blocks.num_released
             self.peak_held[seq.request.request_id] = max(self.peak_held.get(seq.request.request_id, 0), held)
+        self.most_running = max(self.most_running, self.scheduler.num_running)
         return step
 
     def _note_writes(self, step: ScheduledStep, tables: list[list[int]]) -> None:
@@ -122,7 +133,7 @@ def test_a_sequence_decoding_to_4x_the_window_holds_a_bounded_number_of_blocks()
     pipeline = WindowedPipeline(scheduler)
     pipeline.run()
     assert pipeline.produced["a"] == 4 * WINDOW
-    assert pipeline.peak_held["a"] <= BOUND
+    assert pipeline.peak_held["a"] == BOUND  # reached: H is no looser than it need be
     total = scheduler.block_manager.blocks_for_tokens(10 + 4 * WINDOW - 1)
     assert scheduler.block_manager.num_window_released >= total - BOUND
     assert scheduler.block_manager.num_used == 0 and scheduler.block_manager.num_available == scheduler.config.kv_num_blocks
@@ -131,10 +142,10 @@ def test_a_sequence_decoding_to_4x_the_window_holds_a_bounded_number_of_blocks()
 def test_chunked_prefill_and_speculative_rows_never_read_a_released_block():
     """Long prompts in chunks of 8 and decode rows with up to 3 drafts, some rejected (their real
     positions fall behind the planned ones): the pipeline's read check holds throughout."""
-    scheduler = make_scheduler(kv_window=WINDOW, kv_block_size=BLOCK, num_speculative_tokens=3, max_step_tokens=32)
+    scheduler = make_scheduler(kv_window=WINDOW, kv_block_size=BLOCK, num_speculative_tokens=3, max_step_tokens=32, pipeline_depth=3)
     for rid, prompt in (("a", 50), ("b", 23)):
         scheduler.add_request(make_request(rid, prompt_tokens=prompt, max_tokens=3 * WINDOW))
-    pipeline = WindowedPipeline(scheduler, depth=3)
+    pipeline = WindowedPipeline(scheduler)
     pipeline.run()
     assert pipeline.produced == {"a": 3 * WINDOW, "b": 3 * WINDOW}
     assert scheduler.block_manager.num_window_released > 0
@@ -201,3 +212,109 @@ def test_a_refused_plans_releases_are_listed_again(monkeypatch):
     scheduler.add_request(make_request("b", prompt_tokens=10, max_tokens=4 * WINDOW))
     pipeline.run()
     assert len(pipeline.refused) == 1 and pipeline.produced["b"] == 4 * WINDOW
+
+
+@pytest.mark.parametrize(("prompt", "bound"), [(10, BOUND), (40, 9)])
+def test_a_pool_smaller_than_a_sequence_but_not_than_its_bound_runs_it_to_max_tokens(prompt, bound):
+    """Prompt 10: decode rows bound it, H = span(1) = 5. Prompt 40: its prefill, two chunks of 8
+    in flight, H = min(span(8) = 9, ceil((40 + 1) / 4) = 11) = 9. Either spans far more blocks than
+    the pool of H has (19, 26); it is admitted, never holds more than H, never finds its reservation
+    short (an append beyond it raises), and runs to max_tokens."""
+    scheduler = make_scheduler(kv_window=WINDOW, kv_block_size=BLOCK, kv_num_blocks=bound)
+    request = make_request("a", prompt_tokens=prompt, max_tokens=4 * WINDOW)
+    assert scheduler.block_manager.blocks_for_tokens(scheduler.max_kv_tokens(request)) > bound
+    scheduler.add_request(request)
+    assert scheduler.num_waiting_kv_blocks == bound
+    pipeline = WindowedPipeline(scheduler)
+    pipeline.run()
+    assert pipeline.produced["a"] == 4 * WINDOW
+    assert pipeline.peak_held["a"] <= bound
+    assert scheduler.block_manager.num_used == 0 and scheduler.block_manager.num_available == bound
+
+
+def test_windowed_sequences_are_admitted_together_where_whole_lengths_went_one_at_a_time():
+    """Four requests spanning 19 blocks each against a pool of 20: reserving whole lengths (a model
+    with a global layer) runs them one at a time; reserving their bound of 5 admits all four in the
+    first step, and all run to max_tokens."""
+    for window, together, bound in ((0, 1, 19), (WINDOW, 4, BOUND)):
+        scheduler = make_scheduler(kv_window=window, kv_block_size=BLOCK, kv_num_blocks=20, max_step_tokens=64)
+        for i in range(4):
+            scheduler.add_request(make_request(f"r{i}", prompt_tokens=10, max_tokens=4 * WINDOW))
+        assert scheduler.num_waiting_kv_blocks == 4 * bound
+        pipeline = WindowedPipeline(scheduler)
+        assert len(pipeline.schedule().started) == together
+        pipeline.run()
+        assert pipeline.produced == {f"r{i}": 4 * WINDOW for i in range(4)} and pipeline.most_running == together
+        assert max(pipeline.peak_held.values()) <= bound
+        assert scheduler.block_manager.num_available == 20
+
+
+@pytest.mark.parametrize(("depth", "bound"), [(2, 7), (3, 8)])
+def test_the_bound_with_speculative_drafts_in_flight(depth, bound):
+    """Decode rows of up to 1 + 3 tokens, some drafts rejected (their bound overstates positions
+    until published): H = ceil((16 + depth * 4 + 2) / 4), 7 at depth 2 and 8 at depth 3, the prompt
+    term ceil((10 + (depth - 1) * 4) / 4) being lower. A pool of H runs the sequence to its end."""
+    scheduler = make_scheduler(kv_window=WINDOW, kv_block_size=BLOCK, kv_num_blocks=bound, num_speculative_tokens=3, pipeline_depth=depth)
+    scheduler.add_request(make_request("a", prompt_tokens=10, max_tokens=4 * WINDOW))
+    assert scheduler.num_waiting_kv_blocks == bound
+    pipeline = WindowedPipeline(scheduler)
+    pipeline.run()
+    assert pipeline.produced["a"] == 4 * WINDOW
+    assert pipeline.peak_held["a"] <= bound
+    assert scheduler.block_manager.num_available == bound
+
+
+def test_a_prefix_hit_longer_than_the_bound_is_cut_so_that_the_first_row_fits():
+    """Prompt 48 spans 12 blocks, more than its H of 9 (span(8)): a later request with that prompt
+    starts from 7 cached blocks (9 less the 2 of its first chunk), not 11, and holds 9 at most."""
+    scheduler = make_scheduler(kv_window=WINDOW, kv_block_size=BLOCK, kv_num_blocks=40)
+    scheduler.add_request(make_request("a", prompt_tokens=48, max_tokens=20))
+    pipeline = WindowedPipeline(scheduler)
+    pipeline.run()
+    later = make_request("b", prompt_tokens=48, max_tokens=20)
+    assert len(scheduler.block_manager.cache.longest_prefix(scheduler.block_hashes(later))) == 12
+    assert len(scheduler.prefix_hit(later)) == 7
+    scheduler.add_request(later)
+    pipeline.run()
+    assert pipeline.produced == {"a": 20, "b": 20} and pipeline.prefix_hits == 1
+    assert max(pipeline.peak_held.values()) <= 9
+
+
+def test_windowed_sequences_sharing_held_prompt_blocks_fit_a_pool_of_their_bounds():
+    """The second request hits prompt blocks the first still holds; the pool has just the two
+    bounds (2 x 9): the hit costs the second its whole bound, 2 blocks of it set aside for the
+    refund of whichever releases a shared block first, so a third request (2 blocks) waits for them
+    and the reservations never exceed the free and evictable blocks (the pipeline checks)."""
+    scheduler = make_scheduler(kv_window=WINDOW, kv_block_size=BLOCK, kv_num_blocks=18)
+    scheduler.add_request(make_request("a", prompt_tokens=48, max_tokens=20))
+    pipeline = WindowedPipeline(scheduler)
+    pipeline.schedule()
+    pipeline.publish_oldest()  # a's first chunk published: blocks 0 and 1 cached, still held
+    scheduler.add_request(make_request("b", prompt_tokens=48, max_tokens=20))
+    other = make_request("c", prompt_tokens=4, max_tokens=5)
+    other.prompt_token_ids[:] = [900, 901, 902, 903]
+    scheduler.add_request(other)
+    started = pipeline.schedule().started
+    assert [seq.request.request_id for seq in started] == ["b"] and started[0].num_cached_tokens == 8
+    assert [scheduler.block_manager.ref_count(block) for block in started[0].blocks.block_ids[:2]] == [2, 2]
+    assert scheduler.block_manager.num_available == 0 and scheduler.num_waiting == 1
+    pipeline.run()
+    assert pipeline.produced == {"a": 20, "b": 20, "c": 5}
+    assert max(pipeline.peak_held.values()) <= 9
+    assert scheduler.block_manager.num_used == 0 and scheduler.block_manager.num_available == 18
+
+
+def test_the_refusal_at_add_request_counts_the_bound():
+    """A request is refused only when its bound exceeds the whole pool; one whose whole length is
+    below its bound reserves its whole length; without a window, the whole length as before."""
+    scheduler = make_scheduler(kv_window=WINDOW, kv_block_size=BLOCK, kv_num_blocks=4)
+    scheduler.add_request(make_request("short", prompt_tokens=10, max_tokens=7))  # 16 KV tokens: 4 blocks
+    assert scheduler.num_waiting_kv_blocks == 4
+    with pytest.raises(RequestError) as refused:
+        scheduler.add_request(make_request("long", prompt_tokens=10, max_tokens=4 * WINDOW))  # H = 5
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert refused.value.message.startswith("the request needs 5 KV blocks at once (16-token window, prompt 10, 2 steps in flight,"
+                                            " 4 tokens per block) but the KV cache has 4 blocks in all")
+    with pytest.raises(RequestError) as global_layer:
+        make_scheduler(kv_block_size=BLOCK, kv_num_blocks=18).add_request(make_request("long", prompt_tokens=10, max_tokens=4 * WINDOW))
+    assert "needs 19 KV blocks (prompt 10 + max_tokens 64 - 1 = 73 tokens" in global_layer.value.message
