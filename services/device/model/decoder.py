@@ -72,10 +72,13 @@ class LayerWeights:
         attention = self.mla.linears() if self.mla is not None else (self.qkv, self.o)
         return [*attention, *(self.moe.linears() if self.moe is not None else (self.gate_up, self.down))]
 
-    def norm_qk_heads_(self, qkv: torch.Tensor, heads: int, kv_heads: int, eps: float) -> torch.Tensor:
+    def norm_qk_heads_(self, qkv: torch.Tensor, heads: int, kv_heads: int, eps: float, fused: bool = False) -> torch.Tensor:
         """With ``q_norm``/``k_norm``: RMSNorm each query and key head of ``qkv`` [T, (H + 2K) * D] in place
-        (before RoPE, as transformers' ``Qwen3Attention``); ``qkv`` as it was otherwise. Returns ``qkv``."""
-        if self.q_norm is not None:
+        (before RoPE, as transformers' ``Qwen3Attention``), in one op on the ``fused`` CPU kernels;
+        ``qkv`` as it was otherwise. Returns ``qkv``."""
+        if self.q_norm is not None and fused:
+            cpu_kernels.rms_norm_heads_(qkv, self.q_norm, self.k_norm, heads, kv_heads, eps)
+        elif self.q_norm is not None:
             d = self.q_norm.shape[0]
             q = qkv[:, : heads * d].view(-1, heads, d)
             k = qkv[:, heads * d : (heads + kv_heads) * d].view(-1, kv_heads, d)
@@ -390,7 +393,7 @@ class DecoderModel:
         masks = {window: prefill_masks(batch, window) for window in set(self.layer_windows)}
         for index, layer in enumerate(self.layers):
             window, (cos, signed_sin) = self.layer_windows[index], self.rope[self.layer_rope[index]]
-            qkv, pool = layer.norm_qk_heads_(layer.qkv(h), heads, kv_heads, eps), kv_cache.layer(index)  # [T, (H + 2K) * D], [2K, blocks, block_size, D]
+            qkv, pool = layer.norm_qk_heads_(layer.qkv(h), heads, kv_heads, eps, fused=True), kv_cache.layer(index)  # [T, (H + 2K) * D], [2K, blocks, block_size, D]
             qk = cpu_kernels.rope_and_cache(qkv, cos, signed_sin, batch.positions, pool, batch.slot_mapping, heads)
             v = qkv[:, (heads + kv_heads) * d :].view(-1, kv_heads, d)  # [T, K, D]
             decode = None

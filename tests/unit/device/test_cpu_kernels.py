@@ -360,6 +360,27 @@ def test_norms_and_swiglu_match_torch(dtype, rows):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "heads", "kv_heads", "head_dim"), [(1, 9, 3, 64), (300, 16, 8, 128), (5, 4, 1, 72)])  # 72: a masked tail
+def test_rms_norm_heads_matches_per_head_rms_norm_and_leaves_values(dtype, rows, heads, kv_heads, head_dim):
+    """Each query head normed by q_weight, each key head by k_weight (Qwen3's q_norm / k_norm), in
+    place, within one rounding of torch's rms_norm per head; the values' columns are untouched."""
+    g = torch.Generator().manual_seed(rows + head_dim)
+    eps, d = 1e-6, head_dim
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g).mul(3).to(dtype)
+    q_weight, k_weight = ((1 + 0.2 * torch.randn(d, generator=g)).to(dtype) for _ in range(2))
+    before = qkv.clone()
+    cpu_kernels.rms_norm_heads_(qkv, q_weight, k_weight, heads, kv_heads, eps)
+    norm = lambda t, w: torch.nn.functional.rms_norm(t.float(), (d,), w.float(), eps)  # noqa: E731
+    q, k = before[:, : heads * d].view(rows, heads, d), before[:, heads * d : (heads + kv_heads) * d].view(rows, kv_heads, d)
+    assert _close(qkv[:, : heads * d].view(rows, heads, d), norm(q, q_weight), dtype)
+    assert _close(qkv[:, heads * d : (heads + kv_heads) * d].view(rows, kv_heads, d), norm(k, k_weight), dtype)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], before[:, (heads + kv_heads) * d :])
+    with pytest.raises(RuntimeError, match="qkv must be contiguous"):
+        cpu_kernels.rms_norm_heads_(qkv[:, : -d], q_weight, k_weight, heads, kv_heads, eps)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128)])
 def test_rope_and_cache_matches_rope_then_store(dtype, heads, kv_heads, head_dim):
     """Rotated q/k heads equal ``apply_rope``'s; keys and values land in the named slots of the pool

@@ -25,6 +25,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
 // RMSNorm of x [T, hidden] -> new tensor; add_rms_norm first adds delta into residual in place  (norm.cpp)
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight, double eps);
+// RMSNorm of each query head of qkv [T, (H + 2K) * D] by q_weight [D] and each key head by k_weight, in place  (norm.cpp)
+void rms_norm_heads_(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight, int64_t heads, int64_t kv_heads, double eps);
 
 // the index [S] int64 of each row's maximum in logits [S, V]: the first one, or the first NaN  (sampling.cpp)
 at::Tensor argmax_rows(const at::Tensor& x);

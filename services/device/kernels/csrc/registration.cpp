@@ -31,6 +31,7 @@ TORCH_LIBRARY(stageserve, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv, Tensor block_tables, Tensor context_lens, float scale, int window=0, float softcap=0) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm_heads_(Tensor(a!) qkv, Tensor q_weight, Tensor k_weight, int heads, int kv_heads, float eps) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, int[] rows) -> ()");
@@ -47,6 +48,7 @@ TORCH_LIBRARY_IMPL(stageserve, CPU, m) {
   m.impl("paged_decode_attention", &stageserve::paged_decode_attention);
   m.impl("rms_norm", &stageserve::rms_norm);
   m.impl("add_rms_norm", &stageserve::add_rms_norm);
+  m.impl("rms_norm_heads_", &stageserve::rms_norm_heads_);
   m.impl("silu_and_mul", &stageserve::silu_and_mul);
   m.impl("argmax_rows", &stageserve::argmax_rows);
   m.impl("apply_token_bitmask_", &stageserve::apply_token_bitmask_);
