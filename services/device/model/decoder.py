@@ -139,9 +139,10 @@ class DecoderModel:
         def w(name: str) -> torch.Tensor:
             return weights[name].to(self.device)
 
-        def linear(names: tuple[str, ...], bias_names: tuple[str, ...] = (), gated: bool = False) -> Linear | QuantizedLinear:
+        def linear(names: tuple[str, ...], bias_names: tuple[str, ...] = (), gated: bool = False, dense: bool = False) -> Linear | QuantizedLinear:
+            """``dense``: in the activation dtype whatever ``weight_format`` says (a router's)."""
             bias = torch.cat([weights[n] for n in bias_names]).to(self.device) if bias_names else None
-            return self._linear([weights[n] for n in names], bias, weight_format, amx, gated)
+            return self._linear([weights[n] for n in names], bias, "dequantize" if dense else weight_format, amx, gated)
 
         tied = config.tie_word_embeddings
         self.lm_head = linear(("model.embed_tokens.weight" if tied else "lm_head.weight",))
@@ -181,7 +182,7 @@ class DecoderModel:
             experts = [f"{mlp}experts.{j}." for j in range(c.num_experts)]
             shared = mlp + "shared_experts."
             moe = MoEMLP(
-                router=self._linear([weights[mlp + "gate.weight"]], None, "dequantize", False, False),  # routing stays in the activation dtype
+                router=linear((mlp + "gate.weight",), dense=True),  # routing stays in the activation dtype
                 gate_ups=[linear((e + "gate_proj.weight", e + "up_proj.weight"), gated=gated) for e in experts],
                 downs=[linear((e + "down_proj.weight",)) for e in experts], top_k=c.experts_per_token, normalize=c.norm_topk_prob,
                 scoring=c.router_scoring, groups=c.expert_groups, groups_kept=c.expert_groups_kept, scale=c.routed_scaling_factor,

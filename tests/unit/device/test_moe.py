@@ -66,6 +66,19 @@ def test_only_the_chosen_experts_run_each_once_over_its_rows():
     assert out[:, 0].tolist() == [0.5 * (6 + 2) * 0, 0.5 * (2 + 7) * 1, 0.5 * (6 + 7) * 2, 0.5 * (2 + 6) * 3]
 
 
+def test_a_row_alone_gets_the_bits_it_gets_in_a_batch():
+    """One row (the decode step's shortcut, no sort) adds its experts in the sorted pass's order: its
+    output equals, bit for bit, what the same row gets among 37 (top 3 of 8, so the order of the
+    float32 additions matters; the expert is elementwise, so its own output cannot depend on the batch)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(37, HIDDEN, generator=g)
+    weights, experts = route(torch.randn(37, EXPERTS, generator=g), 3, normalize=True)
+    expert = lambda e, rows: torch.sin(rows * (e + 1.37)) * 1e3  # noqa: E731
+    batch = grouped_experts(x, weights, experts, expert)
+    for t in (0, 5, 36):
+        assert torch.equal(grouped_experts(x[t : t + 1], weights[t : t + 1], experts[t : t + 1], expert), batch[t : t + 1])
+
+
 def test_the_accelerators_pass_of_every_expert_equals_the_grouped_one():
     """`every_expert` (no host read: CUDA/NPU) gives the grouped pass's output within float32 rounding."""
     moe = _moe(normalize=True)
