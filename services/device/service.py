@@ -5,8 +5,9 @@ How the streams are driven (see ``docs/pipeline-protocol.md``):
 
 - **Execute** (one at a time; a second gets ``FAILED_PRECONDITION``). Opening it resets the
   sequence table; each plan goes through a `PlanSubmitter` (decode, wait for a free output slot,
-  admit, submit) and is answered with its ``StepReceipt``. A refused plan gets a receipt with
-  ``error`` set and ticket 0; the stream and the service carry on.
+  admit, submit) and is answered with its ``StepReceipt`` (a plan with ``refusals_only``, as
+  prepare sends them, only when refused). A refused plan gets a receipt with ``error`` set and
+  ticket 0; the stream and the service carry on.
 - **Complete** (one reclaim at a time). Streams the outbox (tickets and outputs, in submission
   order) and reads ``SlotRelease`` messages. Events wait in the outbox while no reclaim is
   attached; the slots bound that backlog. When the stream ends, the slots of tickets it was sent
@@ -220,7 +221,8 @@ class DeviceServicer(device_pb2_grpc.DeviceServicer):
                 receipt = submitter.submit(plan)
                 if receipt is None:
                     return
-                yield receipt
+                if receipt.error or not plan.refusals_only:
+                    yield receipt
         finally:
             close()
 

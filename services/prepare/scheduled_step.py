@@ -136,7 +136,9 @@ class ScheduledStep:
 
 
 def build_step_plan(step: ScheduledStep) -> device_pb2.StepPlan:
-    """The wire form of a scheduled step: flat repeated fields; one ``SequenceStart`` per new sequence only."""
+    """The wire form of a scheduled step: flat repeated fields; one ``SequenceStart`` per new sequence
+    only; ``refusals_only``: the engine reads a receipt only when it refuses the plan (its steps'
+    outcomes come from reclaim)."""
     return device_pb2.StepPlan(
         step_id=step.step_id,
         started=[
@@ -166,6 +168,7 @@ def build_step_plan(step: ScheduledStep) -> device_pb2.StepPlan:
         num_draft_tokens=step.num_draft_tokens,
         released_seq_index=[seq.seq_index for seq, _ in step.released],
         released_num_blocks=[count for _, count in step.released],
+        refusals_only=True,
     )
 
 

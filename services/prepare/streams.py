@@ -1,7 +1,7 @@
 """prepare's streams to its peers (gRPC plumbing only; ``session.py`` and ``connector.py`` drive them).
 
 - :class:`ExecuteStream`: ``Device.Attach``, then the bidi ``Device.Execute`` stream (plans out,
-  receipts in).
+  receipts of refused plans in).
 - :class:`DeviceReadiness`: the device's readiness through ``grpc.health.v1`` (checked before
   attaching, then watched), so a draining device stops getting new requests.
 - :class:`ReclaimSubscription`: the ``Reclaim.Subscribe`` stream (``StepEvents`` in).

@@ -86,7 +86,7 @@ class StepCost(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., drafts: _Optional[int] = ..., seconds: _Optional[float] = ..., context_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "started", "finished", "seq_index", "generation", "start_pos", "num_tokens", "token_ids", "sample", "num_new_blocks", "new_block_ids", "aborted", "num_draft_tokens", "released_seq_index", "released_num_blocks")
+    __slots__ = ("step_id", "started", "finished", "seq_index", "generation", "start_pos", "num_tokens", "token_ids", "sample", "num_new_blocks", "new_block_ids", "aborted", "num_draft_tokens", "released_seq_index", "released_num_blocks", "refusals_only")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class StepPlan(_message.Message):
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_SEQ_INDEX_FIELD_NUMBER: _ClassVar[int]
     RELEASED_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REFUSALS_ONLY_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     started: _containers.RepeatedCompositeFieldContainer[_common_pb2.SequenceStart]
     finished: _containers.RepeatedScalarFieldContainer[int]
@@ -117,7 +118,8 @@ class StepPlan(_message.Message):
     num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     released_seq_index: _containers.RepeatedScalarFieldContainer[int]
     released_num_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., started: _Optional[_Iterable[_Union[_common_pb2.SequenceStart, _Mapping]]] = ..., finished: _Optional[_Iterable[int]] = ..., seq_index: _Optional[_Iterable[int]] = ..., generation: _Optional[_Iterable[int]] = ..., start_pos: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., aborted: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., released_seq_index: _Optional[_Iterable[int]] = ..., released_num_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    refusals_only: bool
+    def __init__(self, step_id: _Optional[int] = ..., started: _Optional[_Iterable[_Union[_common_pb2.SequenceStart, _Mapping]]] = ..., finished: _Optional[_Iterable[int]] = ..., seq_index: _Optional[_Iterable[int]] = ..., generation: _Optional[_Iterable[int]] = ..., start_pos: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., aborted: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., released_seq_index: _Optional[_Iterable[int]] = ..., released_num_blocks: _Optional[_Iterable[int]] = ..., refusals_only: _Optional[bool] = ...) -> None: ...
 
 class StepReceipt(_message.Message):
     __slots__ = ("step_id", "ticket", "slot", "error", "submitted_unix_ns")

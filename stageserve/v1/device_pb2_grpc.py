@@ -67,7 +67,8 @@ class DeviceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Execute(self, request_iterator, context):
-        """prepare's step stream: plans in, receipts out (one per plan, in order).
+        """prepare's step stream: plans in, receipts out (one per plan, in order; only refusals for a plan
+        with refusals_only).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -39,6 +39,10 @@ class ExecuteStream:
         self._plans.put(plan)
         return next(self._receipts)
 
+    def send_only(self, plan: device_pb2.StepPlan) -> None:
+        """Send ``plan`` without reading a receipt (a plan with ``refusals_only``)."""
+        self._plans.put(plan)
+
     def close(self) -> None:
         """Half-close and read the stream to its end, so the device has closed it too."""
         self._plans.put(None)
@@ -240,6 +244,27 @@ def test_invalid_sampling_params_are_refused_with_the_field_named(stub, reclaim)
         assert receipt.error == "" and receipt.ticket > 0
         assert reclaim.next("ticket").ticket == receipt.ticket
         reclaim.release(reclaim.next("output").ticket)
+    finally:
+        execute.close()
+
+
+def test_a_plan_with_refusals_only_is_answered_only_when_refused(stub, reclaim, reference_tokens):
+    """prepare's plans: an accepted one sends its ticket and output to reclaim and no receipt; a
+    refused one its receipt, the next receipt on the stream (so no success receipt came before it)."""
+    execute = ExecuteStream(stub)
+    try:
+        accepted = prefill_plan(1, seq_index=0, generation=1, blocks=[1])
+        accepted.refusals_only = True
+        execute.send_only(accepted)
+        ticket = reclaim.next("ticket")
+        assert ticket.step_id == 1
+        output = reclaim.next("output")
+        assert output.ticket == ticket.ticket and list(output.token_ids) == reference_tokens[:1]
+        reclaim.release(output.ticket)
+        refused = decode_plan(2, seq_index=5, generation=1, start_pos=5)
+        refused.refusals_only = True
+        receipt = execute.send(refused)
+        assert receipt.step_id == 2 and receipt.ticket == 0 and "not started" in receipt.error
     finally:
         execute.close()
 
