@@ -13,10 +13,11 @@ by the file (path, size, modification time) and the transformers version, and la
 
 reclaim only decodes: :func:`load_fast_tokenizer` gives it the Rust ``tokenizers.Tokenizer`` of the
 ``tokenizer.json`` there, without transformers' tokenizer classes. prepare needs transformers' class
-for the chat template; where ``tokenizer_config.json`` names the plain tokenizers-backed class (what a
-GGUF's cached tokenizer always names), :func:`load_tokenizer` loads that class directly instead of
-through ``AutoTokenizer``, whose model-config imports take torch (about 230 MiB of a service that
-never runs a tensor); ``AutoTokenizer`` would build the very same class.
+for the chat template; where ``tokenizer_config.json`` names a tokenizers-backed class (the plain one a
+GGUF's cached tokenizer of Llama names, ``Qwen2Tokenizer`` for Qwen's, and the classes of most Hugging
+Face folders) and ``tokenizer.json`` is there, :func:`load_tokenizer` imports that class alone and loads
+it, instead of going through ``AutoTokenizer``, whose model-config imports take torch (about 230 MiB
+of a service that never runs a tensor); ``AutoTokenizer`` would build the very same class.
 """
 
 from __future__ import annotations
@@ -88,21 +89,25 @@ def load_tokenizer(model_path: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-# The class names under which transformers keeps the tokenizer wholly in tokenizer.json (one class).
-_PLAIN_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
-
-
 def _from_folder(folder: Path) -> PreTrainedTokenizerBase:
-    """The tokenizer of a Hugging Face folder: the plain tokenizers-backed class, loaded directly,
-    where its ``tokenizer_config.json`` names it and a ``tokenizer.json`` is there (no torch
-    import, see the module docstring); else whatever ``AutoTokenizer`` picks."""
+    """The tokenizer of a Hugging Face folder: the tokenizers-backed class its ``tokenizer_config.json``
+    names, imported alone and loaded directly where a ``tokenizer.json`` is there (no torch import,
+    see the module docstring); else whatever ``AutoTokenizer`` picks."""
     config = folder / "tokenizer_config.json"
-    plain = (folder / "tokenizer.json").is_file() and config.is_file() and json.loads(config.read_text()).get("tokenizer_class") in _PLAIN_CLASSES
-    if plain:
-        from transformers import PreTrainedTokenizerFast as loader
-    else:
+    name = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    loader = _tokenizers_backed_class(name) if (folder / "tokenizer.json").is_file() else None
+    if loader is None:
         from transformers import AutoTokenizer as loader
     return loader.from_pretrained(str(folder), local_files_only=True)
+
+
+def _tokenizers_backed_class(name: object) -> type | None:
+    """transformers' tokenizer class ``name`` if it keeps the tokenizer wholly in ``tokenizer.json``
+    (a ``TokenizersBackend``), else ``None``. The package's attribute imports that class's module only."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    found = getattr(transformers, name, None) if isinstance(name, str) else None
+    return found if isinstance(found, type) and issubclass(found, TokenizersBackend) else None
 
 
 def _cache_dir(gguf: Path) -> Path:

@@ -82,3 +82,29 @@ def test_prepares_tokenizer_of_a_gguf_templates_as_autotokenizer_without_importi
     assert template == built.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     assert class_name == type(built).__name__
     assert (torch_imported, xgrammar_imported) == (False, False)
+
+
+def test_a_folder_naming_a_model_s_tokenizers_backed_class_loads_it_without_importing_torch(tmp_path):
+    """A Hugging Face folder (or a Qwen GGUF's cache) whose ``tokenizer_config.json`` names
+    ``Qwen2Tokenizer``: loaded as that class, in a fresh interpreter without torch, encoding and
+    templating as ``AutoTokenizer`` does."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "qwen-tokenizer"
+    load_tokenizer(embedded_model_path()).save_pretrained(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"tokenizer_class": "Qwen2Tokenizer"}))
+    auto = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    script = ("import json, sys\nfrom pathlib import Path\nfrom stageserve.tokenizer import load_tokenizer\n"
+              f"tokenizer = load_tokenizer(Path({str(folder)!r}))\n"
+              f"print(json.dumps([tokenizer.encode(t) for t in {TEXTS!r}] + [tokenizer.apply_chat_template({CHAT!r}, tokenize=False,"
+              " add_generation_prompt=True), type(tokenizer).__name__, 'torch' in sys.modules]))")
+    *encodings, template, class_name, torch_imported = json.loads(
+        subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout)
+    assert encodings == [auto.encode(text) for text in TEXTS]
+    assert template == auto.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert (class_name, torch_imported) == ("Qwen2Tokenizer", False)
