@@ -93,6 +93,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--model", type=Path, default=None, help="GGUF file or HF directory (default: the embedded model)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | npu (default %(default)s)")
+    parser.add_argument("--no-transformers", action="store_true",
+                        help="time stageserve's model only (a file transformers' GGUF loader refuses: llama.cpp's Qwen3 and MoE conversions)")
     parser.add_argument("--weights", default="dequantize", choices=WEIGHT_FORMATS,
                         help="stageserve's linears, as the device's --weights (default %(default)s; transformers always dequantizes)")
     args = parser.parse_args()
@@ -107,9 +109,11 @@ def main() -> None:
     # The same model in plain torch ops, where the fused CPU kernels are in use.
     ours_torch = DecoderModel(config, weights, device, cpu_kernels_allowed=False, weight_format=args.weights) if ours.cpu_kernels else None
     del weights
-    from transformers import AutoModelForCausalLM
+    hf = None
+    if not args.no_transformers:
+        from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(**transformers_source(path), dtype=dtype).to(device).eval()
+        hf = AutoModelForCausalLM.from_pretrained(**transformers_source(path), dtype=dtype).to(device).eval()
     print(f"model {path.name}, {args.device}, dtype {args.dtype}, weights {args.weights}, threads {args.threads}, context {args.context}, {args.steps} decode steps, median of {args.repeats}")
     print(f"stageserve layers: {'fused CPU kernels (plain torch ops shown alongside)' if ours_torch else 'plain torch ops'}")
     print("| batch | stageserve step ms | stageserve tokens/s | transformers step ms | transformers tokens/s | ratio |" + (" plain-torch step ms | kernels speed-up |" if ours_torch else ""))
@@ -118,11 +122,17 @@ def main() -> None:
         ours_ms, hf_ms, torch_ms = [], [], []
         for _ in range(args.repeats):  # the sides alternate, so machine noise hits them alike
             ours_ms.append(ours_decode_ms(ours, batch, args.context, args.steps))
-            hf_ms.append(transformers_decode_ms(hf, batch, args.context, args.steps))
+            if hf is not None:
+                hf_ms.append(transformers_decode_ms(hf, batch, args.context, args.steps))
             if ours_torch:
                 torch_ms.append(ours_decode_ms(ours_torch, batch, args.context, args.steps))
-        ours_ms, hf_ms = statistics.median(ours_ms), statistics.median(hf_ms)
-        row = f"| {batch} | {ours_ms:.1f} | {batch / ours_ms * 1e3:.0f} | {hf_ms:.1f} | {batch / hf_ms * 1e3:.0f} | {hf_ms / ours_ms:.2f}x |"
+        ours_ms = statistics.median(ours_ms)
+        row = f"| {batch} | {ours_ms:.2f} | {batch / ours_ms * 1e3:.0f} |"
+        if hf_ms:
+            hf_ms = statistics.median(hf_ms)
+            row += f" {hf_ms:.1f} | {batch / hf_ms * 1e3:.0f} | {hf_ms / ours_ms:.2f}x |"
+        else:
+            row += " - | - | - |"
         if ours_torch:
             row += f" {statistics.median(torch_ms):.1f} | {statistics.median(torch_ms) / ours_ms:.2f}x |"
         print(row, flush=True)
