@@ -14,7 +14,7 @@ Usage::
     # a larger model of the same family (SmolLM2-360M's shape)
     python benchmarks/random_checkpoint.py --out big-dir --set hidden_size=960 intermediate_size=2560 num_hidden_layers=32 num_attention_heads=15 num_key_value_heads=5
     # another family of the same shape and tokenizer (a Qwen3 of SmolLM2-135M's size)
-    python benchmarks/random_checkpoint.py --out qwen3-dir --model-type qwen3 --set head_dim=64
+    python benchmarks/random_checkpoint.py --out qwen3-dir --model-type qwen3
 
 With ``--model-type`` the config is that family's transformers default with the source's shape
 (sizes, heads, vocabulary, context, special token ids, tied embeddings) copied over, then ``--set``:
@@ -32,7 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from stageserve.model_files import embedded_model_path, transformers_source
 
 # What a --model-type config takes over from the source's config: its shape, vocabulary and special tokens.
-_SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+_SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                  "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_parameters", "tie_word_embeddings",
                  "bos_token_id", "eos_token_id", "pad_token_id")
 

@@ -13,11 +13,13 @@ by the file (path, size, modification time) and the transformers version, and la
 
 reclaim only decodes: :func:`load_fast_tokenizer` gives it the Rust ``tokenizers.Tokenizer`` of the
 ``tokenizer.json`` there, without transformers' tokenizer classes. prepare needs transformers' class
-for the chat template; where ``tokenizer_config.json`` names a tokenizers-backed class (the plain one a
-GGUF's cached tokenizer of Llama names, ``Qwen2Tokenizer`` for Qwen's, and the classes of most Hugging
-Face folders) and ``tokenizer.json`` is there, :func:`load_tokenizer` imports that class alone and loads
-it, instead of going through ``AutoTokenizer``, whose model-config imports take torch (about 230 MiB
-of a service that never runs a tensor); ``AutoTokenizer`` would build the very same class.
+for the chat template; :func:`load_tokenizer` loads a tokenizers-backed class directly, instead of
+through ``AutoTokenizer``, whose model-config imports take torch (about 230 MiB of a service that
+never runs a tensor): a GGUF's cached tokenizer as the class ``AutoTokenizer`` built it from the file
+(the plain one for Llama's, ``Qwen2Tokenizer`` for Qwen's: the cache names it), a Hugging Face folder
+where it names the plain class. A folder naming a model's class goes through ``AutoTokenizer``, which
+corrects some hub classes (a ``LlamaTokenizerFast`` over a byte-level ``tokenizer.json``, the
+``MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS``): loading the named class there would tokenize wrongly.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def load_tokenizer(model_path: Path) -> PreTrainedTokenizerBase:
     cached = _cache_dir(model_path) if model_path.is_file() else None
     if cached is not None and cached.is_dir():
         try:
-            return _from_folder(cached)
+            return _from_folder(cached, from_cache=True)
         except (OSError, ValueError, KeyError) as exc:
             log.warning("cached tokenizer %s unreadable (%s): building it from %s again", cached, exc, model_path)
     try:
@@ -89,13 +91,19 @@ def load_tokenizer(model_path: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def _from_folder(folder: Path) -> PreTrainedTokenizerBase:
-    """The tokenizer of a Hugging Face folder: the tokenizers-backed class its ``tokenizer_config.json``
-    names, imported alone and loaded directly where a ``tokenizer.json`` is there (no torch import,
-    see the module docstring); else whatever ``AutoTokenizer`` picks."""
+# The class names under which transformers keeps the tokenizer wholly in tokenizer.json (one class).
+_PLAIN_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _from_folder(folder: Path, from_cache: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer of a Hugging Face folder, or of a GGUF's cache (``from_cache``): the tokenizers-backed
+    class its ``tokenizer_config.json`` names, imported alone and loaded directly, where a
+    ``tokenizer.json`` is there and the class is the plain one or the folder is the cache (no torch
+    import, see the module docstring); else whatever ``AutoTokenizer`` picks."""
     config = folder / "tokenizer_config.json"
     name = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
-    loader = _tokenizers_backed_class(name) if (folder / "tokenizer.json").is_file() else None
+    direct = (folder / "tokenizer.json").is_file() and (from_cache or name in _PLAIN_CLASSES)
+    loader = _tokenizers_backed_class(name) if direct else None
     if loader is None:
         from transformers import AutoTokenizer as loader
     return loader.from_pretrained(str(folder), local_files_only=True)

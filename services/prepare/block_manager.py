@@ -35,7 +35,7 @@ its next rows always fit. (vLLM allocates on demand and preempts instead, so it 
 to give back.) A released block nobody else holds went back to the free list or the cache
 (evictable): ``num_available`` is unchanged by the refund. A released block another table still
 holds went nowhere: that refund is backed by free blocks set aside while the block is shared,
-``min(capped holders, holders - 1)`` per block (`_backing`: at most that many of its holders
+``min(capped holders, holders - 1)`` per block (``_backing``: at most that many of its holders
 release it while another one keeps it, and only capped ones get a refund). So a capped sequence's
 prefix hit costs its whole reservation, as without the hit, and another sequence's hit costs one
 block more only on a block that capped tables alone hold. Without a window no table is capped and
@@ -159,13 +159,15 @@ class BlockManager:
         blocks must leave room for the first row (the scheduler limits the hit).
 
         Raises:
-            RuntimeError: ``can_allocate`` is false (a scheduler bug).
+            RuntimeError: ``can_allocate`` is false, or ``shared`` is more than the reservation (scheduler bugs).
         """
         needed = self._blocks_needed(max_kv_tokens, shared, max_held_blocks)
         if needed > self.num_available:
             raise RuntimeError(f"allocate: {needed} blocks needed, {self.num_available} available")
         whole = self.blocks_for_tokens(max_kv_tokens)
         reserve = self.reservation(max_kv_tokens, max_held_blocks)
+        if len(shared) > reserve:
+            raise RuntimeError(f"allocate: a hit of {len(shared)} blocks is more than the {reserve} blocks the sequence may hold")
         table = BlockTable(block_ids=list(shared), reserved=reserve - len(shared), max_blocks=whole, capped=reserve < whole)
         for block_id in shared:
             if self._refs[block_id] == 0:

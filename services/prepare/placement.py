@@ -7,7 +7,7 @@ pool and its sampled tokens in that device's sequence table. So placement looks 
 there will look at:
 
 1. **KV headroom** (more first): blocks the device's pool can still promise
-   (``BlockManager.num_available``: free blocks not reserved by running sequences) minus the blocks
+   (``BlockManager.num_available``: free blocks not reserved by running sequences nor set aside for their refunds) minus the blocks
    its waiting requests will reserve when admitted. Absolute blocks, so a bigger pool takes more.
 2. **waiting requests** (fewer first): ahead of this one in that device's queue;
 3. **running requests** (fewer first): the tie-break; more rows make each step slower.

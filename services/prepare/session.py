@@ -3,7 +3,7 @@
 A session owns everything prepare keeps for one device: its
 :class:`~stageserve.prepare.engine.Engine` (scheduler, KV block bookkeeping, credits, step loop),
 its ``Execute`` stream (:class:`~stageserve.prepare.streams.ExecuteStream`: plans out, receipts
-in), its readiness watch (:class:`~stageserve.prepare.streams.DeviceReadiness`) and the thread
+of refused plans in), its readiness watch (:class:`~stageserve.prepare.streams.DeviceReadiness`) and the thread
 that keeps them up, reconnecting with
 :class:`~stageserve.backoff.Backoff`:
 

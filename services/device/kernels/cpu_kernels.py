@@ -189,7 +189,10 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
 def rms_norm_heads_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: int, kv_heads: int, eps: float) -> None:
     """In place, RMSNorm each of the ``heads`` query heads of ``qkv`` ``[T, (heads + 2 * kv_heads) * D]``
     (contiguous) times ``q_weight`` ``[D]`` and each of its ``kv_heads`` key heads times ``k_weight``;
-    values untouched (Qwen3's and Gemma 3's ``q_norm`` / ``k_norm`` before RoPE), fp32 inside."""
+    values untouched (Qwen3's and Gemma 3's ``q_norm`` / ``k_norm`` before RoPE), fp32 inside.
+
+    Raises ``RuntimeError`` without AVX-512, for another layout or dtype, or weights of another
+    length or dtype than the heads'."""
     torch.ops.stageserve.rms_norm_heads_(qkv, q_weight, k_weight, heads, kv_heads, eps)
 
 

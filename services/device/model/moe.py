@@ -78,12 +78,12 @@ def grouped_experts(
         experts: int64 [T, k] each row's expert indices.
         expert: ``expert(e, rows)`` -> expert ``e``'s output [n, hidden] for its input rows [n, hidden].
 
-    Returns:
-        [T, hidden] in ``x``'s dtype, accumulated in float32 over the k experts of each row.
-
     A single row (a one-stream decode step) skips the sort and gather: its experts run in ascending
     order and are added up as the sorted pass adds them, so its result is the same bit for bit, in
     about a third of the small ops (the torch ops' overhead is most of a one-row MoE layer's time).
+
+    Returns:
+        [T, hidden] in ``x``'s dtype, accumulated in float32 over the k experts of each row.
     """
     if x.shape[0] == 1:
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

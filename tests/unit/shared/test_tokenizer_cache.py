@@ -84,27 +84,46 @@ def test_prepares_tokenizer_of_a_gguf_templates_as_autotokenizer_without_importi
     assert (torch_imported, xgrammar_imported) == (False, False)
 
 
-def test_a_folder_naming_a_model_s_tokenizers_backed_class_loads_it_without_importing_torch(tmp_path):
-    """A Hugging Face folder (or a Qwen GGUF's cache) whose ``tokenizer_config.json`` names
-    ``Qwen2Tokenizer``: loaded as that class, in a fresh interpreter without torch, encoding and
-    templating as ``AutoTokenizer`` does."""
+def test_a_gguf_s_cache_naming_a_model_s_class_loads_it_without_importing_torch(tmp_path):
+    """A GGUF's cached tokenizer of a model's own class (``Qwen2Tokenizer``, as ``AutoTokenizer`` builds
+    it from a Qwen GGUF; here one over the embedded file's vocabulary, saved in its cache): loaded as
+    that class, in a fresh interpreter without torch, encoding and templating as the saved one."""
     import json
+    import os
+    import shutil
     import subprocess
     import sys
 
+    from transformers import Qwen2Tokenizer
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    load = "from stageserve.model_files import embedded_model_path\nfrom stageserve.tokenizer import load_tokenizer\ntokenizer = load_tokenizer(embedded_model_path())\n"
+    subprocess.run([sys.executable, "-c", load], env=env, check=True)  # builds the cache
+    [cache] = tmp_path.glob("stageserve/tokenizers/*")
+    qwen = Qwen2Tokenizer.from_pretrained(cache, local_files_only=True)
+    shutil.rmtree(cache)
+    qwen.save_pretrained(cache)
+    script = load + (f"print(json.dumps([tokenizer.encode(t) for t in {TEXTS!r}] + [tokenizer.apply_chat_template({CHAT!r}, tokenize=False,"
+                     " add_generation_prompt=True), type(tokenizer).__name__, 'torch' in sys.modules]))")
+    *encodings, template, class_name, torch_imported = json.loads(
+        subprocess.run([sys.executable, "-c", "import json, sys\n" + script], env=env, capture_output=True, text=True, check=True).stdout)
+    assert encodings == [qwen.encode(text) for text in TEXTS]
+    assert template == qwen.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert (class_name, torch_imported) == ("Qwen2Tokenizer", False)
+
+
+def test_a_folder_naming_a_hub_class_transformers_corrects_tokenizes_as_autotokenizer(tmp_path):
+    """A Hugging Face folder whose ``tokenizer_config.json`` names ``LlamaTokenizerFast`` over a
+    byte-level ``tokenizer.json`` (as some hub checkpoints do): ``AutoTokenizer`` loads it as the plain
+    class, and so does ``load_tokenizer`` (the named class would split words differently)."""
+    import json
+
     from transformers import AutoTokenizer
 
-    folder = tmp_path / "qwen-tokenizer"
+    folder = tmp_path / "hub-tokenizer"
     load_tokenizer(embedded_model_path()).save_pretrained(folder)
     config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"tokenizer_class": "Qwen2Tokenizer"}))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"tokenizer_class": "LlamaTokenizerFast"}))
     auto = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    script = ("import json, sys\nfrom pathlib import Path\nfrom stageserve.tokenizer import load_tokenizer\n"
-              f"tokenizer = load_tokenizer(Path({str(folder)!r}))\n"
-              f"print(json.dumps([tokenizer.encode(t) for t in {TEXTS!r}] + [tokenizer.apply_chat_template({CHAT!r}, tokenize=False,"
-              " add_generation_prompt=True), type(tokenizer).__name__, 'torch' in sys.modules]))")
-    *encodings, template, class_name, torch_imported = json.loads(
-        subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout)
-    assert encodings == [auto.encode(text) for text in TEXTS]
-    assert template == auto.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
-    assert (class_name, torch_imported) == ("Qwen2Tokenizer", False)
+    loaded = load_tokenizer(folder)
+    assert [loaded.encode(text) for text in TEXTS] == [auto.encode(text) for text in TEXTS]
