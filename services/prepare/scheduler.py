@@ -77,9 +77,10 @@ floor(a / B) <= ceil((L + B - 1) / B)`` for a >= 0, it holds at most
 
 blocks however long it runs, and admission reserves H when that is below its whole length (the
 block manager gives a block of reservation back for every block released, so its reservation plus
-what it holds stays H). Its first row comes before any release of it: with a hit of h blocks it
-holds at most h + ceil(C / B), so when the prompt spans more than H blocks the hit is cut to H -
-ceil(C / B) blocks. vLLM's ``SlidingWindowManager`` (``vllm/v1/core/single_type_kv_cache_manager.py``)
+what it holds stays H). Its first row comes before any release of it: with a prefix hit of h
+blocks it holds at most h + ceil(C / B) then, so a hit longer than H - ceil(C / B) makes that its
+bound (the hit is kept whole; the sequence reserves, for its life, what it held at first, never more
+than its whole length). vLLM's ``SlidingWindowManager`` (``vllm/v1/core/single_type_kv_cache_manager.py``)
 releases the same blocks but allocates on demand and preempts, so it needs no bound.
 
 **Finish lag.** A sequence gets no more rows once reclaim reports its finish, once it has been
@@ -191,9 +192,9 @@ class Scheduler:
         """KV entries a request writes at most: its prompt and every sampled token but the last."""
         return request.num_prompt_tokens + request.max_tokens - 1
 
-    def _max_held_blocks(self, request: GenerationRequest) -> int | None:
-        """H, the most KV blocks ``request``'s sequence holds at once on a windowed model (module
-        docstring, *Sliding window*); ``None`` without a window."""
+    def _max_held_blocks(self, request: GenerationRequest, hit_blocks: int = 0) -> int | None:
+        """H, the most KV blocks ``request``'s sequence holds at once on a windowed model, starting with
+        a prefix hit of ``hit_blocks`` (module docstring, *Sliding window*); ``None`` without a window."""
         config = self.config
         if not config.kv_window:
             return None
@@ -203,7 +204,8 @@ class Scheduler:
             return -(-(config.kv_window + depth * row_tokens + block - 2) // block)
 
         in_prompt = -(-(request.num_prompt_tokens + (depth - 1) * decode) // block)
-        return max(span(decode), min(span(max(config.max_prefill_chunk, decode)), in_prompt))
+        first_row = hit_blocks + -(-config.max_prefill_chunk // block) if hit_blocks else 0  # held before any release
+        return max(span(decode), min(span(max(config.max_prefill_chunk, decode)), in_prompt), first_row)
 
     def _reservation(self, request: GenerationRequest) -> int:
         """KV blocks ``request`` reserves at admission without a prefix hit."""
@@ -262,17 +264,7 @@ class Scheduler:
         """The cached blocks ``request`` would start with if admitted now (see the module docstring)."""
         if hashes is None:
             hashes = self._block_hashes.get(request) or self.block_hashes(request)
-        return self.block_manager.cache.longest_prefix(hashes[: self._max_hit_blocks(request)])
-
-    def _max_hit_blocks(self, request: GenerationRequest) -> int:
-        """Cached blocks ``request`` may start with: not the one of its last prompt token, nor, on a
-        windowed model, so many that its first row would hold more than H (module docstring)."""
-        blocks = self.block_manager.blocks_for_tokens
-        limit = (request.num_prompt_tokens - 1) // self.config.kv_block_size
-        held = self._max_held_blocks(request)
-        if held is not None and blocks(request.num_prompt_tokens) > held:
-            limit = min(limit, held - blocks(self.config.max_prefill_chunk))
-        return limit
+        return self.block_manager.cache.longest_prefix(hashes[: (request.num_prompt_tokens - 1) // self.config.kv_block_size])
 
     def abort(self, request: GenerationRequest) -> AbortOutcome:
         """Stop scheduling ``request``: drop it from the waiting queue, or forward the abort to reclaim."""
@@ -382,8 +374,10 @@ class Scheduler:
         return self._tenant_room(request) > 0
 
     def _can_admit(self, request: GenerationRequest | None) -> bool:
-        return (request is not None and bool(self._free_indices)
-                and self.block_manager.can_allocate(self.max_kv_tokens(request), self.prefix_hit(request), self._max_held_blocks(request)))
+        if request is None or not self._free_indices:
+            return False
+        shared = self.prefix_hit(request)
+        return self.block_manager.can_allocate(self.max_kv_tokens(request), shared, self._max_held_blocks(request, len(shared)))
 
     def _admit(self, step: ScheduledStep, budget: int) -> None:
         while budget > 0 and self._can_admit(request := self._next_admission()):
@@ -394,7 +388,7 @@ class Scheduler:
             self._generations[index] += 1
             hashes = self._block_hashes.pop(request)
             shared = self.prefix_hit(request, hashes)
-            blocks = self.block_manager.allocate(self.max_kv_tokens(request), shared, self._max_held_blocks(request))
+            blocks = self.block_manager.allocate(self.max_kv_tokens(request), shared, self._max_held_blocks(request, len(shared)))
             seq = SequenceState(request, index, self._generations[index], blocks,
                                 num_kv_tokens=len(shared) * self.config.kv_block_size, block_hashes=hashes,
                                 num_cached_tokens=len(shared) * self.config.kv_block_size,

@@ -264,20 +264,24 @@ def test_the_bound_with_speculative_drafts_in_flight(depth, bound):
     assert scheduler.block_manager.num_available == bound
 
 
-def test_a_prefix_hit_longer_than_the_bound_is_cut_so_that_the_first_row_fits():
+def test_a_prefix_hit_longer_than_the_bound_is_kept_whole_and_bounds_its_sequence():
     """Prompt 48 spans 12 blocks, more than its H of 9 (span(8)): a later request with that prompt
-    starts from 7 cached blocks (9 less the 2 of its first chunk), not 11, and holds 9 at most."""
+    starts from all 11 cached blocks its last token allows; its first row then holds 11 + 2 (its
+    chunk's) before any release, which is its bound: it reserves 13, never holds more, and runs."""
     scheduler = make_scheduler(kv_window=WINDOW, kv_block_size=BLOCK, kv_num_blocks=40)
     scheduler.add_request(make_request("a", prompt_tokens=48, max_tokens=20))
     pipeline = WindowedPipeline(scheduler)
     pipeline.run()
     later = make_request("b", prompt_tokens=48, max_tokens=20)
-    assert len(scheduler.block_manager.cache.longest_prefix(scheduler.block_hashes(later))) == 12
-    assert len(scheduler.prefix_hit(later)) == 7
+    assert len(scheduler.prefix_hit(later)) == 11
     scheduler.add_request(later)
+    started = pipeline.schedule().started
+    assert [seq.num_cached_tokens for seq in started] == [44]
+    assert len(started[0].blocks.block_ids) + started[0].blocks.reserved == 13
     pipeline.run()
     assert pipeline.produced == {"a": 20, "b": 20} and pipeline.prefix_hits == 1
-    assert max(pipeline.peak_held.values()) <= 9
+    assert pipeline.peak_held["a"] <= 9 and pipeline.peak_held["b"] <= 13
+    assert scheduler.block_manager.num_used == 0 and scheduler.block_manager.num_available == 40
 
 
 def test_windowed_sequences_sharing_held_prompt_blocks_fit_a_pool_of_their_bounds():
