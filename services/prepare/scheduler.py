@@ -45,8 +45,8 @@ whose turn it is). The cost: a request that stops early held its reservation mea
 **Prefix caching** (``prefix_cache.py``, on unless ``enable_prefix_caching`` is false). A new
 sequence starts with the longest cached prefix of its prompt's full blocks, at most
 ``(prompt - 1) // block_size`` blocks so that its last prompt token is always computed (its
-logits are sampled), fewer on a windowed model when its prompt spans more than H blocks (below):
-its first row has ``start_pos`` past the hit, and its first ``new_block_ids`` are the shared
+logits are sampled), and on a windowed model at most the pool less its first chunk (below): its
+first row has ``start_pos`` past the hit, and its first ``new_block_ids`` are the shared
 blocks. A prompt block becomes shareable only when the step that wrote its last token is
 published without error (:meth:`update_from_output`); a sequence any of whose steps failed or was
 refused never makes a block shareable. The cache lives and dies with the scheduler, i.e. with one
@@ -79,8 +79,9 @@ blocks however long it runs, and admission reserves H when that is below its who
 block manager gives a block of reservation back for every block released, so its reservation plus
 what it holds stays H). Its first row comes before any release of it: with a prefix hit of h
 blocks it holds at most h + ceil(C / B) then, so a hit longer than H - ceil(C / B) makes that its
-bound (the hit is kept whole; the sequence reserves, for its life, what it held at first, never more
-than its whole length). vLLM's ``SlidingWindowManager`` (``vllm/v1/core/single_type_kv_cache_manager.py``)
+bound (the sequence reserves, for its life, what it held at first, never more than its whole length),
+and a hit is cut only where that would not fit the whole pool (a shared block costs an admission at
+most one available block, so the head of the queue still fits once nothing runs). vLLM's ``SlidingWindowManager`` (``vllm/v1/core/single_type_kv_cache_manager.py``)
 releases the same blocks but allocates on demand and preempts, so it needs no bound.
 
 **Finish lag.** A sequence gets no more rows once reclaim reports its finish, once it has been
@@ -264,7 +265,10 @@ class Scheduler:
         """The cached blocks ``request`` would start with if admitted now (see the module docstring)."""
         if hashes is None:
             hashes = self._block_hashes.get(request) or self.block_hashes(request)
-        return self.block_manager.cache.longest_prefix(hashes[: (request.num_prompt_tokens - 1) // self.config.kv_block_size])
+        limit = (request.num_prompt_tokens - 1) // self.config.kv_block_size
+        if self.config.kv_window:  # its first row holds the hit and a chunk before any release: within the pool
+            limit = max(0, min(limit, self.config.kv_num_blocks - self.block_manager.blocks_for_tokens(self.config.max_prefill_chunk)))
+        return self.block_manager.cache.longest_prefix(hashes[:limit])
 
     def abort(self, request: GenerationRequest) -> AbortOutcome:
         """Stop scheduling ``request``: drop it from the waiting queue, or forward the abort to reclaim."""

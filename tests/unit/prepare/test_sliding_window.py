@@ -284,6 +284,23 @@ def test_a_prefix_hit_longer_than_the_bound_is_kept_whole_and_bounds_its_sequenc
     assert scheduler.block_manager.num_used == 0 and scheduler.block_manager.num_available == 40
 
 
+def test_a_prefix_hit_is_cut_only_where_it_and_the_first_chunk_would_not_fit_the_pool():
+    """A pool of 12 blocks (H = 9) and a 12-block prompt, all of it cached by a first request that
+    only prefills it: the later request's hit is cut from 11 to 10 blocks (12 less its first chunk's
+    2), so that it fits the pool once nothing else runs, and it runs within its bound of 12."""
+    scheduler = make_scheduler(kv_window=WINDOW, kv_block_size=BLOCK, kv_num_blocks=12)
+    scheduler.add_request(make_request("a", prompt_tokens=48, max_tokens=1))
+    pipeline = WindowedPipeline(scheduler)
+    pipeline.run()
+    later = make_request("b", prompt_tokens=48, max_tokens=20)
+    assert len(scheduler.block_manager.cache.longest_prefix(scheduler.block_hashes(later))) == 12
+    assert len(scheduler.prefix_hit(later)) == 10
+    scheduler.add_request(later)
+    pipeline.run()
+    assert pipeline.produced == {"a": 1, "b": 20} and pipeline.prefix_hits == 1
+    assert pipeline.peak_held["a"] <= 9 and pipeline.peak_held["b"] <= 12
+
+
 def test_windowed_sequences_sharing_held_prompt_blocks_fit_a_pool_of_their_bounds():
     """The second request hits prompt blocks the first still holds; the pool has just the two
     bounds (2 x 9): the hit costs the second its whole bound, 2 blocks of it set aside for the
