@@ -134,12 +134,15 @@ class BlockManager:
         whole = self.blocks_for_tokens(max_kv_tokens)
         return whole if max_held_blocks is None else min(whole, max_held_blocks)
 
+    def _is_capped(self, max_kv_tokens: int, max_held_blocks: int | None) -> bool:
+        """Whether the reservation is the bound, below the whole length (``BlockTable.capped``)."""
+        return self.reservation(max_kv_tokens, max_held_blocks) < self.blocks_for_tokens(max_kv_tokens)
+
     def _blocks_needed(self, max_kv_tokens: int, shared: Sequence[int], max_held_blocks: int | None) -> int:
         """Available blocks an admission takes: its reservation less the shared blocks, plus those of
         them that stop being evictable once it holds them, plus the refund backing its holds add."""
-        reserve = self.reservation(max_kv_tokens, max_held_blocks)
-        capped = reserve < self.blocks_for_tokens(max_kv_tokens)
-        return reserve - len(shared) + sum(self._hold_cost(block_id, capped) for block_id in shared)
+        capped = self._is_capped(max_kv_tokens, max_held_blocks)
+        return self.reservation(max_kv_tokens, max_held_blocks) - len(shared) + sum(self._hold_cost(block_id, capped) for block_id in shared)
 
     def _hold_cost(self, block_id: int, capped: bool) -> int:
         """Available blocks one more hold of the cached ``block_id``, by a capped table or not, takes."""
@@ -155,8 +158,8 @@ class BlockManager:
 
     def allocate(self, max_kv_tokens: int, shared: Sequence[int] = (), max_held_blocks: int | None = None) -> BlockTable:
         """Hold the ``shared`` blocks, reserve the rest of `reservation` blocks, and return the block
-        table (``shared`` so far). With a ``max_held_blocks`` below the whole length, the shared
-        blocks must leave room for the first row (the scheduler limits the hit).
+        table (``shared`` so far). The shared blocks count within ``max_held_blocks`` (the scheduler's
+        bound covers a hit and its first row).
 
         Raises:
             RuntimeError: ``can_allocate`` is false, or ``shared`` is more than the reservation (scheduler bugs).
@@ -164,11 +167,11 @@ class BlockManager:
         needed = self._blocks_needed(max_kv_tokens, shared, max_held_blocks)
         if needed > self.num_available:
             raise RuntimeError(f"allocate: {needed} blocks needed, {self.num_available} available")
-        whole = self.blocks_for_tokens(max_kv_tokens)
         reserve = self.reservation(max_kv_tokens, max_held_blocks)
         if len(shared) > reserve:
             raise RuntimeError(f"allocate: a hit of {len(shared)} blocks is more than the {reserve} blocks the sequence may hold")
-        table = BlockTable(block_ids=list(shared), reserved=reserve - len(shared), max_blocks=whole, capped=reserve < whole)
+        table = BlockTable(block_ids=list(shared), reserved=reserve - len(shared), max_blocks=self.blocks_for_tokens(max_kv_tokens),
+                           capped=self._is_capped(max_kv_tokens, max_held_blocks))
         for block_id in shared:
             if self._refs[block_id] == 0:
                 self.cache.acquire(block_id)
@@ -231,19 +234,17 @@ class BlockManager:
         table.block_ids = []
         table.reserved = table.num_released = 0
 
-    def _hold(self, block_id: int, capped: bool) -> None:
-        """One hold of ``block_id`` more, by a capped table or not."""
+    def _hold(self, block_id: int, capped: bool, holds: int = 1) -> None:
+        """``holds`` holds of ``block_id`` more (negative: fewer), by a capped table or not; the refund
+        backing follows."""
         before = _backing(self._refs[block_id], self._capped_refs[block_id])
-        self._refs[block_id] += 1
-        self._capped_refs[block_id] += capped
+        self._refs[block_id] += holds
+        self._capped_refs[block_id] += holds * capped
         self._refund_backing += _backing(self._refs[block_id], self._capped_refs[block_id]) - before
 
     def _drop(self, block_id: int, capped: bool) -> None:
         """One hold of ``block_id`` fewer: nobody's, it goes back to the free list or stays cached (evictable)."""
-        before = _backing(self._refs[block_id], self._capped_refs[block_id])
-        self._refs[block_id] -= 1
-        self._capped_refs[block_id] -= capped
-        self._refund_backing += _backing(self._refs[block_id], self._capped_refs[block_id]) - before
+        self._hold(block_id, capped, -1)
         if self._refs[block_id] == 0:
             if self.cache.is_cached(block_id):
                 self.cache.release(block_id)

@@ -245,11 +245,12 @@ class Scheduler:
             if needed < self.block_manager.blocks_for_tokens(kv_tokens):
                 size = (f"at once ({self.config.kv_window}-token window, prompt {request.num_prompt_tokens},"
                         f" {self.config.pipeline_depth} steps in flight, {block_size} tokens per block)")
+                change = "the window, not max_tokens, sets that: give the device a larger --kv-cache-memory"
             else:
                 size = f"(prompt {request.num_prompt_tokens} + max_tokens {request.max_tokens} - 1 = {kv_tokens} tokens, {block_size} per block)"
+                change = "lower max_tokens or shorten the prompt"
             raise resource_exhausted(
-                f"the request needs {needed} KV blocks {size} but the KV cache has {self.block_manager.num_blocks} blocks in all;"
-                " lower max_tokens or shorten the prompt"
+                f"the request needs {needed} KV blocks {size} but the KV cache has {self.block_manager.num_blocks} blocks in all; {change}"
             )
         return needed
 

@@ -71,9 +71,8 @@ def time_on_kernel_and_dense(linear: QuantizedLinear, rows: int, repeats: int = 
     x = torch.randn(rows, linear.shape[1], dtype=linear.dtype)
     linear.keep_dense_copy()
     dense, calls = linear.dense, ([], [])
-    # A SwiGLU [gate; up] copy packed for AMX alone has no plain product: timed through swiglu, as the
-    # fused model (the only one that packs it so) runs it.
-    run = linear.swiglu if getattr(dense, "amx_only", False) and dense.gated else linear
+    # A SwiGLU [gate; up] linear is timed as the model runs it, through swiglu (its AMX-only copy has no plain product).
+    run = linear.swiglu if getattr(dense, "gated", False) else linear
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

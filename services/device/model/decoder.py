@@ -176,7 +176,8 @@ class DecoderModel:
         attn, mlp = p + "self_attn.", p + "mlp."
         qkv = tuple(attn + f"{x}_proj." for x in "qkv")
         c = self.config
-        qk_norm, sandwich, gated = c.qk_norm, c.sandwich_norms, c.hidden_act == "silu"  # packed for the fused SwiGLU (amx_swiglu) only with SiLU
+        # A gated [gate; up] linear runs through `swiglu` (amx_swiglu where packed): SiLU on the fused kernels only.
+        qk_norm, sandwich, gated = c.qk_norm, c.sandwich_norms, c.hidden_act == "silu" and self.cpu_kernels
         moe = mla = None
         if c.moe_layers[index]:
             experts = [f"{mlp}experts.{j}." for j in range(c.num_experts)]

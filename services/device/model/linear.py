@@ -20,7 +20,8 @@ class Linear:
     ``amx``: also keep an AMX-packed copy (``cpu_kernels.amx_pack``, where ``cpu_kernels.amx_ready``)
     for inputs of at most ``AMX_MAX_ROWS`` rows, a decode step's: ``cpu_kernels.amx_linear`` runs them
     ~20 % faster than oneDNN, at the cost of a second copy of the weight. ``gated``: the weight is
-    SwiGLU's ``[gate; up]``, packed for ``swiglu``, which then runs on ``cpu_kernels.amx_swiglu``.
+    SwiGLU's ``[gate; up]``, run through ``swiglu`` (the CPU kernels'), on ``cpu_kernels.amx_swiglu``
+    where packed for it; an AMX-only gated copy has no plain product.
     ``one_copy``: where the AMX copy is made, keep no other: larger inputs run on it 64 rows at a time
     (the dense companion of a quantized linear, see ``quant.QuantizedLinear``).
     """
