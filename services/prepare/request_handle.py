@@ -155,9 +155,10 @@ class RequestHandle:
                 items = self._items
                 if items:
                     self._items = deque()
-                else:
+                else:  # not kept: a put right after this block appends to that deque, which stays the queue
+                    items = None
                     self._wake = wake
-            if not items:
+            if items is None:
                 yield None
                 continue
             for item in items:

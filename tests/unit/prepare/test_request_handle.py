@@ -139,3 +139,33 @@ def test_sync_consumer_blocks_until_events_arrive():
     gone = new_handle()
     threading.Timer(0.05, gone.client_gone).start()
     assert list(gone.events()) == []
+
+
+class _PutOnceArmed:
+    """The handle's lock, which puts ``item`` the first time it is released with the consumer's
+    wake-up armed: the put lands between the consumer finding no item and its next look."""
+
+    def __init__(self, handle: RequestHandle, item: reclaim_pb2.SequenceEvent) -> None:
+        self._inner, self._handle, self._item = threading.Lock(), handle, item
+
+    def __enter__(self) -> None:
+        self._inner.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self._inner.release()
+        if self._handle._wake is not None and self._item is not None:
+            item, self._item = self._item, None
+            self._handle.put(item)
+
+
+def test_an_event_put_just_after_the_consumer_found_none_is_delivered_once():
+    """Seen once on a loaded machine (a resumed stream got one token twice): the consumer found the
+    queue empty and armed its wake-up; a put landed before it looked again; the event went out
+    through the consumer's reference to the queue and again from the queue, which still held it
+    (or, here, the queue grew while the consumer iterated it)."""
+    handle = new_handle()
+    handle._lock = _PutOnceArmed(handle, event(7))
+    consumer = handle._events_or_waits(lambda: None)
+    first = next(consumer)  # found none and armed the wake-up; the put landed on the way out
+    handle.put(event(8, finish=True))
+    assert [e.token_ids[0] for e in [first, *consumer] if e is not None] == [7, 8]
