@@ -9,14 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
-
-# Every stageserve process forks only to exec (up's services, the CPU kernels' compiler). gRPC's fork
-# handlers are then no use, and can crash the child between fork and exec: its poller restarts there
-# and finds its epoll descriptor closed (grpc/grpc#43055; seen once as `stageserve up` failing to
-# start). Read when grpc is first imported, which the sub-commands below do; an operator's value wins.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 # sub-command -> module with add_arguments(parser) and run(args) -> int, and its one-line help.
 COMMANDS = {
