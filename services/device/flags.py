@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     kv = parser.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES", help=f"KV pool size, e.g. 512MiB (default on cpu: {CPU_DEFAULT_KV_CONTEXTS} sequences of --max-model-len "
                     f"or {CPU_DEFAULT_KV_TOKENS_PER_SEQ} tokens per --max-num-seqs, whichever is more, "
-                    f"at most {CPU_MAX_KV_FRACTION:.0%} of the available memory; its pages are held as they are first written)")
+                    f"at most {CPU_MAX_KV_FRACTION * 100:.0f}%% of the available memory; its pages are held as they are first written)")
     kv.add_argument("--kv-cache-fraction", type=float, default=None, metavar="F", help=f"KV pool as this fraction of free device memory after loading (default on cuda/npu: {ACCELERATOR_DEFAULT_KV_FRACTION})")
     parser.add_argument("--block-size", type=int, default=16, metavar="TOKENS", help="tokens per KV block (default %(default)s)")
     parser.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="sequence table size = sequences in flight at most (default %(default)s)")

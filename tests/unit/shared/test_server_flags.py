@@ -44,3 +44,23 @@ def test_log_level_is_case_insensitive():
 def test_every_service_has_the_common_flags_with_its_own_ports(role, port, metrics_port):
     args = build_parser().parse_args([role])
     assert (args.port, args.metrics_port, args.log_format, args.trace_dir) == (port, metrics_port, "text", None)
+
+
+def every_parser(parser: argparse.ArgumentParser, prog: str = "stageserve"):
+    """``(prog, parser)`` for ``parser`` and each of its sub-commands, depth first."""
+    yield prog, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from every_parser(child, f"{prog} {name}")
+
+
+def test_every_command_renders_its_help():
+    """``--help`` formats each flag's text with ``%``: a literal percent sign must be written ``%%``
+    (``stageserve device --help`` once failed with "%o format: an integer is required")."""
+    parsers = dict(every_parser(build_parser()))
+    assert {"stageserve device", "stageserve up", "stageserve bench"} <= set(parsers)
+    for prog, parser in parsers.items():
+        text = parser.format_help()
+        assert "usage:" in text, prog
+    assert "at most 25% of the available memory" in " ".join(parsers["stageserve device"].format_help().split())
