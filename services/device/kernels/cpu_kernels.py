@@ -196,6 +196,26 @@ def rms_norm_heads_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.T
     torch.ops.stageserve.rms_norm_heads_(qkv, q_weight, k_weight, heads, kv_heads, eps)
 
 
+def decode_layers(
+    x: torch.Tensor, h_first: torch.Tensor, input_norms: list[torch.Tensor], post_norms: list[torch.Tensor], qk_norms: list[torch.Tensor],
+    linear_tensors: list[torch.Tensor], linear_meta: list[int], kv: torch.Tensor, cos: list[torch.Tensor], signed_sin: list[torch.Tensor],
+    layer_rope: list[int], windows: list[int], positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, heads: int, kv_heads: int, scale: float, softcap: float, eps: float,
+) -> None:
+    """A decode-only step's decoder layers in one call (`model.fused_decode`, which flattens them):
+    per layer ``qkv`` (q/k head norms where ``qk_norms`` holds two a layer), `rope_and_cache` into
+    ``kv[layer]``, `paged_decode_attention` (``windows``: 0 for the whole context), ``o``,
+    `add_rms_norm` with ``post_norms``, SwiGLU through ``gate_up`` and ``down``, `add_rms_norm` with
+    the next layer's ``input_norms`` (the last adds into ``x``). ``x`` ``[T, hidden]`` is the residual,
+    updated in place; ``h_first`` its RMSNorm by ``input_norms[0]``. Each linear, on `quant_linear`,
+    is given as in ``csrc/decode_layers.cpp``. Raises ``RuntimeError`` for lists that do not fit, and
+    as the ops it calls.
+    """
+    torch.ops.stageserve.decode_layers(x, h_first, input_norms, post_norms, qk_norms, linear_tensors, linear_meta, kv, cos, signed_sin,
+                                       layer_rope, windows, positions, slot_mapping, block_tables, context_lens, heads, kv_heads, scale,
+                                       softcap, eps)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's ``silu(gate) * up`` of ``gate_up`` ``[T, 2 * I]`` (contiguous, gate first) -> ``[T, I]``, fp32 inside."""
     return torch.ops.stageserve.silu_and_mul(gate_up)

@@ -40,6 +40,7 @@ from stageserve.device.kernels.quant_linear import QuantizedLinear, fits
 from stageserve.device.model.attention import attention_output, decode_attention, prefill_masks, within_window
 from stageserve.device.model.config import ModelConfig
 from stageserve.device.model.forward_batch import ForwardBatch
+from stageserve.device.model.fused_decode import FusedDecodeLayers
 from stageserve.device.model.kv_cache import PagedKVCache
 from stageserve.device.model.linear import Linear
 from stageserve.device.model.mla import MLAWeights
@@ -168,6 +169,7 @@ class DecoderModel:
         self.scale = config.softmax_scale
         # Rounded to the activation dtype first, as transformers' Gemma2TextScaledWordEmbedding does.
         self.embed_scale = None if config.embed_scale is None else float(torch.tensor(config.embed_scale).to(self.dtype))
+        self.fused_decode = FusedDecodeLayers.for_model(self)  # decode-only steps' layers in one C++ call, where they fit
 
     def _layer(self, index: int, weights: dict, w, linear) -> LayerWeights:
         """Decoder layer ``index`` from HF-named ``weights``: ``w`` moves a norm onto the device,
@@ -386,8 +388,11 @@ class DecoderModel:
         Same math as ``_layers_torch``, in fewer passes: RoPE and the KV store in one op, decode
         attention reading the pool in place, each residual add fused into the next RMSNorm
         (``x`` is updated in place), SwiGLU in one op (GeGLU in torch ops), a mixture of experts'
-        routing in torch ops around each expert's fused SwiGLU.
+        routing in torch ops around each expert's fused SwiGLU. A decode-only step whose layers
+        `FusedDecodeLayers` takes runs these same ops in one C++ call (the same bits).
         """
+        if self.fused_decode is not None and self.fused_decode.takes(batch):
+            return self.fused_decode(x, batch, kv_cache)
         c, eps = self.config, self.config.rms_norm_eps
         heads, kv_heads, d = c.num_heads, c.num_kv_heads, c.head_dim
         context_lens = batch.positions[: batch.num_decode] + 1  # [Bd] tokens each decode row attends to

@@ -58,4 +58,12 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin,
                           const at::Tensor& positions, at::Tensor& kv, const at::Tensor& slot_mapping, int64_t num_heads);
 
+// The decoder layers of a decode-only step ([T, hidden] residual x updated in place, h_first its first
+// normed input), each layer's linears on quant_linear, flattened as decode_layers.cpp describes  (decode_layers.cpp)
+void decode_layers(at::Tensor& x, const at::Tensor& h_first, at::TensorList input_norms, at::TensorList post_norms,
+                   at::TensorList qk_norms, at::TensorList linear_tensors, at::IntArrayRef linear_meta, const at::Tensor& kv,
+                   at::TensorList cos, at::TensorList signed_sin, at::IntArrayRef layer_rope, at::IntArrayRef windows,
+                   const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                   const at::Tensor& context_lens, int64_t heads, int64_t kv_heads, double scale, double softcap, double eps);
+
 }  // namespace stageserve

@@ -42,6 +42,9 @@ TORCH_LIBRARY(stageserve, m) {
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("amx_swiglu(Tensor x, Tensor packed) -> Tensor");
   m.def("rope_and_cache(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor positions, Tensor(a!) kv, Tensor slot_mapping, int num_heads) -> Tensor");
+  m.def("decode_layers(Tensor(a!) x, Tensor h_first, Tensor[] input_norms, Tensor[] post_norms, Tensor[] qk_norms, Tensor[] linear_tensors, "
+        "int[] linear_meta, Tensor(b!) kv, Tensor[] cos, Tensor[] signed_sin, int[] layer_rope, int[] windows, Tensor positions, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int heads, int kv_heads, float scale, float softcap, float eps) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(stageserve, CPU, m) {
@@ -57,4 +60,5 @@ TORCH_LIBRARY_IMPL(stageserve, CPU, m) {
   m.impl("amx_linear", &stageserve::amx_linear);
   m.impl("amx_swiglu", &stageserve::amx_swiglu);
   m.impl("rope_and_cache", &stageserve::rope_and_cache);
+  m.impl("decode_layers", &stageserve::decode_layers);
 }

@@ -1,0 +1,86 @@
+"""A decode-only step's layers in one C++ call (`model.fused_decode`): the same bits as the model's
+fused Python path, logits and KV cache alike, for the layers it takes; the Python path for the rest."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stageserve.device.kernels import cpu_kernels
+from stageserve.device.model.decoder import DecoderModel
+from stageserve.device.model.forward_batch import build_forward_batch
+from stageserve.device.model.kv_cache import PagedKVCache
+from stageserve.model_files import embedded_model_path
+from tests.tiny_checkpoint import write_tiny_checkpoint
+
+pytestmark = pytest.mark.skipif(not (cpu_kernels.load_cpu_kernels() and cpu_kernels.has_avx512_vnni()),
+                                reason="decode_layers runs the linears on quant_linear: AVX512-VNNI and the CPU kernels")
+
+BLOCK = 16
+
+
+def decode_run(model: DecoderModel, prompts: list[list[int]], steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each prompt prefilled alone, then ``steps`` greedy decode steps of all rows together: the
+    steps' logits ``[steps, rows, vocab]`` and the KV pool after them."""
+    cache = PagedKVCache(model.config, 16 * len(prompts), BLOCK, model.dtype, "cpu")
+    tables = [list(range(16 * r, 16 * r + 16))[::-1] for r in range(len(prompts))]  # blocks out of order
+    tokens = [int(model.forward(build_forward_batch([(p, 0, t, True)], BLOCK, "cpu"), cache).argmax(-1)) for p, t in zip(prompts, tables)]
+    logits = []
+    for step in range(steps):
+        rows = [([token], len(prompt) + step, table, True) for token, prompt, table in zip(tokens, prompts, tables)]
+        logits.append(model.forward(build_forward_batch(rows, BLOCK, "cpu"), cache))
+        tokens = logits[-1].argmax(-1).tolist()
+    return torch.stack(logits), cache.kv
+
+
+def assert_same_bits_as_python_path(model: DecoderModel, prompts: list[list[int]], steps: int = 6) -> None:
+    fused = model.fused_decode
+    assert fused is not None
+    ours = decode_run(model, prompts, steps)
+    model.fused_decode = None
+    try:
+        python = decode_run(model, prompts, steps)
+    finally:
+        model.fused_decode = fused
+    assert torch.equal(ours[0], python[0]) and torch.equal(ours[1], python[1])
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_embedded_q4_1_model_gives_the_python_paths_bits(rows):
+    model = DecoderModel.from_path(embedded_model_path(), torch.bfloat16, "cpu", weight_format="auto")
+    prompts = [[(7 * i + 3 * r) % 1000 + 10 for i in range(20 + 9 * r)] for r in range(rows)]
+    assert_same_bits_as_python_path(model, prompts)
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("qwen3", {}),  # q/k head norms
+    ("qwen3", {"attention_bias": True}),  # a bias on qkv and on o
+    ("mistral", {}),  # a sliding window shorter than the prompts
+])
+def test_int8_families_give_the_python_paths_bits(tmp_path, family, overrides):
+    path = write_tiny_checkpoint(tmp_path, family=family, sliding_window=8 if family == "mistral" else None, overrides=overrides)
+    model = DecoderModel.from_path(path, torch.float32, "cpu", weight_format="int8")
+    if overrides.get("attention_bias"):
+        assert model.layers[0].qkv.bias is not None and model.layers[0].o.bias is not None
+    assert_same_bits_as_python_path(model, [[(5 * i + r) % 250 + 1 for i in range(21 + 4 * r)] for r in range(2)], steps=12)
+
+
+def test_what_it_does_not_take_runs_the_python_path(tmp_path):
+    """A step with a prefill row, or more rows than a linear's kernel takes, goes through the Python
+    path; a mixture of experts or a dense model is not flattened at all."""
+    model = DecoderModel.from_path(embedded_model_path(), torch.bfloat16, "cpu", weight_format="auto")
+    decode = build_forward_batch([([4], 3, [1], True)], BLOCK, "cpu")
+    mixed = build_forward_batch([([4], 3, [1], True), ([1, 2, 3], 0, [2], True)], BLOCK, "cpu")
+    many = build_forward_batch([([4], 3, [r], True) for r in range(model.layers[0].qkv.kernel.max_rows + 1)], BLOCK, "cpu")
+    assert model.fused_decode.takes(decode) and not model.fused_decode.takes(mixed) and not model.fused_decode.takes(many)
+    assert DecoderModel.from_path(embedded_model_path(), torch.bfloat16, "cpu").fused_decode is None  # dense bfloat16 linears
+    moe = write_tiny_checkpoint(tmp_path, family="qwen3_moe")
+    assert DecoderModel.from_path(moe, torch.float32, "cpu", weight_format="int8").fused_decode is None
+
+
+def test_lists_that_do_not_fit_are_refused():
+    x = torch.zeros(1, 64)
+    with pytest.raises(RuntimeError, match="per-layer lists of different lengths"):
+        cpu_kernels.decode_layers(x, x, [], [torch.ones(64)], [], [], [], torch.zeros(1, 2, 1, 16, 64), [], [], [0], [0],
+                                  torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
+                                  torch.ones(1, dtype=torch.int64), 1, 1, 1.0, 0.0, 1e-6)
