@@ -78,9 +78,11 @@ class Backend(ABC):
         return fn()
 
     @abstractmethod
-    def launch(self, run: Callable[[], None]) -> Completion:
+    def launch(self, run: Callable[[], None], rows: int = 0) -> Completion:
         """Start ``run`` after every previously launched step's work; return without waiting for it.
 
+        ``rows``: the step's token rows (prompt chunks, decode tokens, drafts), a hint: the cpu backend
+        keeps a thread count per step size.
         Errors ``run`` raises are reported by the returned completion's ``wait``; on stream
         backends an error while enqueueing may also raise here (the executor handles both).
         """
@@ -110,27 +112,35 @@ class CpuBackend(Backend):
             speed: see the module docstring) instead of on a thread of the backend's own. Steps
             launched while no thread is inside `serve_while` wait in the queue.
         adaptive_threads: fewer intra-op threads while other work holds the CPUs
-            (`stageserve.device.kernels.thread_governor`); needs ``threads`` > 1.
+            (`stageserve.device.kernels.thread_governor`); needs ``threads`` > 1. Steps of at most
+            ``SMALL_STEP_ROWS`` rows (interactive streams) and larger ones each get a governor of
+            their own, the small steps' also trying a thread fewer without contention: at one
+            stream the host's own threads need a core more than the step needs a second thread on
+            some CPUs and not on others (the governor's docstring).
     """
 
     name = "cpu"
     # How often an idle caller-side loop returns to Python, so the main thread runs signal handlers.
     _IDLE_WAKE_S = 0.2
+    SMALL_STEP_ROWS = 4
 
     def __init__(self, threads: int | None = None, on_caller: bool = False, adaptive_threads: bool = False) -> None:
         self.device = torch.device("cpu")
         if threads:
             torch.set_num_threads(threads)
         self._threads = threads
-        self._governor = ComputeThreadGovernor(threads) if adaptive_threads and threads and threads > 1 else None
-        self._queue: queue.SimpleQueue[tuple[Callable[[], None], Future[None]] | None] = queue.SimpleQueue()
+        self._governors: tuple[ComputeThreadGovernor, ComputeThreadGovernor] | None = None  # small steps', larger ones'
+        if adaptive_threads and threads and threads > 1:
+            keep = lambda count: None  # noqa: E731 - _run sets the count of the governor whose step runs
+            self._governors = (ComputeThreadGovernor(threads, probe_down=True, set_threads=keep), ComputeThreadGovernor(threads, set_threads=keep))
+        self._queue: queue.SimpleQueue[tuple[Callable[[], None], Future[None], int] | None] = queue.SimpleQueue()
         self._thread = None if on_caller else threading.Thread(target=self._loop, name="device-compute", daemon=True)
         if self._thread is not None:
             self._thread.start()
 
-    def launch(self, run: Callable[[], None]) -> Completion:
+    def launch(self, run: Callable[[], None], rows: int = 0) -> Completion:
         future: Future[None] = Future()
-        self._queue.put((run, future))
+        self._queue.put((run, future, rows))
         return _FutureCompletion(future)
 
     def synchronize(self) -> None:
@@ -184,12 +194,18 @@ class CpuBackend(Backend):
             self._run(*item)
             del item  # do not keep the step's inputs alive until the next step arrives
 
-    def _run(self, run: Callable[[], None], future: Future[None]) -> None:
+    def _run(self, run: Callable[[], None], future: Future[None], rows: int) -> None:
         if not future.set_running_or_notify_cancel():
             return
         try:
             with torch.inference_mode():
-                run() if self._governor is None else self._governor.run(run)
+                if self._governors is None:
+                    run()
+                else:
+                    governor = self._governors[rows > self.SMALL_STEP_ROWS]
+                    if torch.get_num_threads() != governor.threads:
+                        torch.set_num_threads(governor.threads)  # this thread's OpenMP team, between steps
+                    governor.run(run)
         except BaseException as exc:  # noqa: BLE001 - every failure belongs to its step
             future.set_exception(exc)
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
@@ -245,7 +261,7 @@ class StreamBackend(Backend):
         with self._module.stream(self._stream):
             return fn()
 
-    def launch(self, run: Callable[[], None]) -> Completion:
+    def launch(self, run: Callable[[], None], rows: int = 0) -> Completion:
         # Work issued on the default stream (weights, KV pool, sequence table set-up) comes first.
         self._stream.wait_stream(self._module.default_stream(self.device))
         with self._module.stream(self._stream), torch.inference_mode():

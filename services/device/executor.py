@@ -162,7 +162,7 @@ class StepExecutor:
                 uploads = self.backend.stage(partial(self.runner.stage, ticket.admitted))
             # partial, not a closure: a failed step's traceback keeps its frames' functions alive,
             # and a closure would keep the uploads with them.
-            completion = self.backend.launch(partial(self.runner.run, uploads, buffers))
+            completion = self.backend.launch(partial(self.runner.run, uploads, buffers), sum(ticket.admitted.step.num_tokens))
         except Exception as exc:  # noqa: BLE001 - the step fails, the executor keeps serving
             completion = FailedCompletion(exc)
         ticket._bind(completion, uploads, self.runner.observe)

@@ -64,7 +64,7 @@ class SimBackend(Backend):
         self._lock = threading.Lock()
         self._busy_until = 0.0  # time.monotonic() at which the last launched step ends
 
-    def launch(self, run: Callable[[], float]) -> Completion:
+    def launch(self, run: Callable[[], float], rows: int = 0) -> Completion:
         seconds = run()
         with self._lock:
             self._busy_until = max(time.monotonic(), self._busy_until) + seconds

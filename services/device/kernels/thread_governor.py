@@ -23,6 +23,12 @@ change is a **trial judged by the step rate** (steps per second over the windows
   threads cannot show for sure that a core came free); sooner, after two windows below
   ``calm_wait`` (one thread's wait quiet 0.15, with one core busy 0.25–0.26, measured as above),
   unless a try up failed since the last one that stayed.
+- With ``probe_down`` (the governor of small steps: `backends.CpuBackend`), above one thread, after
+  two busy windows at the count and at least the wait a failed trial down set (none at first): try
+  ``t - 1`` without contention. A step of a few rows leaves the host's own threads (prepare, reclaim,
+  the device's gRPC streams) a larger share of each step than the wait shows: on the 2-core AMD EPYC,
+  one stream served at 5.80 ms a token on one thread against 6.78 on two (docs/benchmarks.md, "One
+  stream: the GIL"), while the Xeon with AMX measured two faster (above); the trial decides.
 - A trial runs two busy windows (one, where its rate differs from before by more than
   ``clear_margin``); it stays if their step rate beat the two windows before it by ``trial_gain``, else the count goes back and the next trial that way waits ``probe_after_s``
   since, twice that after another failure, and so on (up to ``max_probe_after_s``); a trial that
@@ -72,16 +78,18 @@ class ComputeThreadGovernor:
         window_s, contended_wait, calm_wait, probe_after_s, max_probe_after_s, trial_gain, clear_margin:
             the rule's figures (seconds; run-queue wait in CPU-seconds per second per compute thread;
             the share a trial's step rate must gain, and the change that decides after one window).
+        probe_down: also try one thread fewer without contention (module docstring).
         clock, read_wait, set_threads: injectable for tests (defaults: ``time.monotonic``,
             `process_run_queue_wait_s`, ``torch.set_num_threads``).
     """
 
     def __init__(self, max_threads: int, window_s: float = 2.0, contended_wait: float = 0.33, calm_wait: float = 0.2, probe_after_s: float = 30.0,
-                 max_probe_after_s: float = 300.0, trial_gain: float = 0.02, clear_margin: float = 0.1, clock: Callable[[], float] = time.monotonic,
+                 max_probe_after_s: float = 300.0, trial_gain: float = 0.02, clear_margin: float = 0.1, probe_down: bool = False,
+                 clock: Callable[[], float] = time.monotonic,
                  read_wait: Callable[[], float] = process_run_queue_wait_s, set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
         self.max_threads = self.threads = max(1, max_threads)
         self._window_s, self._contended_wait, self._calm_wait = window_s, contended_wait, calm_wait
-        self._trial_gain, self._clear_margin = trial_gain, clear_margin
+        self._trial_gain, self._clear_margin, self._probe_down = trial_gain, clear_margin, probe_down
         self._max_wait_s = max_probe_after_s
         self._fresh_waits = {+1: probe_after_s, -1: 0.0}  # before a trial up / down, after the last change: a drop may come at once
         self._wait_before = dict(self._fresh_waits)
@@ -126,6 +134,8 @@ class ComputeThreadGovernor:
             self._start_trial(-1, now, f"run-queue wait {wait_per_thread:.2f} CPU-s/s per thread: other work may hold the CPUs")
         elif self.threads < self.max_threads and (since >= self._wait_before[+1] or (self._calm_streak >= 2 and no_failed_probe)):
             self._start_trial(+1, now, "probing whether a CPU came free")
+        elif self._probe_down and self.threads > 1 and len(self._rates) >= 2 and since >= self._wait_before[-1]:
+            self._start_trial(-1, now, "probing whether a thread fewer leaves the host's threads the CPU they need")
 
     def _start_trial(self, direction: int, now: float, why: str) -> None:
         self._trial, self._rates = (direction, sum(self._rates) / len(self._rates)), []

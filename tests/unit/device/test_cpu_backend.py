@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from stageserve.device.backends import CpuBackend
 
@@ -72,3 +73,24 @@ def test_ctrl_c_during_a_step_fails_the_step_and_stops_the_caller():
     with pytest.raises(KeyboardInterrupt):
         completion.wait(0)  # the step's own waiters see it too
     backend.close()
+
+
+def test_small_and_large_steps_run_at_their_own_governors_thread_counts():
+    """With ``adaptive_threads``, a step of at most ``SMALL_STEP_ROWS`` rows runs with the small steps'
+    governor's thread count and a larger one with the other's, each set on the compute thread."""
+    before = torch.get_num_threads()
+    backend = CpuBackend(threads=2, on_caller=True, adaptive_threads=True)
+    small, large = backend._governors
+    small.threads = 1  # as a kept trial of the small steps' governor leaves it
+    seen: list[int] = []
+
+    def control() -> None:
+        rows = [1, 32, CpuBackend.SMALL_STEP_ROWS, CpuBackend.SMALL_STEP_ROWS + 1]
+        assert all(backend.launch(lambda: seen.append(torch.get_num_threads()), n).wait(10) for n in rows)
+
+    try:
+        backend.serve_while(control)
+        assert seen == [1, 2, 1, 2] and large.threads == 2
+    finally:
+        backend.close()
+        torch.set_num_threads(before)

@@ -274,3 +274,20 @@ def test_async_and_sync_dispatch_give_identical_tokens(real_model):
         reference.append(int(logits.argmax(-1)[0]))
         ids.append(reference[-1])
     assert [step[0] for step in async_ids] == reference
+
+
+def test_the_backend_is_told_each_steps_token_rows(real_model):
+    """The launch hint counts token rows, not sequences: a prefill is a large step for the cpu
+    backend's thread governors however few prompts it holds."""
+    class RecordingCpuBackend(CpuBackend):  # the real backend; records the hint it is given
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[int] = []
+
+        def launch(self, run, rows=0):
+            self.rows.append(rows)
+            return super().launch(run, rows)
+
+    backend = RecordingCpuBackend()
+    run_plans(real_model, "async", backend)
+    assert backend.rows == [sum(len(p) for p in EMBEDDED_PROMPTS)] + [2] * 5

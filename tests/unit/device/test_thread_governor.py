@@ -15,10 +15,12 @@ class Machine:
     QUIET = {1: (0.08, 0.17), 2: (0.05, 0.2)}
     ONE_CORE_BUSY = {1: (0.085, 0.24), 2: (0.16, 0.42)}  # two threads run at half the rate of one
     OWN_PIPELINE = {1: (0.016, 0.3), 2: (0.0136, 0.4)}  # one stream: prepare and reclaim raise the wait, two threads still win
+    HOST_NEEDS_A_CORE = {1: (0.0058, 0.08), 2: (0.0068, 0.22)}  # one stream, 2-core AMD EPYC: one thread wins, the wait calm
 
-    def __init__(self) -> None:
+    def __init__(self, probe_down: bool = False) -> None:
         self.now, self.wait, self.load, self.set_calls = 0.0, 0.0, self.QUIET, []
-        self.governor = ComputeThreadGovernor(2, clock=lambda: self.now, read_wait=lambda: self.wait, set_threads=self.set_calls.append)
+        self.governor = ComputeThreadGovernor(2, probe_down=probe_down, clock=lambda: self.now, read_wait=lambda: self.wait,
+                                              set_threads=self.set_calls.append)
 
     def steps(self, seconds: float, idle_s: float = 0.0) -> None:
         """Steps (with ``idle_s`` between them) for ``seconds``."""
@@ -100,3 +102,37 @@ def test_the_run_queue_wait_of_this_process_is_read_and_grows() -> None:
     first = process_run_queue_wait_s()
     assert first >= 0.0
     assert process_run_queue_wait_s() >= first
+
+
+def test_small_steps_probe_a_thread_fewer_and_keep_it_where_it_serves_faster() -> None:
+    """The small steps' governor (``probe_down``): on a calm machine where one thread serves a stream
+    faster, it tries one after two busy windows and keeps it; a probe back up fails and the next
+    one waits 30 s."""
+    machine = Machine(probe_down=True)
+    machine.load = Machine.HOST_NEEDS_A_CORE
+    machine.steps(4.1)
+    assert machine.set_calls == [1]
+    machine.steps(4.1)  # the trial: one thread ran faster, it stays
+    assert machine.set_calls == [1]
+    machine.steps(8.2)  # two calm windows probe up at once; two threads run slower: back
+    assert machine.set_calls == [1, 2, 1]
+    machine.steps(25)
+    assert machine.set_calls == [1, 2, 1] and machine.governor.threads == 1
+
+
+def test_small_steps_go_back_where_a_thread_fewer_is_slower_and_probe_again_later() -> None:
+    """Where two threads serve faster (the quiet machine's figures), each probe down goes back after
+    its trial, and the next waits 30 s, then 60 s: a few windows in minutes at the slower count."""
+    machine = Machine(probe_down=True)
+    machine.steps(4.1)
+    assert machine.set_calls == [1]
+    machine.steps(4.1)
+    assert machine.set_calls == [1, 2]
+    machine.steps(25)
+    assert machine.set_calls == [1, 2]
+    machine.steps(12)
+    assert machine.set_calls == [1, 2, 1, 2]
+    machine.steps(50)
+    assert machine.set_calls == [1, 2, 1, 2]
+    machine.steps(20)
+    assert machine.set_calls == [1, 2, 1, 2, 1, 2] and machine.governor.threads == 2
