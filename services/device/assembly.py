@@ -75,13 +75,10 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
         validate_sampling_params(params, config.vocab_size)
 
     _warm_up(executor, table, limits, check_sampling)
-    if grammar is not None:
-        grammar.grammars.wait_ready()
     step_costs = []
     if speculation is not None and args.speculative_policy == "goodput":
         from stageserve.device.speculation.step_costs import measure_step_costs
 
-        # After the grammar worker's start-up work: it would take a core from the measured steps.
         step_costs = measure_step_costs(executor, table, limits, check_sampling, speculation)
     outbox.clear()
     return_freed_memory()  # what loading, the dense-copy timings and the warm-up freed
@@ -157,15 +154,16 @@ def _executor(args: argparse.Namespace, backend, runner, outbox, limits, tracer,
 
 
 def _grammar_table(model_path: Path, config, device, metrics, budget_s: float):
-    """Structured output's grammar state; the tokenizer's vocabulary is read on the grammar worker.
+    """Structured output's grammar state; the tokenizer's vocabulary is read at the first constraint.
     ``metrics`` (or ``None``) gets compile times and the constrained-sequence count; ``budget_s``:
     ``--grammar-compile-budget``."""
-    import xgrammar
-
     from stageserve.device.grammar import CompiledGrammars, GrammarTable
-    from stageserve.tokenizer import load_tokenizer
 
-    def tokenizer_info() -> xgrammar.TokenizerInfo:
+    def tokenizer_info():
+        import xgrammar
+
+        from stageserve.tokenizer import load_tokenizer
+
         tokenizer = load_tokenizer(model_path)
         return xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=config.vocab_size, stop_token_ids=list(config.eos_token_ids))
 

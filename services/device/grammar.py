@@ -31,9 +31,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar
 
 from stageserve.device.flags import GRAMMAR_COMPILE_BUDGET_S
 from stageserve.device.kernels import cpu_kernels
@@ -41,6 +41,9 @@ from stageserve.device.step_plan import StartedSequence, Step
 from stageserve.fair_pool import FairPool
 from stageserve.structured_output import ConstraintError, constraint_grammar, readable_error
 from stageserve.v1 import common_pb2
+
+if TYPE_CHECKING:  # imported where first used: xgrammar and the transformers it loads hold ~45 MiB
+    import xgrammar
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +76,11 @@ class CompiledGrammars:
     of their own, never behind a compile.
 
     Args:
-        tokenizer_info: builds the ``xgrammar.TokenizerInfo`` (vocabulary and stop tokens); run once
-            from construction on, while the model loads (`wait_ready`).
+        tokenizer_info: builds the ``xgrammar.TokenizerInfo`` (vocabulary and stop tokens); run once,
+            at the first constraint, as vLLM builds its grammar backend: a device that never
+            serves one holds neither the tokenizer nor xgrammar's vocabulary (~90 MiB resident for
+            SmolLM2's 49k tokens, docs/benchmarks.md "The stack's memory"); that first request waits
+            for it (~0.5–1 s) outside its compile's budget.
         max_entries: compiled grammars kept (least recently used dropped first).
         on_compile: called with ``(cached, seconds)`` for each look-up: the compile's time on a
             worker, or the cache look-up's (the device's metrics).
@@ -88,7 +94,8 @@ class CompiledGrammars:
                  budget_s: float = GRAMMAR_COMPILE_BUDGET_S, memory_budget_bytes: int = COMPILE_MEMORY_BUDGET_BYTES) -> None:
         self.budget_s, self.memory_budget_bytes = budget_s, memory_budget_bytes
         self._matchers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-grammar-matcher")
-        self._compiler = self._matchers.submit(lambda: xgrammar.GrammarCompiler(tokenizer_info(), max_threads=1, cache_enabled=False))
+        self._tokenizer_info = tokenizer_info
+        self._compiler: Future[xgrammar.GrammarCompiler] | None = None  # built by the first compile (`_compiler_ready`)
         self._cache: OrderedDict[bytes, _Compile] = OrderedDict()
         self._max_entries = max_entries
         self._on_compile = on_compile
@@ -96,10 +103,6 @@ class CompiledGrammars:
         # A thread still inside xgrammar's C++ when the interpreter finalizes aborts the process.
         atexit.register(self._pool.close)
         self._lock = threading.Lock()
-
-    def wait_ready(self) -> None:
-        """Block until the vocabulary is read (start-up: the first constrained step must not wait for it)."""
-        self._compiler.result()
 
     def get(self, constraint: common_pb2.Constraint, tenant: str = "") -> Future[xgrammar.CompiledGrammar]:
         """The compiled grammar of ``constraint``, queued for ``tenant``'s next turn if it is not cached.
@@ -162,20 +165,43 @@ class CompiledGrammars:
             if self._cache.get(compile_.key) is compile_:
                 self._cache[compile_.key] = refused
 
+    def _compiler_ready(self) -> xgrammar.GrammarCompiler:
+        """The compiler over the model's vocabulary, read on the matcher thread by the first caller.
+
+        Raises what ``tokenizer_info`` raises (to every caller).
+        """
+        with self._lock:
+            if self._compiler is None:
+                info = self._tokenizer_info
+
+                def build() -> xgrammar.GrammarCompiler:
+                    import xgrammar
+
+                    return xgrammar.GrammarCompiler(info(), max_threads=1, cache_enabled=False)
+
+                self._compiler = self._matchers.submit(build)
+        return self._compiler.result()
+
     def _run(self, compile_: _Compile) -> None:
-        """``compile_``'s compile, on a worker in its tenant's turn."""
+        """``compile_``'s compile, on a worker in its tenant's turn (its budget starts once the vocabulary is read)."""
+        try:
+            compiler = self._compiler_ready()
+        except Exception as exc:  # noqa: BLE001 - no constraint can compile; the device goes on
+            compile_.future.set_exception(ConstraintError(f"the model's vocabulary could not be read for constraints ({readable_error(exc)})"))
+            compile_.started.set()
+            return
         compile_.started_at = time.perf_counter()
         compile_.started.set()
         try:
-            compile_.future.set_result(self._compile(compile_.constraint))
+            compile_.future.set_result(self._compile(compiler, compile_.constraint))
         except ConstraintError as exc:
             compile_.future.set_exception(exc)
         except Exception as exc:  # noqa: BLE001 - this constraint fails, the device goes on
             compile_.future.set_exception(ConstraintError(f"the constraint could not be compiled ({readable_error(exc)})"))
 
-    def _compile(self, constraint: common_pb2.Constraint) -> xgrammar.CompiledGrammar:
+    def _compile(self, compiler: xgrammar.GrammarCompiler, constraint: common_pb2.Constraint) -> xgrammar.CompiledGrammar:
         start = time.perf_counter()
-        compiled = self._compiler.result().compile_grammar(constraint_grammar(constraint))
+        compiled = compiler.compile_grammar(constraint_grammar(constraint))
         seconds = time.perf_counter() - start
         log.info("compiled a %s constraint in %.1f ms", constraint.WhichOneof("kind"), seconds * 1e3)
         self._on_compile(False, seconds)
@@ -294,6 +320,8 @@ class GrammarTable:
         earlier_output = start.prompt_token_ids[len(start.prompt_token_ids) - start.output_offset:]  # a resumed sequence's
 
         def make_matcher() -> None:
+            import xgrammar  # loaded by the grammar's compile already
+
             try:
                 state.matcher = xgrammar.GrammarMatcher(compiled.result())
                 for token_id in earlier_output:  # where the failed device's matcher was
@@ -397,7 +425,10 @@ def _apply_bitmask(logits: torch.Tensor, masks: torch.Tensor, rows: list[int], f
     accelerators xgrammar's torch implementation on the uploaded masks (no triton needed)."""
     if fused:
         cpu_kernels.apply_token_bitmask_(logits, masks, rows)
-    elif logits.device.type == "cpu":
+        return
+    import xgrammar  # loaded by the grammar's compile already
+
+    if logits.device.type == "cpu":
         xgrammar.apply_token_bitmask_inplace(logits, masks, indices=rows, backend="cpu")
     else:
         # The pinned copy stays alive until the upload has run (torch's caching host allocator).

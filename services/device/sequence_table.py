@@ -25,7 +25,14 @@ block a sliding window left behind (``released``: the table keeps the entry, poi
 
 A new prepare stream calls `reset`: only host metadata is cleared; device values of a sequence
 are never read before that sequence's `SequenceStart` (and, for the last token, its first
-sampling row) has rewritten them.
+sampling row) has rewritten them. The ``[N, V]`` tables (presence, output counts, logit bias:
+9 bytes per sequence and vocabulary entry, 108 MiB for 256 sequences of a 49k vocabulary) are the
+exception: a start rewrites its row only where its parameters use the table (or, for the
+logit bias, where an earlier sequence left one), and on the CPU they lie in memory maps
+(`zeroed_pool`), so only the rows of requests that asked for penalties or biases hold memory. A
+row nobody rewrote is still read harmlessly: a repetition penalty of 1 and presence/frequency
+penalties of 0 leave every logit as it is whatever presence and counts say, and a bias row is
+zero unless its sequence set one (`_biased_rows`, which outlives `reset` as the values do).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from operator import or_
 import torch
 
 from stageserve.device.backends import to_device
+from stageserve.device.model.kv_cache import zeroed_pool
 from stageserve.device.sampler import SamplingTensors
 from stageserve.device.step_plan import AdmittedStep, PlanError, RowPooling, StartedSequence, Step
 from stageserve.sampling_rules import is_greedy, seed_as_int64
@@ -68,6 +76,9 @@ class StagedStarts:
         floats: ``[6, k]`` float32: temperature (0 when greedy), top_p, min_p, repetition_penalty,
             presence_penalty, frequency_penalty.
         ints: ``[2, k]`` int64: top_k, seed (uint64 bits as int64).
+        clear_presence, clear_counts, clear_bias: ``[r]`` int64 rows of the ``[N, V]`` tables to zero
+            first (sequences with a repetition penalty; with a presence or frequency penalty; with a
+            logit bias or in a row an earlier one biased); ``None`` when there are none.
         presence_rows, presence_tokens: ``[P]`` int64 coordinates of prompt tokens of sequences
             with a repetition penalty; ``None`` when there are none.
         bias_rows, bias_tokens, bias_values: ``[B]`` int64, int64, float32 entries of the
@@ -79,6 +90,9 @@ class StagedStarts:
     seq_index: torch.Tensor
     floats: torch.Tensor
     ints: torch.Tensor
+    clear_presence: torch.Tensor | None
+    clear_counts: torch.Tensor | None
+    clear_bias: torch.Tensor | None
     presence_rows: torch.Tensor | None
     presence_tokens: torch.Tensor | None
     bias_rows: torch.Tensor | None
@@ -105,10 +119,12 @@ class SequenceTable:
         self.last_token = torch.zeros(n, dtype=torch.int64, device=device)  # [N]
         self.floats = torch.ones(6, n, dtype=torch.float32, device=device)  # [6, N], see StagedStarts
         self.ints = torch.zeros(2, n, dtype=torch.int64, device=device)  # [2, N]
-        self.presence = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)  # [N, V]
+        device = torch.device(device)
+        self.presence = zeroed_pool((n, vocab_size), torch.bool, device)  # [N, V]
         # OpenAI's penalties and logit bias; float32 so that sampling reads them without a cast.
-        self.output_counts = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)  # [N, V]
-        self.logit_bias = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)  # [N, V]
+        self.output_counts = zeroed_pool((n, vocab_size), torch.float32, device)  # [N, V]
+        self.logit_bias = zeroed_pool((n, vocab_size), torch.float32, device)  # [N, V]
+        self._biased_rows: set[int] = set()  # rows of logit_bias that may be non-zero (stage time)
         # Embeddings: the weighted sum of each embedding sequence's final-normed hidden states so far.
         self.pooled = torch.zeros(n, hidden_size, dtype=torch.float32, device=device) if hidden_size else None  # [N, hidden]
         self.reset()
@@ -310,8 +326,16 @@ class SequenceTable:
         """Upload the parameters and prompt presence of ``started`` (non-empty) to the device."""
         floats, ints, rows, tokens = [[] for _ in range(6)], [[], []], [], []
         bias_rows, bias_tokens, bias_values, count_rows, count_tokens = [], [], [], [], []
+        clear_presence, clear_counts, clear_bias = [], [], []
         for start in started:
             p = start.sampling
+            if p.repetition_penalty != 1.0:
+                clear_presence.append(start.seq_index)
+            if p.presence_penalty or p.frequency_penalty:
+                clear_counts.append(start.seq_index)
+            if p.logit_bias or start.seq_index in self._biased_rows:
+                clear_bias.append(start.seq_index)
+            (self._biased_rows.add if p.logit_bias else self._biased_rows.discard)(start.seq_index)
             greedy = is_greedy(p.temperature, p.top_k)
             values = (0.0 if greedy else p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
             for column, value in zip(floats, values):
@@ -333,6 +357,9 @@ class SequenceTable:
             seq_index=to_device([s.seq_index for s in started], torch.int64, device),
             floats=to_device(floats, torch.float32, device),
             ints=to_device(ints, torch.int64, device),
+            clear_presence=to_device(clear_presence, torch.int64, device) if clear_presence else None,
+            clear_counts=to_device(clear_counts, torch.int64, device) if clear_counts else None,
+            clear_bias=to_device(clear_bias, torch.int64, device) if clear_bias else None,
             presence_rows=to_device(rows, torch.int64, device) if rows else None,
             presence_tokens=to_device(tokens, torch.int64, device) if tokens else None,
             bias_rows=to_device(bias_rows, torch.int64, device) if bias_rows else None,
@@ -346,14 +373,17 @@ class SequenceTable:
         """Write new sequences' parameters and prompt presence (inside the step's device work)."""
         self.floats[:, staged.seq_index] = staged.floats
         self.ints[:, staged.seq_index] = staged.ints
-        self.presence[staged.seq_index] = False
+        if staged.clear_presence is not None:
+            self.presence[staged.clear_presence] = False
         if staged.presence_rows is not None:
             self.presence[staged.presence_rows, staged.presence_tokens] = True
-        self.output_counts[staged.seq_index] = 0.0
+        if staged.clear_counts is not None:
+            self.output_counts[staged.clear_counts] = 0.0
         if staged.count_rows is not None:
             self.output_counts.index_put_((staged.count_rows, staged.count_tokens), torch.ones_like(staged.count_rows, dtype=torch.float32),
                                           accumulate=True)
-        self.logit_bias[staged.seq_index] = 0.0
+        if staged.clear_bias is not None:
+            self.logit_bias[staged.clear_bias] = 0.0
         if self.pooled is not None:
             self.pooled[staged.seq_index] = 0.0
         if staged.bias_rows is not None:

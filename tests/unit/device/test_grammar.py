@@ -112,7 +112,6 @@ def test_a_compile_past_its_budget_is_refused_naming_it_and_at_once_when_it_come
     looks = []
     grammars = CompiledGrammars(lambda: xgrammar.TokenizerInfo(VOCAB, stop_token_ids=[EOS]), budget_s=0.1,
                                 on_compile=lambda cached, seconds: looks.append(cached))
-    grammars.wait_ready()
     with pytest.raises(ConstraintError, match="budget of 0.1 s"):
         grammars.compile_within(wide_schema(600), "team-a", wait_s=30)
     with pytest.raises(ConstraintError, match="budget of 0.1 s"):
@@ -124,7 +123,6 @@ def test_a_compile_past_its_budget_is_refused_naming_it_and_at_once_when_it_come
 def test_one_tenants_slow_compiles_run_one_at_a_time_and_never_delay_another_tenants():
     """Two workers; team-a queues three slow schemas: it holds one worker, team-b's compile takes the other at once."""
     grammars = CompiledGrammars(lambda: xgrammar.TokenizerInfo(VOCAB, stop_token_ids=[EOS]), workers=2, budget_s=0.1)
-    grammars.wait_ready()
     slow = [grammars.get(wide_schema(500 + i), "team-a") for i in range(3)]
     time.sleep(0.05)
     started = time.perf_counter()

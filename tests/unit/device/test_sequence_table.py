@@ -124,6 +124,39 @@ def test_device_state_gathers_sampling_tensors_and_tracks_presence(table):
     assert torch.nonzero(table.presence[2]).view(-1).tolist() == [5, 6, 7, 42]
 
 
+
+def test_a_start_rewrites_only_the_vocabulary_rows_its_parameters_use(table):
+    """The [N, V] tables hold memory only where written: a plain start leaves its presence and count
+    rows alone (read harmlessly: penalty 1 and 0 change no logit), a penalised one zeroes them
+    first, and a bias row is zeroed for the next sequence of the row that had one."""
+    def start_in(step_id: int, seq: int, generation: int, sampling):
+        step = admit(table, prefill(step_id, seq, generation, blocks=(seq,), sampling=sampling))
+        staged = table.stage_starts(step.step.started)
+        table.apply_starts(staged)
+        return step, staged
+
+    penalised = common_pb2.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.3, presence_penalty=0.5, logit_bias={9: 4.0})
+    step, staged = start_in(1, 0, 1, penalised)
+    rows = torch.tensor([0])
+    table.record_sampled(rows, torch.tensor([42]), table.sampling_tensors(step, rows, torch.tensor(step.sampled_step_index)))
+    assert [staged.clear_presence.tolist(), staged.clear_counts.tolist(), staged.clear_bias.tolist()] == [[0], [0], [0]]
+    assert table.logit_bias[0, 9].item() == 4.0 and table.output_counts[0, 42].item() == 1.0
+    assert torch.nonzero(table.presence[0]).view(-1).tolist() == [5, 6, 7, 42]
+    admit(table, decode(2, seq=0, finished=[0]))
+
+    _, staged = start_in(3, 0, 2, GREEDY)  # the row's next sequence sets none of them
+    assert (staged.clear_presence, staged.clear_counts) == (None, None) and staged.clear_bias.tolist() == [0]
+    assert not table.logit_bias[0].any()
+    assert torch.nonzero(table.presence[0]).view(-1).tolist() == [5, 6, 7, 42] and table.output_counts[0, 42].item() == 1.0
+    admit(table, decode(4, seq=0, generation=2, finished=[0]))
+
+    _, staged = start_in(5, 0, 3, GREEDY)  # nothing left to clear
+    assert (staged.clear_presence, staged.clear_counts, staged.clear_bias) == (None, None, None)
+    admit(table, decode(6, seq=0, generation=3, finished=[0]))
+
+    _, staged = start_in(7, 0, 4, common_pb2.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.1, frequency_penalty=0.2))
+    assert torch.nonzero(table.presence[0]).view(-1).tolist() == [5, 6, 7] and not table.output_counts[0].any()
+
 # ---- ownership: a row writes only KV blocks no other live sequence holds ----------------------------
 
 def test_a_row_writing_a_block_another_live_sequence_holds_is_refused_and_changes_nothing(table):
