@@ -14,6 +14,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from stageserve.metrics_http import start_metrics_server
+from stageserve.process_memory import return_freed_memory
 from stageserve.reclaim.detokenizer import IncrementalDetokenizer, decoder_for
 from stageserve.reclaim.links import CompletionLink, CompletionLinks
 from stageserve.reclaim.metrics import ReclaimMetrics
@@ -64,6 +65,7 @@ def attach_devices(args: argparse.Namespace, model_path: Path, reclaim: ReclaimS
     Readiness is SERVING while at least one device is attached and ``draining`` is not set.
     """
     detokenizer = IncrementalDetokenizer(decoder_for(load_fast_tokenizer(model_path)))
+    return_freed_memory()  # what reading the tokenizer freed
     log.info("tokenizer loaded from %s", model_path.name)
     links = CompletionLinks(
         args.device, args.device_refresh_s,
