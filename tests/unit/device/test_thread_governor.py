@@ -4,6 +4,8 @@ from this process."""
 
 from __future__ import annotations
 
+import pytest
+
 from stageserve.device.kernels.thread_governor import ComputeThreadGovernor, process_run_queue_wait_s
 
 
@@ -72,11 +74,14 @@ def test_a_failed_probe_goes_back_and_the_next_waits_twice_as_long() -> None:
     assert machine.set_calls == [1, 2, 1, 2, 1]
 
 
-def test_the_pipelines_own_threads_raise_the_wait_but_a_thread_fewer_runs_slower_so_it_comes_back() -> None:
-    """One stream: the wait crosses the line with no other process; the trial measures one thread
-    slower and goes back to two; the next trial comes 30 s later, the one after 60 s later."""
-    machine = Machine()
-    machine.load = Machine.OWN_PIPELINE
+@pytest.mark.parametrize(("probe_down", "load"), [(False, Machine.OWN_PIPELINE), (True, None)], ids=["contended", "small-steps-calm"])
+def test_a_thread_fewer_that_runs_slower_comes_back_and_is_tried_again_later(probe_down, load) -> None:
+    """One stream, the pipeline's own threads raising the wait over the line with no other process
+    (or, for the small steps' governor, ``probe_down``, a calm machine): each trial measures one
+    thread slower and goes back to two; the next comes 30 s later, the one after 60 s later."""
+    machine = Machine(probe_down=probe_down)
+    if load is not None:
+        machine.load = load
     machine.steps(4.5)
     assert machine.set_calls == [1]
     machine.steps(4.5)
@@ -118,21 +123,3 @@ def test_small_steps_probe_a_thread_fewer_and_keep_it_where_it_serves_faster() -
     assert machine.set_calls == [1, 2, 1]
     machine.steps(25)
     assert machine.set_calls == [1, 2, 1] and machine.governor.threads == 1
-
-
-def test_small_steps_go_back_where_a_thread_fewer_is_slower_and_probe_again_later() -> None:
-    """Where two threads serve faster (the quiet machine's figures), each probe down goes back after
-    its trial, and the next waits 30 s, then 60 s: a few windows in minutes at the slower count."""
-    machine = Machine(probe_down=True)
-    machine.steps(4.1)
-    assert machine.set_calls == [1]
-    machine.steps(4.1)
-    assert machine.set_calls == [1, 2]
-    machine.steps(25)
-    assert machine.set_calls == [1, 2]
-    machine.steps(12)
-    assert machine.set_calls == [1, 2, 1, 2]
-    machine.steps(50)
-    assert machine.set_calls == [1, 2, 1, 2]
-    machine.steps(20)
-    assert machine.set_calls == [1, 2, 1, 2, 1, 2] and machine.governor.threads == 2
