@@ -116,13 +116,16 @@ class CpuBackend(Backend):
             ``SMALL_STEP_ROWS`` rows (interactive streams) and larger ones each get a governor of
             their own, the small steps' also trying a thread fewer without contention: at one
             stream the host's own threads need a core more than the step needs a second thread on
-            some CPUs and not on others (the governor's docstring).
+            some CPUs and not on others (the governor's docstring). The small steps' governor
+            judges over ``SMALL_STEP_WINDOW_S`` windows (a few hundred steps each): an interactive
+            user's requests are short, and a wrong choice is undone as quickly.
     """
 
     name = "cpu"
     # How often an idle caller-side loop returns to Python, so the main thread runs signal handlers.
     _IDLE_WAKE_S = 0.2
     SMALL_STEP_ROWS = 4
+    SMALL_STEP_WINDOW_S = 1.0
 
     def __init__(self, threads: int | None = None, on_caller: bool = False, adaptive_threads: bool = False) -> None:
         self.device = torch.device("cpu")
@@ -132,7 +135,8 @@ class CpuBackend(Backend):
         self._governors: tuple[ComputeThreadGovernor, ComputeThreadGovernor] | None = None  # small steps', larger ones'
         if adaptive_threads and threads and threads > 1:
             keep = lambda count: None  # noqa: E731 - _run sets the count of the governor whose step runs
-            self._governors = (ComputeThreadGovernor(threads, probe_down=True, set_threads=keep), ComputeThreadGovernor(threads, set_threads=keep))
+            small = ComputeThreadGovernor(threads, window_s=self.SMALL_STEP_WINDOW_S, probe_down=True, set_threads=keep)
+            self._governors = (small, ComputeThreadGovernor(threads, set_threads=keep))
         self._queue: queue.SimpleQueue[tuple[Callable[[], None], Future[None], int] | None] = queue.SimpleQueue()
         self._thread = None if on_caller else threading.Thread(target=self._loop, name="device-compute", daemon=True)
         if self._thread is not None:

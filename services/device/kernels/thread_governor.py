@@ -34,6 +34,11 @@ change is a **trial judged by the step rate** (steps per second over the windows
   since, twice that after another failure, and so on (up to ``max_probe_after_s``); a trial that
   stays resets the waits (a drop may then come as soon as contention shows).
 
+A window's step rate counts only the time the device was stepping: a pause between two steps
+longer than ``idle_gap_s`` (a request's arrival at one stream, the other governor's prefill) is left
+out, since the thread count did not cause it; one such pause in a one-second window would otherwise
+move its rate by more than the trial's margin.
+
 Every change is logged; `threads` is what the next step uses.
 """
 
@@ -79,22 +84,24 @@ class ComputeThreadGovernor:
             the rule's figures (seconds; run-queue wait in CPU-seconds per second per compute thread;
             the share a trial's step rate must gain, and the change that decides after one window).
         probe_down: also try one thread fewer without contention (module docstring).
+        idle_gap_s: a pause between steps longer than this (seconds) is not counted in the step rate.
         clock, read_wait, set_threads: injectable for tests (defaults: ``time.monotonic``,
             `process_run_queue_wait_s`, ``torch.set_num_threads``).
     """
 
     def __init__(self, max_threads: int, window_s: float = 2.0, contended_wait: float = 0.33, calm_wait: float = 0.2, probe_after_s: float = 30.0,
                  max_probe_after_s: float = 300.0, trial_gain: float = 0.02, clear_margin: float = 0.1, probe_down: bool = False,
-                 clock: Callable[[], float] = time.monotonic,
+                 idle_gap_s: float = 0.02, clock: Callable[[], float] = time.monotonic,
                  read_wait: Callable[[], float] = process_run_queue_wait_s, set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
         self.max_threads = self.threads = max(1, max_threads)
         self._window_s, self._contended_wait, self._calm_wait = window_s, contended_wait, calm_wait
-        self._trial_gain, self._clear_margin, self._probe_down = trial_gain, clear_margin, probe_down
+        self._trial_gain, self._clear_margin, self._probe_down, self._idle_gap_s = trial_gain, clear_margin, probe_down, idle_gap_s
         self._max_wait_s = max_probe_after_s
         self._fresh_waits = {+1: probe_after_s, -1: 0.0}  # before a trial up / down, after the last change: a drop may come at once
         self._wait_before = dict(self._fresh_waits)
         self._clock, self._read_wait, self._set_threads = clock, read_wait, set_threads
         self._window_start, self._wait_at_start, self._busy_s, self._steps = clock(), read_wait(), 0.0, 0
+        self._idle_s, self._last_end = 0.0, self._window_start  # the window's pauses longer than idle_gap_s; the last step's end
         self._last_change = self._window_start
         self._rates: list[float] = []  # step rates of the busy windows at the current count (the last two), or of the trial
         self._trial: tuple[int, float] | None = None  # (direction, the step rate before it) while a trial runs
@@ -103,10 +110,12 @@ class ComputeThreadGovernor:
     def run(self, step: Callable[[], T]) -> T:
         """``step()``, timed; at the end of a window, the thread count for the next steps is decided."""
         start = self._clock()
+        if start - self._last_end > self._idle_gap_s:
+            self._idle_s += start - max(self._last_end, self._window_start)
         try:
             return step()
         finally:
-            end = self._clock()
+            end = self._last_end = self._clock()
             self._busy_s += end - start
             self._steps += 1
             if end - self._window_start >= self._window_s:
@@ -116,8 +125,8 @@ class ComputeThreadGovernor:
         elapsed = now - self._window_start
         wait = self._read_wait()
         wait_per_thread = (wait - self._wait_at_start) / elapsed / self.threads
-        busy, rate = self._busy_s / elapsed, self._steps / elapsed
-        self._window_start, self._wait_at_start, self._busy_s, self._steps = now, wait, 0.0, 0
+        busy, rate = self._busy_s / elapsed, self._steps / max(elapsed - self._idle_s, self._busy_s)
+        self._window_start, self._wait_at_start, self._busy_s, self._steps, self._idle_s = now, wait, 0.0, 0, 0.0
         if busy < 0.5:
             self._contended_streak = self._calm_streak = 0
             return

@@ -19,10 +19,10 @@ class Machine:
     OWN_PIPELINE = {1: (0.016, 0.3), 2: (0.0136, 0.4)}  # one stream: prepare and reclaim raise the wait, two threads still win
     HOST_NEEDS_A_CORE = {1: (0.0058, 0.08), 2: (0.0068, 0.22)}  # one stream, 2-core AMD EPYC: one thread wins, the wait calm
 
-    def __init__(self, probe_down: bool = False) -> None:
+    def __init__(self, probe_down: bool = False, **rule) -> None:
         self.now, self.wait, self.load, self.set_calls = 0.0, 0.0, self.QUIET, []
         self.governor = ComputeThreadGovernor(2, probe_down=probe_down, clock=lambda: self.now, read_wait=lambda: self.wait,
-                                              set_threads=self.set_calls.append)
+                                              set_threads=self.set_calls.append, **rule)
 
     def steps(self, seconds: float, idle_s: float = 0.0) -> None:
         """Steps (with ``idle_s`` between them) for ``seconds``."""
@@ -123,3 +123,16 @@ def test_small_steps_probe_a_thread_fewer_and_keep_it_where_it_serves_faster() -
     assert machine.set_calls == [1, 2, 1]
     machine.steps(25)
     assert machine.set_calls == [1, 2, 1] and machine.governor.threads == 1
+
+
+def test_a_pause_between_steps_is_not_counted_against_the_thread_count(caplog: pytest.LogCaptureFixture) -> None:
+    """One stream, one-second windows: the next request's arrival pauses the steps; counted, the
+    pause would make the trial's window look 18 % slower and send one thread back."""
+    caplog.set_level("INFO", logger="stageserve.device.kernels.thread_governor")
+    machine = Machine(probe_down=True, window_s=1.0)
+    machine.load = Machine.HOST_NEEDS_A_CORE
+    machine.steps(2.05)
+    assert machine.set_calls == [1]
+    machine.now += 0.3  # the pause
+    machine.steps(1.2)  # the trial's window, 17 % faster by its steps: judged at once
+    assert machine.set_calls == [1] and "compute threads 1 kept" in caplog.text
