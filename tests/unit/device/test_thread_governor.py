@@ -18,6 +18,7 @@ class Machine:
     ONE_CORE_BUSY = {1: (0.085, 0.24), 2: (0.16, 0.42)}  # two threads run at half the rate of one
     OWN_PIPELINE = {1: (0.016, 0.3), 2: (0.0136, 0.4)}  # one stream: prepare and reclaim raise the wait, two threads still win
     HOST_NEEDS_A_CORE = {1: (0.0058, 0.08), 2: (0.0068, 0.22)}  # one stream, 2-core AMD EPYC: one thread wins, the wait calm
+    ONE_STREAM_TIE = {1: (0.0066, 0.08), 2: (0.0065, 0.22)}  # one stream, the mean rate alike (the tail is one thread's)
 
     def __init__(self, probe_down: bool = False, **rule) -> None:
         self.now, self.wait, self.load, self.set_calls = 0.0, 0.0, self.QUIET, []
@@ -136,3 +137,17 @@ def test_a_pause_between_steps_is_not_counted_against_the_thread_count(caplog: p
     machine.now += 0.3  # the pause
     machine.steps(1.2)  # the trial's window, 17 % faster by its steps: judged at once
     assert machine.set_calls == [1] and "compute threads 1 kept" in caplog.text
+
+
+def test_a_tie_keeps_the_small_steps_thread_fewer_but_not_the_large_steps() -> None:
+    """Rates within the trial's gain: the small steps' governor keeps one thread (less CPU, no barrier
+    for a preemption to stall); a governor without ``probe_down``, its trial down caused by
+    contention, goes back."""
+    small = Machine(probe_down=True)
+    small.load = Machine.ONE_STREAM_TIE
+    small.steps(8.2)
+    assert small.set_calls == [1]
+    large = Machine()
+    large.load = {1: (0.0066, 0.3), 2: (0.0065, 0.4)}  # contended at two threads, a tie at one
+    large.steps(8.2)
+    assert large.set_calls == [1, 2]
