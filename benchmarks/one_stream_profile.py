@@ -10,7 +10,8 @@ thread: ``docs/benchmarks.md``, "The compute thread") it also gives, per output 
 ran, waited runnable for a CPU and was blocked (from ``/proc/PID/task/PID/schedstat`` and the wall
 time), and its voluntary context switches (``status``): a compute thread that blocks many times a
 step is waiting for the GIL, which the device's other Python threads take each time they wake.
-``--repeats`` runs, medians.
+``--repeats`` runs, medians. ``--streams N`` runs N streams at once instead (figures still per
+output token: times N for a step's).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/one_stream_profile.py --repeats 3
 """
@@ -66,6 +67,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--streams", type=int, default=1, help="concurrent streams (default 1)")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--device-args", default="", help="extra flags for the device, one string")
@@ -80,7 +82,7 @@ def main() -> int:
             compute_before, start = compute_thread_sched(pipeline.device.pid), time.monotonic()
             report_path = workdir / f"report-{repeat}.json"
             client = subprocess.run(["/usr/bin/time", "-f", "%U %S", sys.executable, "-m", "stageserve", "bench", "--target",
-                                     pipeline.prepare.address, "--streams", "1", "--requests", str(args.requests),
+                                     pipeline.prepare.address, "--streams", str(args.streams), "--requests", str(args.requests),
                                      "--output-len", str(args.output_len), "--input-len", str(args.input_len), "--no-progress",
                                      "--json", str(report_path)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             wall_s, compute = time.monotonic() - start, difference(compute_thread_sched(pipeline.device.pid), compute_before)
@@ -105,7 +107,7 @@ def main() -> int:
         pipeline.stop()
     keys = sorted({key for run in runs for key in run})
     medians = {key: statistics.median(run.get(key, 0.0) for run in runs) for key in keys}
-    print(f"\nmedians of {len(runs)} runs, 1 stream, {args.requests} requests x {args.output_len} tokens; per output token"
+    print(f"\nmedians of {len(runs)} runs, {args.streams} stream(s), {args.requests} requests x {args.output_len} tokens; per output token"
           " (CPU ms of each process's threads by name; the device's compute thread: wall ms and switches):")
     print("| figure | value |\n|---|---:|")
     for key in keys:
