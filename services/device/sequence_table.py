@@ -114,12 +114,11 @@ class SequenceTable:
     """
 
     def __init__(self, max_num_seqs: int, vocab_size: int, block_size: int, device: torch.device, hidden_size: int = 0) -> None:
-        n = max_num_seqs
+        n, device = max_num_seqs, torch.device(device)
         self.max_num_seqs, self.vocab_size, self.block_size, self.device = n, vocab_size, block_size, device
         self.last_token = torch.zeros(n, dtype=torch.int64, device=device)  # [N]
         self.floats = torch.ones(6, n, dtype=torch.float32, device=device)  # [6, N], see StagedStarts
         self.ints = torch.zeros(2, n, dtype=torch.int64, device=device)  # [2, N]
-        device = torch.device(device)
         self.presence = zeroed_pool((n, vocab_size), torch.bool, device)  # [N, V]
         # OpenAI's penalties and logit bias; float32 so that sampling reads them without a cast.
         self.output_counts = zeroed_pool((n, vocab_size), torch.float32, device)  # [N, V]
@@ -335,7 +334,10 @@ class SequenceTable:
                 clear_counts.append(start.seq_index)
             if p.logit_bias or start.seq_index in self._biased_rows:
                 clear_bias.append(start.seq_index)
-            (self._biased_rows.add if p.logit_bias else self._biased_rows.discard)(start.seq_index)
+            if p.logit_bias:
+                self._biased_rows.add(start.seq_index)
+            else:
+                self._biased_rows.discard(start.seq_index)
             greedy = is_greedy(p.temperature, p.top_k)
             values = (0.0 if greedy else p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
             for column, value in zip(floats, values):

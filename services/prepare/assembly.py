@@ -39,9 +39,9 @@ def build_prepare(args: argparse.Namespace) -> PrepareService:
     from stageserve.prepare.metrics import PrepareMetrics
     from stageserve.prepare.sampling_defaults import load_sampling_defaults
     from stageserve.prepare.service import SERVICE_NAME
+    from stageserve.process_memory import return_freed_memory
     from stageserve.security.config import ServiceSecurity
     from stageserve.server import AioServiceServer, profile_dir
-    from stageserve.process_memory import return_freed_memory
     from stageserve.tokenizer import load_tokenizer
     from stageserve.tracing import Tracer
 
