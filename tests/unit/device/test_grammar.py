@@ -129,3 +129,27 @@ def test_one_tenants_slow_compiles_run_one_at_a_time_and_never_delay_another_ten
     cached, _ = grammars.compile_within(common_pb2.Constraint(regex="[a-z]+"), "team-b", wait_s=30)
     assert not cached and time.perf_counter() - started < 0.3  # not behind team-a's ~0.4 s compiles
     assert sum(future.done() for future in slow) <= 1  # team-a's run one after another
+
+
+def test_the_vocabulary_is_read_at_the_first_constraint_once_and_its_failure_names_it():
+    """A device that serves no constraint never reads the vocabulary (nor imports xgrammar's
+    vocabulary tables); the first compile reads it once for all; a vocabulary that cannot be read
+    fails each constraint with a message that says so, not the device."""
+    reads = []
+
+    def tokenizer_info() -> xgrammar.TokenizerInfo:
+        reads.append(1)
+        return xgrammar.TokenizerInfo(VOCAB, stop_token_ids=[EOS])
+
+    grammars = CompiledGrammars(tokenizer_info)
+    assert reads == []
+    assert grammars.compile_within(common_pb2.Constraint(regex="a+"), "", wait_s=30)[0] is False
+    assert grammars.compile_within(common_pb2.Constraint(regex="b+"), "", wait_s=30)[0] is False
+    assert reads == [1]
+
+    def unreadable() -> xgrammar.TokenizerInfo:
+        raise ValueError("cannot load a tokenizer from model.gguf")
+
+    broken = CompiledGrammars(unreadable)
+    with pytest.raises(ConstraintError, match="vocabulary could not be read for constraints.*cannot load a tokenizer"):
+        broken.compile_within(common_pb2.Constraint(regex="a+"), "", wait_s=30)
