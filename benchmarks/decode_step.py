@@ -5,7 +5,8 @@ context, one after the other for each batch size, so the ratio is measured side 
 
 - **stageserve**: ``DecoderModel`` over the paged KV cache plus the on-device sampler (greedy), one
   batched decode step per token, prompts of ``--context`` tokens prefilled first; where the fused CPU
-  kernels are in use, the same model in plain torch ops runs alongside;
+  kernels are in use, the same model in plain torch ops runs alongside, and where a decode step's
+  layers run as one C++ call (``model/fused_decode.py``), the same model with them op by op;
 - **transformers**: ``AutoModelForCausalLM.generate`` (greedy, static batch, KV cache), decode time
   per step = (time for 1 + N new tokens − time for 1 new token) / N, so the prefill is excluded.
 
@@ -109,6 +110,7 @@ def main() -> None:
     # The same model in plain torch ops, where the fused CPU kernels are in use.
     ours_torch = DecoderModel(config, weights, device, cpu_kernels_allowed=False, weight_format=args.weights) if ours.cpu_kernels else None
     del weights
+    one_call = ours.fused_decode  # the decode layers as one C++ call, or None (switched off for the per-op side)
     hf = None
     if not args.no_transformers:
         from transformers import AutoModelForCausalLM
@@ -116,16 +118,21 @@ def main() -> None:
         hf = AutoModelForCausalLM.from_pretrained(**transformers_source(path), dtype=dtype).to(device).eval()
     print(f"model {path.name}, {args.device}, dtype {args.dtype}, weights {args.weights}, threads {args.threads}, context {args.context}, {args.steps} decode steps, median of {args.repeats}")
     print(f"stageserve layers: {'fused CPU kernels (plain torch ops shown alongside)' if ours_torch else 'plain torch ops'}")
-    print("| batch | stageserve step ms | stageserve tokens/s | transformers step ms | transformers tokens/s | ratio |" + (" plain-torch step ms | kernels speed-up |" if ours_torch else ""))
-    print("|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if ours_torch else ""))
+    print("| batch | stageserve step ms | stageserve tokens/s | transformers step ms | transformers tokens/s | ratio |"
+          + (" plain-torch step ms | kernels speed-up |" if ours_torch else "") + (" per-op layers step ms | one-call speed-up |" if one_call else ""))
+    print("|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if ours_torch else "") + ("---:|---:|" if one_call else ""))
     for batch in args.batch:
-        ours_ms, hf_ms, torch_ms = [], [], []
+        ours_ms, hf_ms, torch_ms, per_op_ms = [], [], [], []
         for _ in range(args.repeats):  # the sides alternate, so machine noise hits them alike
             ours_ms.append(ours_decode_ms(ours, batch, args.context, args.steps))
             if hf is not None:
                 hf_ms.append(transformers_decode_ms(hf, batch, args.context, args.steps))
             if ours_torch:
                 torch_ms.append(ours_decode_ms(ours_torch, batch, args.context, args.steps))
+            if one_call is not None:
+                ours.fused_decode = None
+                per_op_ms.append(ours_decode_ms(ours, batch, args.context, args.steps))
+                ours.fused_decode = one_call
         ours_ms = statistics.median(ours_ms)
         row = f"| {batch} | {ours_ms:.2f} | {batch / ours_ms * 1e3:.0f} |"
         if hf_ms:
@@ -135,6 +142,8 @@ def main() -> None:
             row += " - | - | - |"
         if ours_torch:
             row += f" {statistics.median(torch_ms):.1f} | {statistics.median(torch_ms) / ours_ms:.2f}x |"
+        if per_op_ms:
+            row += f" {statistics.median(per_op_ms):.2f} | {statistics.median(per_op_ms) / ours_ms:.2f}x |"
         print(row, flush=True)
 
 
