@@ -42,13 +42,13 @@ values (docs/backends.md#quantized-weights---weights).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from stageserve.device.kernels import cpu_kernels
+from stageserve.device.kernels import cpu_kernels, huge_pages
 from stageserve.device.kernels.quant import (GROUP, SUPER, Int4Weight, Int5Weight, Int8Weight, KernelWeight, KQuantWeight, StackedWeight,
                                              format_name, round_symmetric_int8, weight_shape)
 
@@ -389,6 +389,10 @@ class QuantizedLinear:
         """Every tensor this linear holds (for memory accounting)."""
         return self.kernel.tensors() + ([self.bias] if self.bias is not None else []) + (self.dense.tensors() if self.dense is not None else [])
 
+    def kernel_parts(self) -> list[VnniKernel | TorchInt4Kernel | TorchInt8Kernel]:
+        """The kernel, or a stacked weight's kernels in row order."""
+        return self.kernel.kernels if isinstance(self.kernel, StackedKernel) else [self.kernel]
+
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [T] int64 of an int8 weight, dequantized: [T, in] of ``dtype`` (a tied embedding table)."""
         return self.kernel.rows(ids)
@@ -412,3 +416,14 @@ class QuantizedLinear:
     def dense_weight(self) -> torch.Tensor:
         """The weight dequantized to ``dtype`` ``[N, K]``, from the kernel's copy (no other copy is kept)."""
         return self.kernel.dense_weight()
+
+
+def move_onto_huge_pages(linears: Iterable[object]) -> int:
+    """Move the `VnniKernel` weights of each `QuantizedLinear` among ``linears`` (others are skipped)
+    into one memory map on transparent huge pages, in the order given (`huge_pages.onto_huge_pages`:
+    why), so that a decode step streams them as one region; returns the bytes moved."""
+    kernels = [k for lin in linears if isinstance(lin, QuantizedLinear) for k in lin.kernel_parts() if isinstance(k, VnniKernel)]
+    copies = iter(huge_pages.onto_huge_pages([t for k in kernels for t in (k.packed, k.scales)]))
+    for kernel in kernels:
+        kernel.packed, kernel.scales = next(copies), next(copies)
+    return sum(k.packed.nbytes + k.scales.nbytes for k in kernels)

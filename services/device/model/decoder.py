@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from stageserve.device.kernels import cpu_kernels, dense_copies, quant
 from stageserve.device.kernels.quant import QuantizedWeight
-from stageserve.device.kernels.quant_linear import QuantizedLinear, fits
+from stageserve.device.kernels.quant_linear import QuantizedLinear, fits, move_onto_huge_pages
 from stageserve.device.model.attention import attention_output, decode_attention, prefill_masks, within_window
 from stageserve.device.model.config import ModelConfig
 from stageserve.device.model.forward_batch import ForwardBatch
@@ -163,6 +163,8 @@ class DecoderModel:
         # budget of one dense copy applies to oneDNN's copies (a CPU without AMX).
         self.amx_dense_copies = amx and self.dtype == torch.bfloat16 and cpu_kernels.amx_ready(torch.empty(16, 32, dtype=torch.bfloat16))
         self._keep_dense_copies(dense_copy, budgeted=not self.amx_dense_copies)
+        if self.device.type == "cpu":  # a decode step streams the layers' weights, then the head's: one region on huge pages
+            move_onto_huge_pages([lin for layer in self.layers for lin in layer.linears()] + [self.lm_head])
         self.amx_linears = any(getattr(lin, "amx_weight", None) is not None for layer in self.layers for lin in layer.linears())
         self.rope, self.layer_rope = layer_rope_tables(config, self.dtype, self.device)  # [(cos, signed_sin) [P, D]], an index per layer
         self.layer_windows = config.layer_windows

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from stageserve.device.kernels import cpu_kernels
-from stageserve.device.kernels.quant_linear import QuantizedLinear, StackedKernel, VnniKernel
+from stageserve.device.kernels.quant_linear import QuantizedLinear, VnniKernel
 from stageserve.device.model.forward_batch import ForwardBatch
 from stageserve.device.model.kv_cache import PagedKVCache
 
@@ -43,7 +43,7 @@ class FusedDecodeLayers:
         self._tensors: list[torch.Tensor] = []
         self._meta: list[int] = []
         for linear in self._linears:
-            kernels = linear.kernel.kernels if isinstance(linear.kernel, StackedKernel) else [linear.kernel]
+            kernels = linear.kernel_parts()
             self._meta += [len(kernels), linear.bias is not None]
             for kernel in kernels:
                 self._meta += [kernel.bits, kernel.input_bits, kernel.scheme]
@@ -88,7 +88,4 @@ class FusedDecodeLayers:
 
 def _on_vnni(linear) -> bool:
     """Whether ``linear`` is a `QuantizedLinear` on the VNNI kernel (or on several, stacked)."""
-    if not isinstance(linear, QuantizedLinear):
-        return False
-    kernels = linear.kernel.kernels if isinstance(linear.kernel, StackedKernel) else [linear.kernel]
-    return all(isinstance(kernel, VnniKernel) for kernel in kernels)
+    return isinstance(linear, QuantizedLinear) and all(isinstance(kernel, VnniKernel) for kernel in linear.kernel_parts())
