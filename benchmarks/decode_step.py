@@ -5,8 +5,10 @@ context, one after the other for each batch size, so the ratio is measured side 
 
 - **stageserve**: ``DecoderModel`` over the paged KV cache plus the on-device sampler (greedy), one
   batched decode step per token, prompts of ``--context`` tokens prefilled first; where the fused CPU
-  kernels are in use, the same model in plain torch ops runs alongside, and where a decode step's
-  layers run as one C++ call (``model/fused_decode.py``), the same model with them op by op;
+  kernels are in use, the same model in plain torch ops runs alongside, where a decode step's
+  layers run as one C++ call (``model/fused_decode.py``), the same model with them op by op, and
+  where the quantized kernels' weights are on huge pages (``kernels/huge_pages.py``), the same model
+  with copies of them on ordinary (4 KiB) pages;
 - **transformers**: ``AutoModelForCausalLM.generate`` (greedy, static batch, KV cache), decode time
   per step = (time for 1 + N new tokens − time for 1 new token) / N, so the prefill is excluded.
 
@@ -29,7 +31,9 @@ import torch
 
 from stageserve.device.model.kv_cache import PagedKVCache
 from stageserve.device.model.forward_batch import build_forward_batch
+from stageserve.device.kernels.quant_linear import QuantizedLinear, VnniKernel
 from stageserve.device.model.decoder import DecoderModel
+from stageserve.device.model.fused_decode import FusedDecodeLayers
 from stageserve.device.flags import WEIGHT_FORMATS
 from stageserve.device.sampler import argmax_rows
 from stageserve.device.model.weights import load_weights
@@ -65,6 +69,27 @@ def ours_decode_ms(model: DecoderModel, batch: int, context: int, steps: int) ->
             tokens = argmax_rows(logits, model.cpu_kernels).tolist()  # the sampler's greedy path; .tolist() synchronizes
             times.append(time.perf_counter() - start)
     return statistics.median(times[2:]) * 1e3
+
+
+class HugePageSides:
+    """The model's VNNI kernel weights as the model holds them (on huge pages) and copies of them on
+    ordinary pages (``clone``: the allocator's 4 KiB pages), to switch between; ``moved`` says whether
+    the model holds such weights on huge pages at all."""
+
+    def __init__(self, model: DecoderModel) -> None:
+        self.model = model
+        linears = [lin for layer in model.layers for lin in layer.linears()] + [model.lm_head]
+        self.kernels = [k for lin in linears if isinstance(lin, QuantizedLinear) for k in lin.kernel_parts() if isinstance(k, VnniKernel)]
+        self.huge = [(k.packed, k.scales) for k in self.kernels]
+        self.moved = len(self.huge) > 1 and len({packed.untyped_storage().data_ptr() for packed, _ in self.huge}) == 1
+        self.small = [(packed.clone(), scales.clone()) for packed, scales in self.huge] if self.moved else []
+
+    def use(self, small: bool) -> None:
+        """Point the kernels at the copies on ordinary pages (``small``) or back at the model's own."""
+        for kernel, (packed, scales) in zip(self.kernels, self.small if small else self.huge):
+            kernel.packed, kernel.scales = packed, scales
+        if self.model.fused_decode is not None:  # it holds the tensors it was built with
+            self.model.fused_decode = FusedDecodeLayers.for_model(self.model)
 
 
 def transformers_decode_ms(hf_model, batch: int, context: int, steps: int) -> float:
@@ -111,6 +136,7 @@ def main() -> None:
     ours_torch = DecoderModel(config, weights, device, cpu_kernels_allowed=False, weight_format=args.weights) if ours.cpu_kernels else None
     del weights
     one_call = ours.fused_decode  # the decode layers as one C++ call, or None (switched off for the per-op side)
+    huge_pages = HugePageSides(ours)
     hf = None
     if not args.no_transformers:
         from transformers import AutoModelForCausalLM
@@ -119,10 +145,12 @@ def main() -> None:
     print(f"model {path.name}, {args.device}, dtype {args.dtype}, weights {args.weights}, threads {args.threads}, context {args.context}, {args.steps} decode steps, median of {args.repeats}")
     print(f"stageserve layers: {'fused CPU kernels (plain torch ops shown alongside)' if ours_torch else 'plain torch ops'}")
     print("| batch | stageserve step ms | stageserve tokens/s | transformers step ms | transformers tokens/s | ratio |"
-          + (" plain-torch step ms | kernels speed-up |" if ours_torch else "") + (" per-op layers step ms | one-call speed-up |" if one_call else ""))
-    print("|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if ours_torch else "") + ("---:|---:|" if one_call else ""))
+          + (" plain-torch step ms | kernels speed-up |" if ours_torch else "") + (" per-op layers step ms | one-call speed-up |" if one_call else "")
+          + (" 4 KiB pages step ms | huge-page speed-up |" if huge_pages.moved else ""))
+    print("|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if ours_torch else "") + ("---:|---:|" if one_call else "")
+          + ("---:|---:|" if huge_pages.moved else ""))
     for batch in args.batch:
-        ours_ms, hf_ms, torch_ms, per_op_ms = [], [], [], []
+        ours_ms, hf_ms, torch_ms, per_op_ms, small_pages_ms = [], [], [], [], []
         for _ in range(args.repeats):  # the sides alternate, so machine noise hits them alike
             ours_ms.append(ours_decode_ms(ours, batch, args.context, args.steps))
             if hf is not None:
@@ -133,6 +161,10 @@ def main() -> None:
                 ours.fused_decode = None
                 per_op_ms.append(ours_decode_ms(ours, batch, args.context, args.steps))
                 ours.fused_decode = one_call
+            if huge_pages.moved:
+                huge_pages.use(small=True)
+                small_pages_ms.append(ours_decode_ms(ours, batch, args.context, args.steps))
+                huge_pages.use(small=False)
         ours_ms = statistics.median(ours_ms)
         row = f"| {batch} | {ours_ms:.2f} | {batch / ours_ms * 1e3:.0f} |"
         if hf_ms:
@@ -144,6 +176,8 @@ def main() -> None:
             row += f" {statistics.median(torch_ms):.1f} | {statistics.median(torch_ms) / ours_ms:.2f}x |"
         if per_op_ms:
             row += f" {statistics.median(per_op_ms):.2f} | {statistics.median(per_op_ms) / ours_ms:.2f}x |"
+        if small_pages_ms:
+            row += f" {statistics.median(small_pages_ms):.2f} | {statistics.median(small_pages_ms) / ours_ms:.2f}x |"
         print(row, flush=True)
 
 
