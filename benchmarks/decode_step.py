@@ -31,7 +31,7 @@ import torch
 
 from stageserve.device.model.kv_cache import PagedKVCache
 from stageserve.device.model.forward_batch import build_forward_batch
-from stageserve.device.kernels.quant_linear import QuantizedLinear, VnniKernel
+from stageserve.device.kernels.quant_linear import vnni_kernels
 from stageserve.device.model.decoder import DecoderModel
 from stageserve.device.model.fused_decode import FusedDecodeLayers
 from stageserve.device.flags import WEIGHT_FORMATS
@@ -78,8 +78,7 @@ class HugePageSides:
 
     def __init__(self, model: DecoderModel) -> None:
         self.model = model
-        linears = [lin for layer in model.layers for lin in layer.linears()] + [model.lm_head]
-        self.kernels = [k for lin in linears if isinstance(lin, QuantizedLinear) for k in lin.kernel_parts() if isinstance(k, VnniKernel)]
+        self.kernels = vnni_kernels(model.linears_in_step_order())
         self.huge = [(k.packed, k.scales) for k in self.kernels]
         self.moved = len(self.huge) > 1 and len({packed.untyped_storage().data_ptr() for packed, _ in self.huge}) == 1
         self.small = [(packed.clone(), scales.clone()) for packed, scales in self.huge] if self.moved else []

@@ -2,9 +2,9 @@
 
 A decode step streams every weight of the model once. On 4 KiB pages the quantized kernels' ~100
 MiB of the embedded model's size touch ~25,000 pages a step: each is a TLB walk, and the hardware
-prefetchers stop at each page's edge. On 2 MiB pages, a one-row decode step of the embedded model
-requantized to Q4_K_M took 6.02 against 6.70 ms on one thread and 4.45 against 4.82 on two (2-core
-AMD EPYC, docs/benchmarks.md, "Weights on huge pages"). Linux maps an anonymous region on huge pages
+prefetchers stop at each page's edge. On 2 MiB pages a one-row decode step of the embedded model
+(Q4_1, and requantized to Q4_K_M and Q6_K) ran 1.10-1.15x as fast on two threads and 1.24-1.38x on
+one (2-core AMD EPYC; docs/benchmarks.md, "Weights on huge pages"). Linux maps an anonymous region on huge pages
 when transparent huge pages are ``always`` or, as most distributions set them, ``madvise`` and the
 region is advised; where they are ``never`` (or elsewhere than Linux) the copy is still made and
 simply stays on small pages.

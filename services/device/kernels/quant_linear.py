@@ -418,11 +418,16 @@ class QuantizedLinear:
         return self.kernel.dense_weight()
 
 
+def vnni_kernels(linears: Iterable[object]) -> list[VnniKernel]:
+    """The `VnniKernel` parts of the `QuantizedLinear` objects among ``linears`` (others are skipped), in order."""
+    return [k for lin in linears if isinstance(lin, QuantizedLinear) for k in lin.kernel_parts() if isinstance(k, VnniKernel)]
+
+
 def move_onto_huge_pages(linears: Iterable[object]) -> int:
-    """Move the `VnniKernel` weights of each `QuantizedLinear` among ``linears`` (others are skipped)
-    into one memory map on transparent huge pages, in the order given (`huge_pages.onto_huge_pages`:
-    why), so that a decode step streams them as one region; returns the bytes moved."""
-    kernels = [k for lin in linears if isinstance(lin, QuantizedLinear) for k in lin.kernel_parts() if isinstance(k, VnniKernel)]
+    """Move the weights of ``linears``' `vnni_kernels` into one memory map on transparent huge pages,
+    in the order given (`huge_pages.onto_huge_pages`: why), so that a decode step streams them as one
+    region; returns the bytes moved."""
+    kernels = vnni_kernels(linears)
     copies = iter(huge_pages.onto_huge_pages([t for k in kernels for t in (k.packed, k.scales)]))
     for kernel in kernels:
         kernel.packed, kernel.scales = next(copies), next(copies)

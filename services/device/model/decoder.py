@@ -163,8 +163,8 @@ class DecoderModel:
         # budget of one dense copy applies to oneDNN's copies (a CPU without AMX).
         self.amx_dense_copies = amx and self.dtype == torch.bfloat16 and cpu_kernels.amx_ready(torch.empty(16, 32, dtype=torch.bfloat16))
         self._keep_dense_copies(dense_copy, budgeted=not self.amx_dense_copies)
-        if self.device.type == "cpu":  # a decode step streams the layers' weights, then the head's: one region on huge pages
-            move_onto_huge_pages([lin for layer in self.layers for lin in layer.linears()] + [self.lm_head])
+        if self.device.type == "cpu":
+            move_onto_huge_pages(self.linears_in_step_order())
         self.amx_linears = any(getattr(lin, "amx_weight", None) is not None for layer in self.layers for lin in layer.linears())
         self.rope, self.layer_rope = layer_rope_tables(config, self.dtype, self.device)  # [(cos, signed_sin) [P, D]], an index per layer
         self.layer_windows = config.layer_windows
@@ -239,6 +239,10 @@ class DecoderModel:
 
     def _linears(self) -> list[Linear | QuantizedLinear]:
         return [self.lm_head] + [lin for layer in self.layers for lin in layer.linears()]
+
+    def linears_in_step_order(self) -> list[Linear | QuantizedLinear]:
+        """Every linear in the order a step reads them: the layers', then the head."""
+        return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
 
     def _keep_dense_copies(self, mode: str, budgeted: bool) -> None:
         """Give the quantized linears their dense copies as ``mode`` says (see ``__init__``); with
