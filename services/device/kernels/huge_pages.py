@@ -23,10 +23,9 @@ ALIGN = 64  # each tensor starts on a cache line
 
 def onto_huge_pages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of ``tensors`` (CPU; any dtype and shape) one after another, in the order given, each on
-    a cache line, in one anonymous memory map advised ``MADV_HUGEPAGE``; each copy keeps its tensor's
-    dtype and shape (contiguous) and holds the map alive. Where they hold less than one huge page in
-    all, the tensors themselves, uncopied. (Linux places a map of whole huge pages on a huge page
-    boundary since 6.7; before, only the whole huge pages inside it are huge.)
+    a cache line, from a huge page boundary of one anonymous memory map advised ``MADV_HUGEPAGE``;
+    each copy keeps its tensor's dtype and shape (contiguous) and holds the map alive. Where they hold
+    less than one huge page in all, the tensors themselves, uncopied.
 
     Raises:
         ValueError: a tensor is not on the CPU.
@@ -39,12 +38,14 @@ def onto_huge_pages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         end += -(-t.nbytes // ALIGN) * ALIGN
     if end < HUGE_PAGE:
         return list(tensors)
-    # Private: a shared map (mmap's default) is shared memory, which follows shmem's huge page setting instead.
-    # Whole huge pages: Linux then aligns the map to one.
-    region = mmap.mmap(-1, -(-end // HUGE_PAGE) * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # Private: a shared map (mmap's default) is shared memory, which follows shmem's huge page setting
+    # instead. One huge page to spare, so the copies can start on a boundary whatever address Linux
+    # gives the map: the pages before that boundary and past `end` are never touched, so never held.
+    region = mmap.mmap(-1, (-(-end // HUGE_PAGE) + 1) * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
         region.madvise(mmap.MADV_HUGEPAGE)
-    whole = torch.frombuffer(region, dtype=torch.uint8, count=end)  # the tail past `end` is never touched, so never held
+    start = -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
+    whole = torch.frombuffer(region, dtype=torch.uint8, count=end, offset=start)
     copies = []
     for t, offset in zip(tensors, offsets):
         copy = whole[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
