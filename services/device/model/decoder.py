@@ -237,9 +237,6 @@ class DecoderModel:
 
         return QuantizedLinear(kernel, bias, self.dtype, make_dense=dense_copy, own_kernels=self.cpu_kernels_allowed)
 
-    def _linears(self) -> list[Linear | QuantizedLinear]:
-        return [self.lm_head] + [lin for layer in self.layers for lin in layer.linears()]
-
     def linears_in_step_order(self) -> list[Linear | QuantizedLinear]:
         """Every linear in the order a step reads them: the layers', then the head."""
         return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
@@ -247,7 +244,7 @@ class DecoderModel:
     def _keep_dense_copies(self, mode: str, budgeted: bool) -> None:
         """Give the quantized linears their dense copies as ``mode`` says (see ``__init__``); with
         ``auto`` and ``budgeted``, within one dense copy of the model in all."""
-        quantized = [lin for lin in self._linears() if isinstance(lin, QuantizedLinear)]
+        quantized = [lin for lin in self.linears_in_step_order() if isinstance(lin, QuantizedLinear)]
         if mode == "all":
             for linear in quantized:
                 linear.keep_dense_copy()
@@ -266,7 +263,7 @@ class DecoderModel:
             else:
                 held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
 
-        for lin in self._linears():
+        for lin in self.linears_in_step_order():
             for t in lin.tensors():
                 add(t)
         norms = [self.norm] + [t for layer in self.layers for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm,
