@@ -4,18 +4,19 @@ A `QuantizedLinear` runs inputs of up to its kernel's ``max_rows`` rows on the k
 (decode steps of many streams, prefill chunks) on a dense copy where it keeps one. A copy costs a
 dense weight's memory and earns it only where the dense linear runs such inputs faster than the
 kernel, which depends on the CPU: with AMX the dense bfloat16 copy is several times faster at 32
-rows; without it (an AMD EPYC) the VNNI kernel is about even with oneDNN's bfloat16 at 16 rows and
-1.1-2x slower at 32, by shape. So `choose` times, for one linear of each shape and format, both
+rows; without it (an AMD EPYC) the VNNI kernel, on the one input level it takes without a copy
+(`QuantizedLinear.hold_dense`), is faster than oneDNN's bfloat16 at every row count (on two it was
+1.1-2x slower at 32 rows). So `choose` times, for one linear of each shape and format, both
 on an input of ``rows`` rows (one thread's CPU time, interleaved, the least of ``REPEATS``) and
 keeps copies in order of the time they save per byte, while their bytes fit ``budget_bytes`` (the
 model passes what keeps its weights within one dense copy of the model: quantized weights never
-hold more than the dequantized model). The choice changes which linear runs a many-row input,
-never a row's values beyond the dense copy's own rounding (it holds the kernel's weight values,
-`QuantizedLinear.dense_weight`). So that every
+hold more than the dequantized model). The choice changes which linear runs a many-row input and
+the kernel's input levels, never a row's values beyond the dense copy's own rounding (it holds the
+kernel's weight values, `QuantizedLinear.dense_weight`) or the kernel's input rounding. So that every
 process on one machine makes the same choice (a request's greedy tokens must not depend on which of
 two devices, or which restart, served it), the first process to time a set of shapes writes the
 timings to ``$XDG_CACHE_HOME/stageserve/dense-copies/`` (default ``~/.cache``), keyed by the CPU
-model, torch's version, the dtype and the shapes, and later ones read them; delete the folder to
+model, torch's version, the dtype, the kernels' input levels and the shapes, and later ones read them; delete the folder to
 time again. Where the cache cannot be written (a read-only disk), each process times.
 """
 
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 
 from stageserve.cache_dirs import user_cache_dir
-from stageserve.device.kernels.quant_linear import QuantizedLinear
+from stageserve.device.kernels.quant_linear import QuantizedLinear, vnni_kernels
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +79,13 @@ def time_on_kernel_and_dense(linear: QuantizedLinear, rows: int, repeats: int = 
     try:
         for i in range(repeats + 1):
             for copy, times in ((None, calls[0]), (dense, calls[1])):
-                linear.dense = copy
+                linear.hold_dense(copy)
                 start = time.thread_time()
                 run(x)
                 if i:
                     times.append(time.thread_time() - start)
     finally:
-        linear.dense = None
+        linear.hold_dense(None)
         torch.set_num_threads(threads)
     return min(calls[0]) * 1e3, min(calls[1]) * 1e3
 
@@ -96,7 +97,8 @@ def cache_path(linears: Sequence[QuantizedLinear], rows: int) -> Path:
     except (OSError, StopIteration):
         cpu = "unknown cpu"
     keys = sorted({_shape_key(linear) for linear in linears})
-    digest = hashlib.sha256(json.dumps([cpu, torch.__version__, str(linears[0].dtype), rows, keys]).encode())
+    input_bits = sorted({kernel.input_bits for kernel in vnni_kernels(linears)})
+    digest = hashlib.sha256(json.dumps([cpu, torch.__version__, str(linears[0].dtype), rows, keys, input_bits]).encode())
     return user_cache_dir("dense-copies") / f"{digest.hexdigest()[:16]}.json"
 
 

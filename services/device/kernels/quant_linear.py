@@ -7,34 +7,39 @@ with its packed layout (the formats, from GGUF or rounded from float weights: `q
   exactly; Q4_K, Q5_K and Q6_K keep llama.cpp's super-blocks of 256 (ggml-quants.c) with their
   sub-block scales a byte each, and map exactly too (layouts and their bytes: `VnniKernel`). Each input row
   is quantized per group of 32 as llama.cpp quantizes activations for its Q4/Q8 dot products
-  (ggml-quants.c, ``quantize_row_q8_0``: ``s = max |x| / 127``, here rounding to nearest even), and
-  by default a second int8 level takes what the first rounded off (``input_bits=16``): each input
-  rounded to a 257th of that step, ``x ~ s (256 p + p')`` with ``s = max |x| / 32639``, an error of
-  at most ``1 / 65278`` of each group's largest input, below bfloat16's own rounding. With one level
-  (llama.cpp's, ``input_bits=8``) the few-row kernel and the dense copy that larger inputs run on
-  rounded differently enough to tip greedy near-ties, so a request's tokens depended on how many
-  rows shared its steps (12 of the suite's concurrent-against-solo and speculative comparisons
-  failed), and the embedded model's perplexity on the test passage was 16.75 against 16.54 with two
-  levels and 16.46 in bfloat16. The integer dots run on VPDPBUSD, the two levels' combined per
-  group in int32 (so the float work is per input row); one pass over the weight serves all of a
-  call's rows, and the weight stream is prefetched 8 KB ahead. A row's result does not depend on
-  the other rows of the call. Measured on a 2-core Intel Xeon with AMX, 2026-12-01
-  (``python benchmarks/quant_linears.py --threads 2``, weights cold; docs/benchmarks.md has the
-  tables): at one row, the embedded model's 120 layer linears take about half the time of torch's
-  int4 kernel and a third to a half of the bfloat16 AMX kernel's, the tied 49152 x 576 int8 head
-  half of torch's int8 kernel's. On two levels the layers beat the AMX copy up to 6 rows and are
-  about even at 8, the head is even at 6 and loses up to ~1 ms at 8; `VNNI_MAX_ROWS` is 8, so a
-  speculative verification of up to 7 drafts runs its linears on the kernel, each row bit-equal to
-  a one-row step's.
+  (ggml-quants.c, ``quantize_row_q8_0``: ``s = max |x| / 127``, here rounding to nearest even): one
+  int8 level (``input_bits=8``). A second int8 level can take what the first rounded off
+  (``input_bits=16``): each input rounded to a 257th of that step, ``x ~ s (256 p + p')`` with ``s =
+  max |x| / 32639``, an error of at most ``1 / 65278`` of each group's largest input, below
+  bfloat16's own rounding, for twice the integer work. A row's result never depends on the other
+  rows of the call, so where the kernel runs every row count a request's tokens do not depend on
+  how many rows share its steps whatever the levels; where a dense copy runs the inputs of more
+  rows, one level rounded differently enough from the copy to tip greedy near-ties (12 of the
+  suite's concurrent-against-solo and speculative comparisons failed), two do not. So
+  `QuantizedLinear` runs bfloat16 activations on one level without a dense copy, and two beside one
+  and for float32 activations (whose precision was asked for) (`input_bits_for`). The embedded model's perplexity on the test passage (bfloat16, fed 4 tokens a step; 2026-12-07,
+  AMD EPYC): 16.51 on one level, 16.59 on two, 16.51 dequantized; its Q4_K_M and Q6_K
+  requantizations 17.01 / 17.26 / 17.30 and 16.53 / 16.64 / 16.40. The integer dots run on
+  VPDPBUSD, the two levels' combined per group in int32 (so the float work is per input row); one
+  pass over the weight serves up to 8 of a call's rows, and the weight stream is prefetched 8 KB
+  ahead. Measured on a 2-core Intel Xeon with AMX, 2026-12-01 (``python benchmarks/quant_linears.py
+  --threads 2``, weights cold; docs/benchmarks.md has the tables): at one row, the embedded model's
+  120 layer linears take about half the time of torch's int4 kernel and a third to a half of the
+  bfloat16 AMX kernel's, the tied 49152 x 576 int8 head half of torch's int8 kernel's. On two levels
+  the layers beat the AMX copy up to 6 rows and are about even at 8, the head is even at 6 and loses
+  up to ~1 ms at 8; `VNNI_MAX_ROWS` is 8, so a speculative verification of up to 7 drafts runs its
+  linears on the kernel, each row bit-equal to a one-row step's. On a 2-core AMD EPYC (Zen 4, no
+  AMX; 2026-12-07) one level beats oneDNN's bfloat16 at every row count: the layers 20.4 against
+  25.6 ms at 32 rows, 242 against 313 at 512 (two levels: 33.4 and 534).
 - `TorchInt4Kernel` / `TorchInt8Kernel`, elsewhere: torch's ``_weight_int4pack_mm_for_cpu`` (its
   scale and zero in the activation dtype: in bfloat16 each group's scale rounded to 8 significant
   bits) and ``_weight_int8pack_mm`` (one scale per row: each row is requantized to the scale of its
   largest weight, ``s = max |w| / 127``, an absolute error of at most ``s / 2`` per weight).
 
-The kernels read their weight once per call but do a fixed amount of work per input row, so they
-win only for few rows; `QuantizedLinear` runs inputs of more rows on a dense copy where the model
-keeps one (`dense_copies` keeps those that earn their memory), else on the VNNI kernel itself, else
-on a weight dequantized for that call. Every kernel gives back its weight dequantized to the
+The kernels read their weight once per call but do a fixed amount of work per input row, so against
+a fast dense kernel (AMX) they win only for few rows; `QuantizedLinear` runs inputs of more rows on a
+dense copy where the model keeps one (`dense_copies` keeps those that earn their memory on this CPU),
+else on the VNNI kernel itself, else on a weight dequantized for that call. Every kernel gives back its weight dequantized to the
 activation dtype (`dense_weight`) for that, so every row count computes with one set of weight
 values (docs/backends.md#quantized-weights---weights).
 """
@@ -56,11 +61,18 @@ LANES = 16  # output rows per panel of the VNNI layout (one per int32 lane)
 # the VNNI kernel's scale layouts (csrc/quant_linear.cpp `Scheme`): per group of 32, Q4_K/Q5_K's, Q6_K's
 GROUP_SCALES, K_MIN_SCALES, K_SYMMETRIC_SCALES = 0, 1, 2
 VNNI_MAX_ROWS = {8: 8, 16: 8}  # by input bits, measured (docs/benchmarks.md): about where the AMX copy starts to win
+
 INT4_ROW_BLOCK = 64  # torch's int4 CPU kernel packs rows in blocks of 64 or 32 (`torch_int4_row_block`): N a multiple of 64 fits both
 # torch's kernels (docs/benchmarks.md#quantized-weights: CPU time of a model's 120 linears on one thread,
 # weights cold: int4 10.7 / 15.9 / 17.0 / 33.3 ms at 1 / 2 / 4 / 8 rows against 19.6 / 20.1 / 22.4 / 20.1 ms
 # for the bfloat16 AMX kernel).
 TORCH_MAX_ROWS = 4
+
+
+def input_bits_for(dtype: torch.dtype, dense_copy: bool) -> int:
+    """The VNNI kernel's ``input_bits`` for activations of ``dtype`` in a linear with or without a
+    dense copy: two levels (16) beside a copy or in float32, else one (8) (module docstring: why)."""
+    return 16 if dense_copy or dtype == torch.float32 else 8
 
 
 def kernel_for(weight: KernelWeight, dtype: torch.dtype, input_bits: int = 16,
@@ -340,18 +352,20 @@ class QuantizedLinear:
     Inputs of at most the kernel's ``max_rows`` rows (measured, above) run on it. Larger ones run on
     a dense copy where the linear keeps one (`keep_dense_copy`; `dense_copies` chooses which do),
     else on the kernel itself where it takes any row count at a bounded cost per row (``VnniKernel``:
-    each further row costs its integer work, about 1.1-2.5x a dense bfloat16 linear's per row on an
-    AMD EPYC without AMX), else on a weight dequantized for that call (torch's kernels dequantize the
-    weight for every row, so a call of many rows pays that once instead). The dense weight is the
-    kernel's own values (`dense_weight`).
+    each further row costs its integer work; on one input level less than a dense bfloat16 linear's
+    on an AMD EPYC without AMX), else on a weight dequantized for that call (torch's kernels
+    dequantize the weight for every row, so a call of many rows pays that once instead). The dense
+    weight is the kernel's own values (`dense_weight`). The VNNI kernel takes bfloat16 activations
+    on one input level without a dense copy and on two beside one (`input_bits_for`, `hold_dense`).
     """
 
     def __init__(self, weight: KernelWeight, bias: torch.Tensor | None, dtype: torch.dtype,
-                 make_dense: Callable[[torch.Tensor], Any] | None = None, input_bits: int = 16, own_kernels: bool = True) -> None:
+                 make_dense: Callable[[torch.Tensor], Any] | None = None, input_bits: int | None = None, own_kernels: bool = True) -> None:
         """``weight`` in a format `fits` takes, ``bias`` [N] of ``dtype`` or ``None``; ``dtype`` is the
         activations'. ``make_dense``: builds the dense linear (e.g. ``model.linear.Linear``) from the
-        dequantized weight [N, K] when `keep_dense_copy` asks for one. ``input_bits``: see
-        `VnniKernel`; ``own_kernels=False``: torch's kernels even where the VNNI one runs (``--no-cpu-kernels``).
+        dequantized weight [N, K] when `keep_dense_copy` asks for one. ``input_bits``: the VNNI
+        kernel's (`VnniKernel`) whether or not a dense copy is held; ``None``: as `hold_dense` sets them;
+        ``own_kernels=False``: torch's kernels even where the VNNI one runs (``--no-cpu-kernels``).
 
         Raises:
             ValueError: a weight no kernel here takes (see `fits`).
@@ -360,7 +374,8 @@ class QuantizedLinear:
             raise ValueError(f"no quantized kernel on this CPU takes a {format_name(weight)} weight of {weight_shape(weight)[0]} rows (see quant_linear.fits)")
         self.format = format_name(weight)  # quant.format_name: int4, int5, int8, q4_k, q5_k or q6_k
         self.bias = bias
-        self.kernel = kernel_for(weight, dtype, input_bits, own_kernels)
+        self._fixed_input_bits = input_bits
+        self.kernel = kernel_for(weight, dtype, input_bits or input_bits_for(dtype, dense_copy=False), own_kernels)
         self.shape: tuple[int, int] = weight_shape(weight)  # [N, K]
         self._make_dense = make_dense
         self.dense = None
@@ -374,7 +389,18 @@ class QuantizedLinear:
         if self._make_dense is None:
             raise ValueError("this QuantizedLinear was built without make_dense: it cannot keep a dense copy")
         if self.dense is None:
-            self.dense = self._make_dense(self.kernel.dense_weight())
+            self.hold_dense(self._make_dense(self.kernel.dense_weight()))
+
+    def hold_dense(self, dense: Any | None) -> None:
+        """Run inputs of more than the kernel's ``max_rows`` rows on ``dense`` (the copy `keep_dense_copy`
+        built; ``None``: on the kernel, the copy dropped), with the VNNI kernel's input levels to match
+        (`input_bits_for`, unless fixed at construction): in bfloat16, one where the kernel runs every
+        row count, two where its few-row results must round within bfloat16's rounding of the copy's."""
+        self.dense = dense
+        bits = self._fixed_input_bits or input_bits_for(self.dtype, dense is not None)
+        for kernel in self.kernel_parts():
+            if isinstance(kernel, VnniKernel):
+                kernel.input_bits = bits
 
     @property
     def dtype(self) -> torch.dtype:
