@@ -34,7 +34,7 @@ from stageserve.device.model.forward_batch import build_forward_batch
 from stageserve.device.kernels.quant_linear import vnni_kernels
 from stageserve.device.model.decoder import DecoderModel
 from stageserve.device.model.fused_decode import FusedDecodeLayers
-from stageserve.device.flags import WEIGHT_FORMATS
+from stageserve.device.flags import DENSE_COPY_MODES, WEIGHT_FORMATS
 from stageserve.device.sampler import argmax_rows
 from stageserve.device.model.weights import load_weights
 from stageserve.model_files import embedded_model_path, transformers_source
@@ -122,6 +122,8 @@ def main() -> None:
                         help="time stageserve's model only (a file transformers' GGUF loader refuses: llama.cpp's Qwen3 and MoE conversions)")
     parser.add_argument("--weights", default="dequantize", choices=WEIGHT_FORMATS,
                         help="stageserve's linears, as the device's --weights (default %(default)s; transformers always dequantizes)")
+    parser.add_argument("--dense-copy", default="auto", choices=DENSE_COPY_MODES,
+                        help="which quantized linears keep a dense copy, as the device's flag (default %(default)s)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -130,9 +132,10 @@ def main() -> None:
         import torch_npu  # noqa: F401 - registers the npu device type
     device = torch.device(args.device)
     config, weights = load_weights(path, dtype, keep_quantized=args.weights != "dequantize")
-    ours = DecoderModel(config, weights, device, weight_format=args.weights)
+    ours = DecoderModel(config, weights, device, weight_format=args.weights, dense_copy=args.dense_copy)
     # The same model in plain torch ops, where the fused CPU kernels are in use.
-    ours_torch = DecoderModel(config, weights, device, cpu_kernels_allowed=False, weight_format=args.weights) if ours.cpu_kernels else None
+    ours_torch = (DecoderModel(config, weights, device, cpu_kernels_allowed=False, weight_format=args.weights, dense_copy=args.dense_copy)
+                  if ours.cpu_kernels else None)
     del weights
     one_call = ours.fused_decode  # the decode layers as one C++ call, or None (switched off for the per-op side)
     huge_pages = HugePageSides(ours)

@@ -1,5 +1,6 @@
-"""The embedded model requantized to llama.cpp's Q4_K_M and Q6_K mixes, served quantized (``--weights auto``)
-against the same weights dequantized: weights held, perplexity on the test passage, greedy tokens.
+"""The embedded model as stored (Q4_1, Q8_0 head) and requantized to llama.cpp's Q4_K_M and Q6_K mixes,
+served quantized (``--weights auto``) against the same weights dequantized: weights held, perplexity
+on the test passage, greedy tokens.
 
 gguf-py quantizes no K-quant, so Q4_K and Q6_K blocks are written here by a plain round-to-nearest
 (ggml-quants.c's layouts, without llama.cpp's search for the best scales: a coarser quantizer, the
@@ -7,13 +8,17 @@ same format; each tensor's mean relative error against its float values is print
 model's K (576) is not a multiple of 256 except down_proj's (1536), so as llama-quantize does for
 such tensors the mixes fall back to Q5_0 (for Q4_K) and Q8_0 (for Q6_K) elsewhere; Q4_K_M's
 "more bits" layers (the first and last eighth, every third) get Q6_K down_proj and Q8_0 v_proj.
-Both runs take bfloat16 activations and no dense copy (``--dense-copy none``).
+Both runs take bfloat16 activations and by default no dense copy (``--dense-copy none``: the
+quantized kernel takes one int8 input level, `quant_linear.input_bits_for`); ``--dense-copy all``
+gives every quantized linear one, and with it two input levels (the perplexity and greedy runs feed
+at most 4 rows a step, so they stay on the kernel).
 
-    python benchmarks/kquant_embedded.py
+    python benchmarks/kquant_embedded.py [--mixes stored q4_k_m q6_k] [--dense-copy all]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -26,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test suite's
 from tests.unit.device.test_model_reference import greedy  # noqa: E402
 from tests.unit.device.test_quantized_model import PASSAGE, PROMPTS, _perplexity  # noqa: E402
 
+from stageserve.device.flags import DENSE_COPY_MODES  # noqa: E402
 from stageserve.device.kernels.quant import SUPER, QuantizedWeight  # noqa: E402
 from stageserve.device.model.decoder import DecoderModel  # noqa: E402
 from stageserve.device.model.weights import load_weights  # noqa: E402
@@ -103,22 +109,29 @@ def block_type(mix: str, name: str, num_layers: int) -> gguf.GGMLQuantizationTyp
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mixes", nargs="+", default=["stored", "q4_k_m", "q6_k"], choices=["stored", "q4_k_m", "q6_k"],
+                        help="the file as stored, or requantized to a mix (default: all three)")
+    parser.add_argument("--dense-copy", default="none", choices=DENSE_COPY_MODES, help="as the device's flag (default %(default)s)")
+    args = parser.parse_args()
     config, dense = load_weights(embedded_model_path(), torch.float32)
     assert config.intermediate_size % SUPER == 0
     tokenizer = load_tokenizer(embedded_model_path())
-    for mix in ("q4_k_m", "q6_k"):
+    for mix in args.mixes:
         weights, errors = {}, {}
-        for name, tensor in dense.items():
+        if mix == "stored":
+            weights = load_weights(embedded_model_path(), torch.bfloat16, keep_quantized=True)[1]
+        for name, tensor in dense.items() if mix != "stored" else ():
             if tensor.dim() != 2:
                 weights[name] = tensor.bfloat16()
                 continue
             qtype = block_type(mix, name, config.num_layers)
             weights[name], error = quantized(tensor, qtype)
             errors.setdefault(qtype.name, []).append(error)
-        models = {fmt: DecoderModel(config, weights, "cpu", weight_format=fmt, dense_copy="none") for fmt in ("dequantize", "auto")}
+        models = {fmt: DecoderModel(config, weights, "cpu", weight_format=fmt, dense_copy=args.dense_copy) for fmt in ("dequantize", "auto")}
         served, held = models["auto"], models["auto"].weight_bytes()
         one_copy = served.dense_weight_bytes(torch.bfloat16)
-        print(f"{mix}: mean relative error per type {', '.join(f'{t} {np.mean(e):.4f}' for t, e in errors.items())}")
+        print(f"{mix}: mean relative error per type {', '.join(f'{t} {np.mean(e):.4f}' for t, e in errors.items()) or '(as stored)'}")
         print(f"  linears {dict(served.linear_formats)}; weights hold {held / 2**20:.1f} MiB "
               f"(one dense bfloat16 copy {one_copy / 2**20:.1f} MiB, {held / one_copy:.2f}x)")
         ids = tokenizer.encode(PASSAGE)

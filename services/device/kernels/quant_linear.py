@@ -16,11 +16,14 @@ with its packed layout (the formats, from GGUF or rounded from float weights: `q
   how many rows share its steps whatever the levels; where a dense copy runs the inputs of more
   rows, one level rounded differently enough from the copy to tip greedy near-ties (12 of the
   suite's concurrent-against-solo and speculative comparisons failed), two do not. So
-  `QuantizedLinear` runs bfloat16 activations on one level without a dense copy, and two beside one
-  and for float32 activations (whose precision was asked for) (`input_bits_for`). The embedded model's perplexity on the test passage (bfloat16, fed 4 tokens a step; 2026-12-07,
-  AMD EPYC): 16.51 on one level, 16.59 on two, 16.51 dequantized; its Q4_K_M and Q6_K
-  requantizations 17.01 / 17.26 / 17.30 and 16.53 / 16.64 / 16.40. The integer dots run on
-  VPDPBUSD, the two levels' combined per group in int32 (so the float work is per input row); one
+  `QuantizedLinear` runs bfloat16 activations on one level without a dense copy, and on two beside
+  one and for float32 activations, whose precision was asked for (`input_bits_for`). The embedded
+  model's perplexity on the test passage (bfloat16, fed 4 tokens a step;
+  ``benchmarks/kquant_embedded.py``, 2026-12-07, AMD EPYC): 16.51 on one level, 16.59 on two, 16.51
+  dequantized; requantized to Q4_K_M 17.26 / 17.45 / 17.37, to Q6_K 16.85 / 16.72 / 16.63. One
+  level is llama.cpp's accuracy, not two's: its greedy tokens part from the dequantized run's more
+  often (at near-ties, within 0.25 logit), its logits up to 1.9 apart against 1.3. The integer dots
+  run on VPDPBUSD, the two levels' combined per group in int32 (so the float work is per input row); one
   pass over the weight serves up to 8 of a call's rows, and the weight stream is prefetched 8 KB
   ahead. Measured on a 2-core Intel Xeon with AMX, 2026-12-01 (``python benchmarks/quant_linears.py
   --threads 2``, weights cold; docs/benchmarks.md has the tables): at one row, the embedded model's
