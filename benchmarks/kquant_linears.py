@@ -1,4 +1,4 @@
-"""The VNNI kernel on GGUF's K-quant and Q5 blocks against Q4_0 on it and the dense bfloat16 linear, per row count.
+"""The VNNI kernel on GGUF's K-quant, Q5 and Q8_0 blocks against Q4_0 on it and the dense bfloat16 linear, per row count.
 
 Layer linears of a 1B Llama's shapes (Llama-3.2-1B: qkv 3072x2048, o 2048x2048, gate_up 16384x2048,
 down 2048x8192; every K a multiple of the K-quants' super-block of 256, which the embedded model's
@@ -7,13 +7,14 @@ memory as a decode step does, bfloat16 inputs, wall time of one pass at ``--thre
 ``--repeats`` (``--cpu-time``: the calling thread's CPU time on one thread, least of ``--repeats``,
 which preemption by other work on a shared machine does not enter), the kernels one after another per row count:
 
-- ``q4_0`` … ``q6_k``: `quant_linear.VnniKernel` on that block type (default two input levels);
+- ``q4_0`` … ``q8_0``: `quant_linear.VnniKernel` on that block type, on ``--input-bits`` (8: one
+  int8 level, as the device runs bfloat16 inputs without a dense copy; 16: two, beside one);
 - ``torch q4_k``: Q4_K on torch's int4 kernel (`TorchInt4Kernel`, the fallback without AVX512-VNNI);
 - ``bf16``: the dense bfloat16 weight as oneDNN's packed linear (`Linear`; what a CPU without AMX keeps).
 
 Also prints each format's bytes per weight as held against the file's.
 
-    python benchmarks/kquant_linears.py --rows 1 32 --threads 2
+    python benchmarks/kquant_linears.py --rows 1 32 --threads 2 [--input-bits 16]
     python benchmarks/kquant_linears.py --rows 1 32 --cpu-time
 """
 
@@ -33,8 +34,8 @@ from stageserve.device.model.linear import Linear
 
 Q = gguf.GGMLQuantizationType
 LAYER_SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]
-TYPES = [Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
-F16_BYTES = {Q.Q4_0: (0,), Q.Q5_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # each block's float16 factors
+TYPES = [Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0]
+F16_BYTES = {Q.Q4_0: (0,), Q.Q5_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q8_0: (0,)}  # each block's float16 factors
 
 
 def random_weight(qtype: gguf.GGMLQuantizationType, n: int, k: int, rng: np.random.Generator) -> quant.QuantizedWeight:
@@ -64,6 +65,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--cpu-time", action="store_true", help="thread CPU time on one thread (least of --repeats) instead of wall time")
+    parser.add_argument("--input-bits", type=int, default=8, choices=[8, 16], help="the VNNI kernel's input: one or two int8 levels (default %(default)s)")
     args = parser.parse_args()
     if args.cpu_time:
         args.threads = 1
@@ -78,7 +80,7 @@ def main() -> None:
             kernels = {}
             for qtype in TYPES:
                 weight = quant.kernel_weight([random_weight(qtype, n, k, rng)], "auto")
-                kernels[qtype.name.lower()] = VnniKernel(weight, torch.bfloat16)
+                kernels[qtype.name.lower()] = VnniKernel(weight, torch.bfloat16, args.input_bits)
                 held[qtype.name.lower()] += sum(t.nbytes for t in kernels[qtype.name.lower()].tensors())
                 if qtype == Q.Q4_K:
                     kernels["torch q4_k"] = TorchInt4Kernel(as_int4(weight), torch.bfloat16)
@@ -91,7 +93,7 @@ def main() -> None:
     names = list(layers[0][1])
     timer, what = (least_thread_ms, "thread CPU time, least") if args.cpu_time else (timed_ms, "wall time, median")
     print(f"{args.layers * len(LAYER_SHAPES)} layer linears of {weights / 1e6:.0f} M weights (ms per pass), bfloat16 inputs, "
-          f"{args.threads} threads, {what} of {args.repeats}")
+          f"{args.threads} threads, {what} of {args.repeats}, the VNNI kernel's input on {args.input_bits // 8} int8 level(s)")
     print("| rows | " + " | ".join(names) + " |")
     print("|---:|" + "---:|" * len(names))
     for rows in args.rows:

@@ -64,7 +64,6 @@ LANES = 16  # output rows per panel of the VNNI layout (one per int32 lane)
 # the VNNI kernel's scale layouts (csrc/quant_linear.cpp `Scheme`): per group of 32, Q4_K/Q5_K's, Q6_K's
 GROUP_SCALES, K_MIN_SCALES, K_SYMMETRIC_SCALES = 0, 1, 2
 VNNI_MAX_ROWS = {8: 8, 16: 8}  # by input bits, measured (docs/benchmarks.md): about where the AMX copy starts to win
-
 INT4_ROW_BLOCK = 64  # torch's int4 CPU kernel packs rows in blocks of 64 or 32 (`torch_int4_row_block`): N a multiple of 64 fits both
 # torch's kernels (docs/benchmarks.md#quantized-weights: CPU time of a model's 120 linears on one thread,
 # weights cold: int4 10.7 / 15.9 / 17.0 / 33.3 ms at 1 / 2 / 4 / 8 rows against 19.6 / 20.1 / 22.4 / 20.1 ms

@@ -18,6 +18,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
+from stageserve.device.kernels import cpu_kernels
+from stageserve.device.kernels.quant_linear import vnni_kernels
 from stageserve.device.model.kv_cache import PagedKVCache
 from stageserve.device.model.forward_batch import build_forward_batch
 from stageserve.device.model.decoder import DecoderModel
@@ -67,6 +69,33 @@ def test_auto_holds_at_most_one_dense_copy_of_the_model_where_its_copies_are_one
     assert model.linear_formats == {"int4": 120, "int8": 1}
     limit = 1.4 if model.amx_dense_copies else 1.0
     assert model.weight_bytes() <= limit * model.dense_weight_bytes(torch.bfloat16)
+
+
+@pytest.mark.skipif(not cpu_kernels.has_avx512_vnni(), reason="the VNNI kernel needs AVX512-VNNI")
+def test_without_dense_copies_a_decode_row_gets_the_same_bits_alone_and_among_eleven_others(models):
+    """Every row count on the VNNI kernel, on one input level (`quant_linear.input_bits_for`): a decode
+    row's bfloat16 logits are bit for bit the same alone and in a step of 12 rows (past the kernel's
+    8-row pass and the fused decode layers' row limit), so concurrency never changes a token."""
+    model = models["auto"]
+    assert {kernel.input_bits for kernel in vnni_kernels(model.linears_in_step_order())} == {8}
+    prompts = [[(7 * i + 3 * r) % 900 + 20 for i in range(5 + 3 * r)] for r in range(12)]
+
+    def decode(rows: list[int], steps: int = 3) -> torch.Tensor:  # logits [steps, len(rows), vocab]
+        blocks = -(-(len(prompts[-1]) + steps) // 16)
+        cache = PagedKVCache(model.config, len(rows) * blocks + 1, 16, model.dtype, "cpu")
+        tables = [list(range(1 + i * blocks, 1 + (i + 1) * blocks)) for i in range(len(rows))]
+        last = [int(model.forward(build_forward_batch([(prompts[r], 0, t, True)], 16, "cpu"), cache)[0].argmax()) for r, t in zip(rows, tables)]
+        out = []
+        for step in range(steps):
+            batch = [([tok], len(prompts[r]) + step, t, True) for tok, r, t in zip(last, rows, tables)]
+            logits = model.forward(build_forward_batch(batch, 16, "cpu"), cache)
+            last = logits.argmax(-1).tolist()
+            out.append(logits)
+        return torch.stack(out)
+
+    together = decode(list(range(12)))
+    for r in (0, 5, 11):
+        assert torch.equal(decode([r])[:, 0], together[:, r]), r
 
 
 @pytest.mark.parametrize("index", range(len(PROMPTS) + 1))
