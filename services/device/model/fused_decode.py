@@ -10,7 +10,8 @@ per-op work is gone.
 
 It takes what the decode path of most served models is: layers with grouped-query attention (q/k
 norms, sliding windows and RoPE tables per layer included), a SwiGLU MLP, and every linear on the
-VNNI kernel at the step's row count. Anything else (a prefill row, a mixture of experts, latent
+VNNI kernel at the step's row count (any row count where no linear keeps a dense copy: there the
+kernel takes them all, `QuantizedLinear`). Anything else (a prefill row, a mixture of experts, latent
 attention, Gemma's sandwich norms or GeGLU, a linear on a dense copy or on torch's kernels) keeps
 the Python path.
 """
@@ -54,7 +55,9 @@ class FusedDecodeLayers:
         self._signed_sin = [signed_sin for _, signed_sin in model.rope]
         self._windows = [window or 0 for window in model.layer_windows]
         self._softcap = c.attn_softcap or 0.0
-        self._max_rows = min(linear.kernel.max_rows for linear in self._linears)  # fixed when a kernel is built
+        # The rows every linear runs on its kernel: any number where none keeps a dense copy (`QuantizedLinear`).
+        copied = [linear.kernel.max_rows for linear in self._linears if linear.dense is not None]
+        self._max_rows = min(copied) if copied else None
 
     @classmethod
     def for_model(cls, model) -> FusedDecodeLayers | None:
@@ -71,8 +74,9 @@ class FusedDecodeLayers:
 
     def takes(self, batch: ForwardBatch) -> bool:
         """Whether ``batch`` is a decode-only step whose rows every linear runs on its VNNI kernel
-        (`QuantizedLinear` sends more rows than the kernel's ``max_rows`` elsewhere)."""
-        return 0 < batch.num_decode <= self._max_rows and not batch.prefills
+        (`QuantizedLinear` sends more rows than the kernel's ``max_rows`` to a dense copy where it keeps one)."""
+        fits = self._max_rows is None or batch.num_decode <= self._max_rows
+        return 0 < batch.num_decode and fits and not batch.prefills
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """The layers over embeddings ``x`` [T, hidden] (updated in place and returned, before the

@@ -45,9 +45,10 @@ def assert_same_bits_as_python_path(model: DecoderModel, prompts: list[list[int]
     assert torch.equal(ours[0], python[0]) and torch.equal(ours[1], python[1])
 
 
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 12])
 def test_the_embedded_q4_1_model_gives_the_python_paths_bits(rows):
-    model = DecoderModel.from_path(embedded_model_path(), torch.bfloat16, "cpu", weight_format="auto")
+    """12 rows: past the kernel's 8-row pass, taken because no linear keeps a dense copy."""
+    model = DecoderModel.from_path(embedded_model_path(), torch.bfloat16, "cpu", weight_format="auto", dense_copy="none")
     prompts = [[(7 * i + 3 * r) % 1000 + 10 for i in range(20 + 9 * r)] for r in range(rows)]
     assert_same_bits_as_python_path(model, prompts)
 
@@ -66,13 +67,15 @@ def test_int8_families_give_the_python_paths_bits(tmp_path, family, overrides):
 
 
 def test_what_it_does_not_take_runs_the_python_path(tmp_path):
-    """A step with a prefill row, or more rows than a linear's kernel takes, goes through the Python
-    path; a mixture of experts or a dense model is not flattened at all."""
-    model = DecoderModel.from_path(embedded_model_path(), torch.bfloat16, "cpu", weight_format="auto")
+    """A step with a prefill row, or more rows than a linear's kernel takes where it keeps a dense copy
+    for them, goes through the Python path; a mixture of experts or a dense model is not flattened at all."""
+    model = DecoderModel.from_path(embedded_model_path(), torch.bfloat16, "cpu", weight_format="auto", dense_copy="all")
     decode = build_forward_batch([([4], 3, [1], True)], BLOCK, "cpu")
     mixed = build_forward_batch([([4], 3, [1], True), ([1, 2, 3], 0, [2], True)], BLOCK, "cpu")
     many = build_forward_batch([([4], 3, [r], True) for r in range(model.layers[0].qkv.kernel.max_rows + 1)], BLOCK, "cpu")
     assert model.fused_decode.takes(decode) and not model.fused_decode.takes(mixed) and not model.fused_decode.takes(many)
+    without_copies = DecoderModel.from_path(embedded_model_path(), torch.bfloat16, "cpu", weight_format="auto", dense_copy="none")
+    assert without_copies.fused_decode.takes(many) and not without_copies.fused_decode.takes(mixed)
     assert DecoderModel.from_path(embedded_model_path(), torch.bfloat16, "cpu").fused_decode is None  # dense bfloat16 linears
     moe = write_tiny_checkpoint(tmp_path, family="qwen3_moe")
     assert DecoderModel.from_path(moe, torch.float32, "cpu", weight_format="int8").fused_decode is None
