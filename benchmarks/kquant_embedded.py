@@ -108,6 +108,20 @@ def block_type(mix: str, name: str, num_layers: int) -> gguf.GGMLQuantizationTyp
     return Q.Q5_0
 
 
+def requantized(dense: dict[str, torch.Tensor], mix: str, num_layers: int) -> tuple[dict, dict[str, list[float]]]:
+    """The float32 weights ``dense`` with every matrix in ``mix``'s block type (`block_type`), the
+    rest in bfloat16, and each type's relative errors."""
+    weights, errors = {}, {}
+    for name, tensor in dense.items():
+        if tensor.dim() != 2:
+            weights[name] = tensor.bfloat16()
+            continue
+        qtype = block_type(mix, name, num_layers)
+        weights[name], error = quantized(tensor, qtype)
+        errors.setdefault(qtype.name, []).append(error)
+    return weights, errors
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mixes", nargs="+", default=["stored", "q4_k_m", "q6_k"], choices=["stored", "q4_k_m", "q6_k"],
@@ -118,16 +132,10 @@ def main() -> None:
     assert config.intermediate_size % SUPER == 0
     tokenizer = load_tokenizer(embedded_model_path())
     for mix in args.mixes:
-        weights, errors = {}, {}
         if mix == "stored":
-            weights = load_weights(embedded_model_path(), torch.bfloat16, keep_quantized=True)[1]
-        for name, tensor in dense.items() if mix != "stored" else ():
-            if tensor.dim() != 2:
-                weights[name] = tensor.bfloat16()
-                continue
-            qtype = block_type(mix, name, config.num_layers)
-            weights[name], error = quantized(tensor, qtype)
-            errors.setdefault(qtype.name, []).append(error)
+            weights, errors = load_weights(embedded_model_path(), torch.bfloat16, keep_quantized=True)[1], {}
+        else:
+            weights, errors = requantized(dense, mix, config.num_layers)
         models = {fmt: DecoderModel(config, weights, "cpu", weight_format=fmt, dense_copy=args.dense_copy) for fmt in ("dequantize", "auto")}
         served, held = models["auto"], models["auto"].weight_bytes()
         one_copy = served.dense_weight_bytes(torch.bfloat16)

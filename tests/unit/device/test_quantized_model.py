@@ -75,7 +75,7 @@ def test_auto_holds_at_most_one_dense_copy_of_the_model_where_its_copies_are_one
 def test_without_dense_copies_a_decode_row_gets_the_same_bits_alone_and_among_eleven_others(models):
     """Every row count on the VNNI kernel, on one input level (`quant_linear.input_bits_for`): a decode
     row's bfloat16 logits are bit for bit the same alone and in a step of 12 rows (past the kernel's
-    8-row pass and the fused decode layers' row limit), so concurrency never changes a token."""
+    8-row pass), so concurrency never changes a token."""
     model = models["auto"]
     assert {kernel.input_bits for kernel in vnni_kernels(model.linears_in_step_order())} == {8}
     prompts = [[(7 * i + 3 * r) % 900 + 20 for i in range(5 + 3 * r)] for r in range(12)]
