@@ -2,10 +2,11 @@
 against its dequantized bfloat16 run.
 
 Bound at a greedy divergence (documented in docs/backends.md): the two runs differ only by where
-they round (the quantized path's two-level int8 activations, or torch's kernels' bf16 group scales
-and per-row int8 head, against bf16 weights), so where their greedy tokens part, both tokens are a near tie in
-both runs: within ``TIE_LOGITS`` of each other; and no logit of any step up to there differs by more
-than ``MAX_LOGIT_DIFF`` (seen: 0.53–1.53 on the VNNI kernel, 0.72–1.13 on torch's).
+they round (the quantized path's int8 activations, one level where no dense copy is kept, or torch's
+kernels' bf16 group scales and per-row int8 head, against bf16 weights), so where their greedy tokens part,
+both tokens are a near tie in both runs: within ``TIE_LOGITS`` of each other; and no logit of any step up to
+there differs by more than ``MAX_LOGIT_DIFF`` (seen: 0.94–1.94 on the VNNI kernel on one input level,
+0.53–1.53 on two, 0.72–1.13 on torch's).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from stageserve.tokenizer import load_tokenizer
 from tests.unit.device.test_model_reference import PROMPT, greedy
 
 TIE_LOGITS = 1.0
-MAX_LOGIT_DIFF = 2.0
+MAX_LOGIT_DIFF = 2.5
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,", "Water boils at"]
 PASSAGE = (
     "The river rises in the hills to the north of the town and runs south through farmland for about forty miles "
