@@ -9,28 +9,14 @@ import torch
 from stageserve.device.kernels import cpu_kernels
 from stageserve.device.model.decoder import DecoderModel
 from stageserve.device.model.forward_batch import build_forward_batch
-from stageserve.device.model.kv_cache import PagedKVCache
 from stageserve.model_files import embedded_model_path
 from tests.tiny_checkpoint import write_tiny_checkpoint
+from tests.unit.device.test_model_reference import decode_run
 
 pytestmark = pytest.mark.skipif(not (cpu_kernels.load_cpu_kernels() and cpu_kernels.has_avx512_vnni()),
                                 reason="decode_layers runs the linears on quant_linear: AVX512-VNNI and the CPU kernels")
 
 BLOCK = 16
-
-
-def decode_run(model: DecoderModel, prompts: list[list[int]], steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each prompt prefilled alone, then ``steps`` greedy decode steps of all rows together: the
-    steps' logits ``[steps, rows, vocab]`` and the KV pool after them."""
-    cache = PagedKVCache(model.config, 16 * len(prompts), BLOCK, model.dtype, "cpu")
-    tables = [list(range(16 * r, 16 * r + 16))[::-1] for r in range(len(prompts))]  # blocks out of order
-    tokens = [int(model.forward(build_forward_batch([(p, 0, t, True)], BLOCK, "cpu"), cache).argmax(-1)) for p, t in zip(prompts, tables)]
-    logits = []
-    for step in range(steps):
-        rows = [([token], len(prompt) + step, table, True) for token, prompt, table in zip(tokens, prompts, tables)]
-        logits.append(model.forward(build_forward_batch(rows, BLOCK, "cpu"), cache))
-        tokens = logits[-1].argmax(-1).tolist()
-    return torch.stack(logits), cache.kv
 
 
 def assert_same_bits_as_python_path(model: DecoderModel, prompts: list[list[int]], steps: int = 6) -> None:

@@ -14,9 +14,7 @@ import torch
 
 from stageserve.device.kernels import cpu_kernels
 from stageserve.device.model.decoder import DecoderModel
-from stageserve.device.model.forward_batch import build_forward_batch
-from stageserve.device.model.kv_cache import PagedKVCache
-from tests.unit.device.test_model_reference import BLOCK_SIZE, greedy
+from tests.unit.device.test_model_reference import decode_run, greedy
 from tests.unit.device.test_weights import write_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -65,24 +63,9 @@ def test_greedy_tokens_equal_the_dequantized_runs(models, prompt):
 @needs_vnni
 def test_a_decode_row_gives_the_same_logits_alone_and_in_a_batch(models):
     """Four sequences decoded together, one step of four rows each time, against each decoded alone."""
-    model = models["auto"]
-
-    def decode(prompts: list[list[int]], steps: int) -> torch.Tensor:  # logits [steps, len(prompts), vocab]
-        blocks = -(-(max(map(len, prompts)) + steps) // BLOCK_SIZE)
-        cache = PagedKVCache(model.config, len(prompts) * blocks + 1, BLOCK_SIZE, model.dtype, "cpu")
-        tables = [list(range(1 + i * blocks, 1 + (i + 1) * blocks)) for i in range(len(prompts))]
-        last = [int(model.forward(build_forward_batch([(p, 0, t, True)], BLOCK_SIZE, "cpu"), cache)[0].argmax()) for p, t in zip(prompts, tables)]
-        out = []
-        for step in range(steps):
-            rows = [([tok], len(p) + step, t, True) for tok, p, t in zip(last, prompts, tables)]
-            logits = model.forward(build_forward_batch(rows, BLOCK_SIZE, "cpu"), cache)
-            last = logits.argmax(-1).tolist()
-            out.append(logits)
-        return torch.stack(out)
-
-    together = decode(PROMPTS, 8)
+    together = decode_run(models["auto"], PROMPTS, 8)[0]
     for i, prompt in enumerate(PROMPTS):
-        assert torch.equal(decode([prompt], 8)[:, 0], together[:, i]), i
+        assert torch.equal(decode_run(models["auto"], [prompt], 8)[0][:, 0], together[:, i]), i
 
 
 def test_without_vnni_the_formats_without_a_kernel_are_dequantized_with_a_log_line(tmp_path, monkeypatch, caplog):

@@ -36,6 +36,21 @@ def greedy(model: DecoderModel, prompt: list[int], new_tokens: int) -> tuple[lis
     return tokens, torch.stack(logits)
 
 
+def decode_run(model: DecoderModel, prompts: list[list[int]], steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each prompt prefilled alone, then ``steps`` greedy decode steps of all rows together: the
+    steps' logits ``[steps, rows, vocab]`` and the KV pool after them (each row's blocks out of order)."""
+    blocks = -(-(max(map(len, prompts)) + steps) // BLOCK_SIZE)
+    cache = PagedKVCache(model.config, blocks * len(prompts), BLOCK_SIZE, model.dtype, "cpu")
+    tables = [list(range(blocks * r, blocks * (r + 1)))[::-1] for r in range(len(prompts))]
+    tokens = [int(model.forward(build_forward_batch([(p, 0, t, True)], BLOCK_SIZE, "cpu"), cache).argmax(-1)) for p, t in zip(prompts, tables)]
+    logits = []
+    for step in range(steps):
+        rows = [([token], len(prompt) + step, table, True) for token, prompt, table in zip(tokens, prompts, tables)]
+        logits.append(model.forward(build_forward_batch(rows, BLOCK_SIZE, "cpu"), cache))
+        tokens = logits[-1].argmax(-1).tolist()
+    return torch.stack(logits), cache.kv
+
+
 def hf_greedy(hf, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
     """transformers' greedy ``generate``: generated ids and raw per-step logits ``[new_tokens, vocab]``.
 

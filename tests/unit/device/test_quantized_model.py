@@ -26,7 +26,7 @@ from stageserve.device.model.forward_batch import build_forward_batch
 from stageserve.device.model.decoder import DecoderModel
 from stageserve.model_files import embedded_model_path
 from stageserve.tokenizer import load_tokenizer
-from tests.unit.device.test_model_reference import PROMPT, greedy
+from tests.unit.device.test_model_reference import PROMPT, decode_run, greedy
 
 TIE_LOGITS = 1.0
 MAX_LOGIT_DIFF = 2.5
@@ -80,23 +80,9 @@ def test_without_dense_copies_a_decode_row_gets_the_same_bits_alone_and_among_el
     model = models["auto"]
     assert {kernel.input_bits for kernel in vnni_kernels(model.linears_in_step_order())} == {8}
     prompts = [[(7 * i + 3 * r) % 900 + 20 for i in range(5 + 3 * r)] for r in range(12)]
-
-    def decode(rows: list[int], steps: int = 3) -> torch.Tensor:  # logits [steps, len(rows), vocab]
-        blocks = -(-(len(prompts[-1]) + steps) // 16)
-        cache = PagedKVCache(model.config, len(rows) * blocks + 1, 16, model.dtype, "cpu")
-        tables = [list(range(1 + i * blocks, 1 + (i + 1) * blocks)) for i in range(len(rows))]
-        last = [int(model.forward(build_forward_batch([(prompts[r], 0, t, True)], 16, "cpu"), cache)[0].argmax()) for r, t in zip(rows, tables)]
-        out = []
-        for step in range(steps):
-            batch = [([tok], len(prompts[r]) + step, t, True) for tok, r, t in zip(last, rows, tables)]
-            logits = model.forward(build_forward_batch(batch, 16, "cpu"), cache)
-            last = logits.argmax(-1).tolist()
-            out.append(logits)
-        return torch.stack(out)
-
-    together = decode(list(range(12)))
+    together = decode_run(model, prompts, 3)[0]
     for r in (0, 5, 11):
-        assert torch.equal(decode([r])[:, 0], together[:, r]), r
+        assert torch.equal(decode_run(model, [prompts[r]], 3)[0][:, 0], together[:, r]), r
 
 
 @pytest.mark.parametrize("index", range(len(PROMPTS) + 1))
