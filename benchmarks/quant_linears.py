@@ -5,8 +5,9 @@ The embedded model's shapes (SmolLM2-135M: per layer qkv 960x576, o 576x576, gat
 step does; the tied head 49152x576), bfloat16 inputs, wall time of one pass over the 120 layer linears
 (and of one head call) at ``--threads``, median of ``--repeats`` passes, the kernels interleaved:
 
-- ``vnni``: `quant_linear.VnniKernel` with its default two-level int8 input (int4 layers, the int8
-  head), and ``vnni 1-level`` with one (llama.cpp's), where the CPU has AVX512-VNNI;
+- ``vnni``: `quant_linear.VnniKernel` with a two-level int8 input (int4 layers, the int8 head; what
+  runs beside a dense copy), and ``vnni 1-level`` with one (llama.cpp's; what runs without a copy),
+  where the CPU has AVX512-VNNI;
 - ``torch``: torch's ``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm`` (`TorchInt4Kernel`,
   `TorchInt8Kernel`), the fallback elsewhere;
 - ``amx``: the dense bfloat16 copy on ``amx_linear`` where the CPU has AMX (what inputs of more rows run on);
@@ -59,7 +60,7 @@ def main() -> None:
             weight = quant.int4_from_float(torch.randn(n, k) * 0.02)
             kernels = {"torch": TorchInt4Kernel(weight, torch.bfloat16)}
             if vnni:
-                kernels |= {"vnni": VnniKernel(weight, torch.bfloat16), "vnni 1-level": VnniKernel(weight, torch.bfloat16, input_bits=8)}
+                kernels |= {"vnni": VnniKernel(weight, torch.bfloat16, input_bits=16), "vnni 1-level": VnniKernel(weight, torch.bfloat16, input_bits=8)}
             if amx:
                 packed = cpu_kernels.amx_pack(kernels["torch"].dense_weight())
                 kernels["amx"] = lambda x, packed=packed: cpu_kernels.amx_linear(x, packed)
@@ -68,7 +69,7 @@ def main() -> None:
     head = quant.int8_from_float(torch.randn(*HEAD_SHAPE) * 0.02)
     heads = {"torch": TorchInt8Kernel(head, torch.bfloat16)}
     if vnni:
-        heads |= {"vnni": VnniKernel(head, torch.bfloat16), "vnni 1-level": VnniKernel(head, torch.bfloat16, input_bits=8)}
+        heads |= {"vnni": VnniKernel(head, torch.bfloat16, input_bits=16), "vnni 1-level": VnniKernel(head, torch.bfloat16, input_bits=8)}
     if amx:
         packed_head = cpu_kernels.amx_pack(heads["torch"].dense_weight())
         heads["amx"] = lambda x: cpu_kernels.amx_linear(x, packed_head)

@@ -63,7 +63,8 @@ class ShapeTiming:
 
 def time_on_kernel_and_dense(linear: QuantizedLinear, rows: int, repeats: int = REPEATS) -> tuple[float, float]:
     """CPU ms of ``linear`` on a random ``rows``-row input without and with a dense copy (built for
-    this and dropped again): the least of ``repeats`` calls each, interleaved after one warm-up call each.
+    this and dropped again; each side with the kernel's input levels it would run with,
+    `QuantizedLinear.hold_dense`): the least of ``repeats`` calls each, interleaved after one warm-up call each.
 
     Timed on one thread, in the calling thread's CPU time, so that other work on the machine (a
     second device starting, a busy CI runner) does not decide the choice: it only adds wall time

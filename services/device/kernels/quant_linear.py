@@ -32,8 +32,9 @@ with its packed layout (the formats, from GGUF or rounded from float weights: `q
   the layers beat the AMX copy up to 6 rows and are about even at 8, the head is even at 6 and loses
   up to ~1 ms at 8; `VNNI_MAX_ROWS` is 8, so a speculative verification of up to 7 drafts runs its
   linears on the kernel, each row bit-equal to a one-row step's. On a 2-core AMD EPYC (Zen 4, no
-  AMX; 2026-12-07) one level beats oneDNN's bfloat16 at every row count: the layers 20.4 against
-  25.6 ms at 32 rows, 242 against 313 at 512 (two levels: 33.4 and 534).
+  AMX; 2026-12-07, ``python benchmarks/quant_linears.py --rows 32 512 --threads 2``) one level beats
+  oneDNN's bfloat16 at every row count: the layers 20.4 against 25.6 ms at 32 rows, 242 against
+  313 at 512 (two levels: 33.4 and 534).
 - `TorchInt4Kernel` / `TorchInt8Kernel`, elsewhere: torch's ``_weight_int4pack_mm_for_cpu`` (its
   scale and zero in the activation dtype: in bfloat16 each group's scale rounded to 8 significant
   bits) and ``_weight_int8pack_mm`` (one scale per row: each row is requantized to the scale of its
@@ -63,7 +64,7 @@ from stageserve.device.kernels.quant import (GROUP, SUPER, Int4Weight, Int5Weigh
 LANES = 16  # output rows per panel of the VNNI layout (one per int32 lane)
 # the VNNI kernel's scale layouts (csrc/quant_linear.cpp `Scheme`): per group of 32, Q4_K/Q5_K's, Q6_K's
 GROUP_SCALES, K_MIN_SCALES, K_SYMMETRIC_SCALES = 0, 1, 2
-VNNI_MAX_ROWS = {8: 8, 16: 8}  # by input bits, measured (docs/benchmarks.md): about where the AMX copy starts to win
+VNNI_MAX_ROWS = 8  # either input level, measured (docs/benchmarks.md): about where the AMX copy starts to win
 INT4_ROW_BLOCK = 64  # torch's int4 CPU kernel packs rows in blocks of 64 or 32 (`torch_int4_row_block`): N a multiple of 64 fits both
 # torch's kernels (docs/benchmarks.md#quantized-weights: CPU time of a model's 120 linears on one thread,
 # weights cold: int4 10.7 / 15.9 / 17.0 / 33.3 ms at 1 / 2 / 4 / 8 rows against 19.6 / 20.1 / 22.4 / 20.1 ms
@@ -77,7 +78,7 @@ def input_bits_for(dtype: torch.dtype, dense_copy: bool) -> int:
     return 16 if dense_copy or dtype == torch.float32 else 8
 
 
-def kernel_for(weight: KernelWeight, dtype: torch.dtype, input_bits: int = 16,
+def kernel_for(weight: KernelWeight, dtype: torch.dtype, input_bits: int,
                own_kernels: bool = True) -> VnniKernel | TorchInt4Kernel | TorchInt8Kernel | StackedKernel:
     """The fastest kernel this CPU has for ``weight`` with ``dtype`` activations (`VnniKernel` where
     it runs and ``own_kernels`` allows stageserve's CPU kernels, with ``input_bits``; torch's kernels
@@ -146,16 +147,16 @@ class VnniKernel:
     """
 
     any_rows = True  # a bounded cost per further row (QuantizedLinear)
+    max_rows = VNNI_MAX_ROWS
 
-    def __init__(self, weight: KernelWeight, dtype: torch.dtype, input_bits: int = 16) -> None:
+    def __init__(self, weight: KernelWeight, dtype: torch.dtype, input_bits: int) -> None:
         """Pack ``weight`` (N a multiple of 16); ``dtype`` is the activations' (bfloat16 or float32);
         ``input_bits`` 16 or 8: two or one int8 levels per input (``cpu_kernels.quant_linear``; the
-        module docstring says why two), the second doubling the integer work."""
+        second doubles the integer work; `input_bits_for` chooses, `QuantizedLinear.hold_dense` sets it)."""
         self.dtype, self.input_bits = dtype, input_bits
         self.bits = {Int4Weight: 4, Int5Weight: 5, Int8Weight: 8}.get(type(weight)) or weight.bits
         self.qtype = weight.qtype if isinstance(weight, KQuantWeight) else None
         self.scheme = GROUP_SCALES if self.qtype is None else K_SYMMETRIC_SCALES if self.bits == 6 else K_MIN_SCALES
-        self.max_rows = VNNI_MAX_ROWS[input_bits]
         n, k = weight.q.shape
         panels, groups = n // LANES, k // GROUP
         if self.bits == 8:

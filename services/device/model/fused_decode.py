@@ -55,7 +55,8 @@ class FusedDecodeLayers:
         self._signed_sin = [signed_sin for _, signed_sin in model.rope]
         self._windows = [window or 0 for window in model.layer_windows]
         self._softcap = c.attn_softcap or 0.0
-        # The rows every linear runs on its kernel: any number where none keeps a dense copy (`QuantizedLinear`).
+        # The rows every linear runs on its kernel: any number where none keeps a dense copy (`QuantizedLinear`);
+        # fixed when built, as the kernels' input levels in `_meta` (the model builds this after choosing its copies).
         copied = [linear.kernel.max_rows for linear in self._linears if linear.dense is not None]
         self._max_rows = min(copied) if copied else None
 
