@@ -198,22 +198,33 @@ def rms_norm_heads_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.T
 
 def decode_layers(
     x: torch.Tensor, h_first: torch.Tensor, input_norms: list[torch.Tensor], post_norms: list[torch.Tensor], qk_norms: list[torch.Tensor],
-    linear_tensors: list[torch.Tensor], linear_meta: list[int], kv: torch.Tensor, cos: list[torch.Tensor], signed_sin: list[torch.Tensor],
-    layer_rope: list[int], windows: list[int], positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, heads: int, kv_heads: int, scale: float, softcap: float, eps: float,
+    linear_tensors: list[torch.Tensor], linear_meta: list[int], moe_meta: list[int], routers: list[torch.Tensor], kv: torch.Tensor,
+    cos: list[torch.Tensor], signed_sin: list[torch.Tensor], layer_rope: list[int], windows: list[int], positions: torch.Tensor,
+    slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, heads: int, kv_heads: int, scale: float,
+    softcap: float, eps: float,
 ) -> None:
     """A decode-only step's decoder layers in one call (`model.fused_decode`, which flattens them):
     per layer ``qkv`` (q/k head norms where ``qk_norms`` holds two a layer), `rope_and_cache` into
     ``kv[layer]``, `paged_decode_attention` (``windows``: 0 for the whole context), ``o``,
-    `add_rms_norm` with ``post_norms``, SwiGLU through ``gate_up`` and ``down``, `add_rms_norm` with
-    the next layer's ``input_norms`` (the last adds into ``x``). ``x`` ``[T, hidden]`` is the residual,
-    updated in place; ``h_first`` its RMSNorm by ``input_norms[0]``. Each linear, on `quant_linear`,
-    is given as in ``csrc/decode_layers.cpp``. Raises ``RuntimeError`` for lists that do not fit, and
-    as the ops it calls.
+    `add_rms_norm` with ``post_norms``, the MLP (SwiGLU through ``gate_up`` and ``down``, or, where
+    ``moe_meta`` gives the layer experts, a mixture of experts routed by the next of ``routers`` as
+    `moe.KernelRouter` routes), `add_rms_norm` with the next layer's ``input_norms`` (the last adds
+    into ``x``). ``x`` ``[T, hidden]`` is the residual, updated in place; ``h_first`` its RMSNorm by
+    ``input_norms[0]``. Each linear, on `quant_linear`, and ``moe_meta`` (three ints a layer: experts,
+    0 for a dense MLP; top k; normalized) are given as in ``csrc/decode_layers.cpp``. Raises
+    ``RuntimeError`` for lists that do not fit, and as the ops it calls.
     """
-    torch.ops.stageserve.decode_layers(x, h_first, input_norms, post_norms, qk_norms, linear_tensors, linear_meta, kv, cos, signed_sin,
-                                       layer_rope, windows, positions, slot_mapping, block_tables, context_lens, heads, kv_heads, scale,
-                                       softcap, eps)
+    torch.ops.stageserve.decode_layers(x, h_first, input_norms, post_norms, qk_norms, linear_tensors, linear_meta, moe_meta, routers, kv,
+                                       cos, signed_sin, layer_rope, windows, positions, slot_mapping, block_tables, context_lens, heads,
+                                       kv_heads, scale, softcap, eps)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A mixture of experts' router logits: ``x`` [T, hidden] (contiguous, bfloat16 or float32) times
+    ``weight`` float32 [E, hidden] (contiguous) -> float32 [T, E], each dot summed in float32 in one
+    fixed order (a row's logits do not depend on the other rows). Raises ``RuntimeError`` for other
+    shapes or dtypes, or without AVX-512."""
+    return torch.ops.stageserve.router_logits(x, weight)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -288,6 +299,14 @@ def quant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bi
     rounded once). Raises ``RuntimeError`` for other shapes or dtypes, or without AVX512-VNNI.
     """
     return torch.ops.stageserve.quant_linear(x, packed, scales, bits, input_bits, scheme)
+
+
+def quant_rows(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` [T] int64 of an 8-bit weight in `quant_linear`'s layout (uint8 ``packed`` [N / 16, K / 32, 512],
+    float16 ``scales`` [N / 16, K / 32, 2, 16]), dequantized (``d * q`` in float32, rounded once): [T, K] of
+    ``dtype`` (bfloat16 or float32). One op for a tied embedding table's lookup, where indexing the panels
+    from Python takes ~14. Raises ``RuntimeError`` for an id outside the weight's rows, or other shapes."""
+    return torch.ops.stageserve.quant_rows(packed, scales, ids, dtype)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

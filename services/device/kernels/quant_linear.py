@@ -241,12 +241,9 @@ class VnniKernel:
         return KQuantWeight(self.qtype, q, d, sc, dmin, m).dequantize().to(self.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` [T] int64 of an int8 weight, dequantized: [T, K] of ``dtype`` (a tied embedding table)."""
-        panels, groups = self.packed.shape[:2]
-        panel, lane = ids // LANES, ids % LANES
-        q = (self.packed.view(panels, groups, 8, LANES, 4)[panel, :, :, lane].view(torch.int8) ^ -128)  # [T, groups, 8, 4]: q
-        d = self.scales[panel, :, 0, lane].float()  # [T, groups]
-        return (q.view(-1, groups, GROUP).float() * d[..., None]).view(len(ids), groups * GROUP).to(self.dtype)
+        """Rows ``ids`` [T] int64 of an int8 weight, dequantized: [T, K] of ``dtype`` (a tied embedding table;
+        `cpu_kernels.quant_rows`, one op)."""
+        return cpu_kernels.quant_rows(self.packed, self.scales, ids, self.dtype)
 
 
 class StackedKernel:

@@ -44,7 +44,7 @@ from stageserve.device.model.fused_decode import FusedDecodeLayers
 from stageserve.device.model.kv_cache import PagedKVCache
 from stageserve.device.model.linear import Linear
 from stageserve.device.model.mla import MLAWeights
-from stageserve.device.model.moe import MoEMLP
+from stageserve.device.model.moe import KernelRouter, MoEMLP
 from stageserve.device.model.rope import apply_rope, interleaved_row_order, layer_rope_tables, rotary_row_order
 from stageserve.device.model.weights import expected_shapes, load_weights
 
@@ -151,7 +151,7 @@ class DecoderModel:
         if tied and isinstance(self.lm_head, QuantizedLinear) and self.lm_head.format == "int8":
             self.embed = self.lm_head  # the tied table is looked up in the head's int8 rows: one copy
         else:  # a tied head is packed separately from the embedding table on CPU (one more vocab x hidden copy)
-            self.embed = (embed.dequantize() if isinstance(embed, QuantizedWeight) else embed).to(self.device, self.dtype)  # [vocab, hidden]
+            self.embed = _dense(embed).to(self.device, self.dtype)  # [vocab, hidden]
         self.norm = w("model.norm.weight")
         self.layers = [self._layer(i, weights, w, linear) for i in range(config.num_layers)]
         if self.unkernelled_formats:
@@ -187,7 +187,8 @@ class DecoderModel:
             experts = [f"{mlp}experts.{j}." for j in range(c.num_experts)]
             shared = mlp + "shared_experts."
             moe = MoEMLP(
-                router=linear((mlp + "gate.weight",), dense=True),  # routing stays in the activation dtype
+                router=KernelRouter(_dense(weights[mlp + "gate.weight"]).to(self.dtype)) if self.cpu_kernels
+                else linear((mlp + "gate.weight",), dense=True),  # routing stays in the activation dtype
                 gate_ups=[linear((e + "gate_proj.weight", e + "up_proj.weight"), gated=gated) for e in experts],
                 downs=[linear((e + "down_proj.weight",)) for e in experts], top_k=c.experts_per_token, normalize=c.norm_topk_prob,
                 scoring=c.router_scoring, groups=c.expert_groups, groups_kept=c.expert_groups_kept, scale=c.routed_scaling_factor,
@@ -196,7 +197,7 @@ class DecoderModel:
                 if c.shared_experts else None)
         if c.kv_lora_rank:
             kv_b = weights[attn + "kv_b_proj.weight"]
-            kv_b = (kv_b.dequantize() if isinstance(kv_b, QuantizedWeight) else kv_b).to(self.device, self.dtype)
+            kv_b = _dense(kv_b).to(self.device, self.dtype)
             kv_b = kv_b.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
             lora = c.q_lora_rank is not None
             mla = MLAWeights(
@@ -228,7 +229,7 @@ class DecoderModel:
             kernel = None
         if kernel is None:
             self.linear_formats[str(self.dtype).removeprefix("torch.")] += 1
-            dense = torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]).to(self.device, self.dtype)
+            dense = torch.cat([_dense(p) for p in parts]).to(self.device, self.dtype)
             return Linear(dense, bias, amx=amx, gated=gated)
         self.linear_formats[quant.format_name(kernel)] += 1
 
@@ -438,6 +439,11 @@ class DecoderModel:
             return down(gate_up.swiglu(h))
         gate, up = gate_up(h).chunk(2, dim=-1)
         return down((F.silu(gate) if silu else F.gelu(gate, approximate="tanh")) * up)
+
+
+def _dense(t: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    """``t`` as a plain tensor: a quantized weight dequantized."""
+    return t.dequantize() if isinstance(t, QuantizedWeight) else t
 
 
 def _rows_reordered(t: torch.Tensor | QuantizedWeight, order: torch.Tensor) -> torch.Tensor | QuantizedWeight:

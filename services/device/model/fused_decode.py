@@ -9,11 +9,12 @@ in C++ (bit for bit the same result), so the GIL is released once a step and the
 per-op work is gone.
 
 It takes what the decode path of most served models is: layers with grouped-query attention (q/k
-norms, sliding windows and RoPE tables per layer included), a SwiGLU MLP, and every linear on the
-VNNI kernel at the step's row count (any row count where no linear keeps a dense copy: there the
-kernel takes them all, `QuantizedLinear`). Anything else (a prefill row, a mixture of experts, latent
-attention, Gemma's sandwich norms or GeGLU, a linear on a dense copy or on torch's kernels) keeps
-the Python path.
+norms, sliding windows and RoPE tables per layer included), a SwiGLU MLP or a mixture of SwiGLU
+experts with softmax routing (Qwen3-MoE, Mixtral: `moe.KernelRouter`, no shared experts), and every
+linear on the VNNI kernel at the step's row count (any row count where no linear keeps a dense copy:
+there the kernel takes them all, `QuantizedLinear`). Anything else (a prefill row, DeepSeek's latent
+attention and routing, Gemma's sandwich norms or GeGLU, a linear on a dense copy or on torch's
+kernels) keeps the Python path.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from stageserve.device.kernels import cpu_kernels
 from stageserve.device.kernels.quant_linear import QuantizedLinear, VnniKernel
 from stageserve.device.model.forward_batch import ForwardBatch
 from stageserve.device.model.kv_cache import PagedKVCache
+from stageserve.device.model.moe import KernelRouter, MoEMLP
 
 
 class FusedDecodeLayers:
@@ -40,7 +42,10 @@ class FusedDecodeLayers:
         self._input_norms = [layer.input_norm for layer in model.layers]
         self._post_norms = [layer.post_norm for layer in model.layers]
         self._qk_norms = [n for layer in model.layers for n in (layer.q_norm, layer.k_norm)] if model.layers[0].q_norm is not None else []
-        self._linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self._linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, *_mlp_linears(layer))]
+        self._moe_meta = [n for layer in model.layers
+                          for n in ((len(layer.moe.gate_ups), layer.moe.top_k, layer.moe.normalize) if layer.moe else (0, 0, 0))]
+        self._routers = [layer.moe.router.weight for layer in model.layers if layer.moe is not None]
         self._tensors: list[torch.Tensor] = []
         self._meta: list[int] = []
         for linear in self._linears:
@@ -67,9 +72,9 @@ class FusedDecodeLayers:
         if not model.cpu_kernels or c.hidden_act != "silu" or c.kv_lora_rank or not cpu_kernels.has_avx512_vnni():
             return None
         for layer in model.layers:
-            if layer.moe is not None or layer.mla is not None or layer.attn_out_norm is not None or layer.mlp_out_norm is not None:
+            if layer.mla is not None or layer.attn_out_norm is not None or layer.mlp_out_norm is not None:
                 return None
-            if not all(_on_vnni(linear) for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)):
+            if (layer.moe is not None and not _softmax_routed(layer.moe)) or not all(map(_on_vnni, (layer.qkv, layer.o, *_mlp_linears(layer)))):
                 return None
         return cls(model)
 
@@ -85,7 +90,7 @@ class FusedDecodeLayers:
         model, c = self._model, self._model.config
         h = cpu_kernels.rms_norm(x, self._input_norms[0], c.rms_norm_eps)
         cpu_kernels.decode_layers(
-            x, h, self._input_norms, self._post_norms, self._qk_norms, self._tensors, self._meta, kv_cache.kv, self._cos,
+            x, h, self._input_norms, self._post_norms, self._qk_norms, self._tensors, self._meta, self._moe_meta, self._routers, kv_cache.kv, self._cos,
             self._signed_sin, list(model.layer_rope), self._windows, batch.positions, batch.slot_mapping, batch.decode_blocks,
             batch.positions + 1, c.num_heads, c.num_kv_heads, model.scale, self._softcap, c.rms_norm_eps)
         return x
@@ -94,3 +99,17 @@ class FusedDecodeLayers:
 def _on_vnni(linear) -> bool:
     """Whether ``linear`` is a `QuantizedLinear` on the VNNI kernel (or on several, stacked)."""
     return isinstance(linear, QuantizedLinear) and all(isinstance(kernel, VnniKernel) for kernel in linear.kernel_parts())
+
+
+def _mlp_linears(layer) -> list:
+    """The MLP's linears in the order ``decode_layers`` reads them: ``gate_up``, ``down``, or each expert's two in turn."""
+    if layer.moe is None:
+        return [layer.gate_up, layer.down]
+    return [lin for pair in zip(layer.moe.gate_ups, layer.moe.downs) for lin in pair]
+
+
+def _softmax_routed(moe: MoEMLP) -> bool:
+    """Whether ``moe`` routes as ``csrc/moe.cpp`` does: `KernelRouter` logits, a softmax over every expert, its top k
+    (normalized or not), no groups, correction bias or scale, no shared experts (Qwen3-MoE, Mixtral)."""
+    return (isinstance(moe.router, KernelRouter) and moe.scoring == "softmax" and moe.bias is None and moe.groups == 1 and moe.scale == 1.0
+            and moe.shared is None)

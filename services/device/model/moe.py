@@ -33,10 +33,32 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from stageserve.device.kernels import cpu_kernels
 from stageserve.device.kernels.quant_linear import QuantizedLinear
 from stageserve.device.model.linear import Linear
 
 AnyLinear = Linear | QuantizedLinear
+
+
+class KernelRouter:
+    """A router on the CPU kernels (`cpu_kernels.router_logits`): ``x`` [T, hidden] -> float32 logits [T, E]
+    from a float32 copy of the weight [E, hidden] (E x hidden: a few hundred KiB at most).
+
+    Each row's logits are summed in one fixed order whatever the rows beside it (oneDNN's bfloat16
+    linear chooses its kernel by the row count, so a token's experts could change with its batch), and
+    the fused decode layers (`fused_decode`, ``csrc/moe.cpp``) call the same op: a step routes alike
+    on either path. The logits stay float32 (transformers rounds them to the activation dtype before
+    its float32 softmax; in float32 the two are the same computation)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight.float().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.router_logits(x.contiguous(), self.weight)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this router holds (for memory accounting)."""
+        return [self.weight]
 
 
 def route(
@@ -115,12 +137,12 @@ def every_expert(
 
 @dataclass
 class MoEMLP:
-    """One layer's mixture of experts: ``router`` [hidden] -> [E] logits (dense), and each expert's fused
+    """One layer's mixture of experts: ``router`` [hidden] -> [E] logits (dense, or `KernelRouter`), and each expert's fused
     ``[gate; up]`` ([hidden] -> [2 * moe_intermediate]) and ``down`` linears; the routing options
     as in `route` (``bias`` float32 [E]); ``shared``: the shared experts' fused ``(gate_up, down)``
     (DeepSeek), or ``None``."""
 
-    router: AnyLinear
+    router: AnyLinear | KernelRouter
     gate_ups: Sequence[AnyLinear]
     downs: Sequence[AnyLinear]
     top_k: int
@@ -143,6 +165,6 @@ class MoEMLP:
             out = every_expert(x, weights, experts, run, len(self.gate_ups))
         return out if self.shared is None else out + mlp(*self.shared, x)
 
-    def linears(self) -> list[AnyLinear]:
+    def linears(self) -> list[AnyLinear | KernelRouter]:
         """The router's, every expert's and the shared experts' linears."""
         return [self.router, *self.gate_ups, *self.downs, *(self.shared or ())]

@@ -1,5 +1,6 @@
 """A decode-only step's layers in one C++ call (`model.fused_decode`): the same bits as the model's
-fused Python path, logits and KV cache alike, for the layers it takes; the Python path for the rest."""
+fused Python path, logits and KV cache alike, for the layers it takes (mixtures of experts included);
+the Python path for the rest."""
 
 from __future__ import annotations
 
@@ -52,9 +53,30 @@ def test_int8_families_give_the_python_paths_bits(tmp_path, family, overrides):
     assert_same_bits_as_python_path(model, [[(5 * i + r) % 250 + 1 for i in range(21 + 4 * r)] for r in range(2)], steps=12)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_mixtures_of_experts_give_the_python_paths_bits(tmp_path, family, rows):
+    """Qwen3-MoE (a dense first layer, the top 2 of 8 renormalised) and Mixtral (experts in every layer):
+    one row runs its experts in turn, more are grouped by expert, on either path alike."""
+    path = write_tiny_checkpoint(tmp_path, family=family)
+    model = DecoderModel.from_path(path, torch.float32, "cpu", weight_format="int8")
+    assert sum(layer.moe is not None for layer in model.layers) == (1 if family == "qwen3_moe" else 2)
+    assert_same_bits_as_python_path(model, [[(3 * i + 7 * r) % 250 + 1 for i in range(17 + 5 * r)] for r in range(rows)], steps=8)
+
+
+def test_a_routers_logits_do_not_depend_on_the_other_rows():
+    x = torch.randn(9, 200, dtype=torch.bfloat16)
+    weight = torch.randn(24, 200)
+    together = cpu_kernels.router_logits(x, weight)
+    assert together.dtype == torch.float32 and together.shape == (9, 24)
+    assert all(torch.equal(cpu_kernels.router_logits(x[r : r + 1].contiguous(), weight)[0], together[r]) for r in range(9))
+    torch.testing.assert_close(together, x.float() @ weight.T, rtol=1e-5, atol=1e-4)
+
+
 def test_what_it_does_not_take_runs_the_python_path(tmp_path):
     """A step with a prefill row, or more rows than a linear's kernel takes where it keeps a dense copy
-    for them, goes through the Python path; a mixture of experts or a dense model is not flattened at all."""
+    for them, goes through the Python path; DeepSeek's latent attention and grouped routing or a dense
+    model is not flattened at all."""
     model = DecoderModel.from_path(embedded_model_path(), torch.bfloat16, "cpu", weight_format="auto", dense_copy="all")
     decode = build_forward_batch([([4], 3, [1], True)], BLOCK, "cpu")
     mixed = build_forward_batch([([4], 3, [1], True), ([1, 2, 3], 0, [2], True)], BLOCK, "cpu")
@@ -63,13 +85,13 @@ def test_what_it_does_not_take_runs_the_python_path(tmp_path):
     without_copies = DecoderModel.from_path(embedded_model_path(), torch.bfloat16, "cpu", weight_format="auto", dense_copy="none")
     assert without_copies.fused_decode.takes(many) and not without_copies.fused_decode.takes(mixed)
     assert DecoderModel.from_path(embedded_model_path(), torch.bfloat16, "cpu").fused_decode is None  # dense bfloat16 linears
-    moe = write_tiny_checkpoint(tmp_path, family="qwen3_moe")
-    assert DecoderModel.from_path(moe, torch.float32, "cpu", weight_format="int8").fused_decode is None
+    deepseek = write_tiny_checkpoint(tmp_path, family="deepseek_v3")
+    assert DecoderModel.from_path(deepseek, torch.float32, "cpu", weight_format="int8").fused_decode is None
 
 
 def test_lists_that_do_not_fit_are_refused():
     x = torch.zeros(1, 64)
     with pytest.raises(RuntimeError, match="per-layer lists of different lengths"):
-        cpu_kernels.decode_layers(x, x, [], [torch.ones(64)], [], [], [], torch.zeros(1, 2, 1, 16, 64), [], [], [0], [0],
+        cpu_kernels.decode_layers(x, x, [], [torch.ones(64)], [], [], [], [0, 0, 0], [], torch.zeros(1, 2, 1, 16, 64), [], [], [0], [0],
                                   torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
                                   torch.ones(1, dtype=torch.int64), 1, 1, 1.0, 0.0, 1e-6)

@@ -179,11 +179,21 @@ def test_parts_are_stacked_and_mixed_or_float_parts_stay_dense():
         quant.kernel_weight([q4_0], "int3")
 
 
-def test_int8_rows_serve_as_the_tied_embedding_table():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_rows_serve_as_the_tied_embedding_table(dtype):
+    """The rows are the dense weight's, rounded once to the activation dtype (the VNNI kernel's in one op)."""
     weight = _gguf_weight(Q.Q8_0)
-    linear = QuantizedLinear(quant.kernel_weight([weight], "auto"), None, torch.float32)
+    linear = QuantizedLinear(quant.kernel_weight([weight], "auto"), None, dtype)
     ids = torch.tensor([0, 7, 191, 7])
-    torch.testing.assert_close(linear.embedding(ids), linear.dense_weight()[ids])
+    rows = linear.embedding(ids)
+    assert rows.dtype == dtype
+    if isinstance(linear.kernel, VnniKernel) or dtype == torch.float32:
+        assert torch.equal(rows, linear.dense_weight()[ids])
+    else:  # torch's int8 kernel scales in the activation dtype
+        torch.testing.assert_close(rows, linear.dense_weight()[ids])
+    if isinstance(linear.kernel, VnniKernel):
+        with pytest.raises(RuntimeError, match="row 192 is outside the weight's 192 rows"):
+            linear.embedding(torch.tensor([3, 192]))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q3_K])

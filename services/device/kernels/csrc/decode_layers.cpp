@@ -8,7 +8,10 @@
 // A linear comes flattened (fused_decode.py `FusedDecodeLayers`): in `linear_meta`, its number of parts
 // (a stacked weight's row ranges, their outputs side by side), whether it has a bias, then per part
 // bits, input_bits and scheme (quant_linear's); in `linear_tensors`, per part packed and scales,
-// then the bias. Per layer: qkv, o, gate_up, down.
+// then the bias. Per layer: qkv, o, then a dense MLP's gate_up and down, or a mixture of experts'
+// gate_up and down of each expert in turn. `moe_meta` holds per layer its experts (0: a dense MLP),
+// top k and whether the top k's weights are normalized; `routers` the router of each MoE layer in turn
+// (float32 [experts, hidden], moe.cpp's router_logits).
 
 #include "ops.h"
 
@@ -21,73 +24,104 @@ namespace stageserve {
 
 namespace {
 
-// Reads the flattened linears in order.
-class Linears {
+// One linear of the flattened lists: its parts on quant_linear, then its bias.
+class Linear {
  public:
-  Linears(at::TensorList tensors, at::IntArrayRef meta) : tensors_(tensors), meta_(meta) {}
+  struct Part {
+    int64_t bits, input_bits, scheme;
+    const at::Tensor *packed, *scales;
+  };
 
-  // x [T, K] -> [T, N] through the next linear.
-  at::Tensor next(const at::Tensor& x) {
-    const int64_t parts = take_meta(), has_bias = take_meta();
-    TORCH_CHECK(parts >= 1, "decode_layers: a linear needs at least one part");
+  // x [T, K] -> [T, N].
+  at::Tensor operator()(const at::Tensor& x) const {
     std::vector<at::Tensor> outputs;
-    outputs.reserve(parts);
-    for (int64_t p = 0; p < parts; ++p) {
-      const int64_t bits = take_meta(), input_bits = take_meta(), scheme = take_meta();
-      const at::Tensor& packed = take_tensor();
-      const at::Tensor& scales = take_tensor();
-      outputs.push_back(quant_linear(x, packed, scales, bits, input_bits, scheme));
-    }
-    at::Tensor y = parts == 1 ? outputs[0] : at::cat(outputs, -1);
-    if (has_bias) y.add_(take_tensor());
+    outputs.reserve(parts.size());
+    for (const Part& p : parts) outputs.push_back(quant_linear(x, *p.packed, *p.scales, p.bits, p.input_bits, p.scheme));
+    at::Tensor y = parts.size() == 1 ? outputs[0] : at::cat(outputs, -1);
+    if (bias != nullptr) y.add_(*bias);
     return y;
   }
 
-  bool done() const { return t_ == tensors_.size() && m_ == meta_.size(); }
-
- private:
-  int64_t take_meta() {
-    TORCH_CHECK(m_ < meta_.size(), "decode_layers: linear_meta ends early");
-    return meta_[m_++];
-  }
-  const at::Tensor& take_tensor() {
-    TORCH_CHECK(t_ < tensors_.size(), "decode_layers: linear_tensors ends early");
-    return tensors_[t_++];
-  }
-
-  at::TensorList tensors_;
-  at::IntArrayRef meta_;
-  size_t t_ = 0, m_ = 0;
+  std::vector<Part> parts;
+  const at::Tensor* bias = nullptr;
 };
+
+// Every linear of the flattened lists, in order.
+std::vector<Linear> read_linears(at::TensorList tensors, at::IntArrayRef meta) {
+  size_t t = 0, m = 0;
+  auto take_meta = [&]() {
+    TORCH_CHECK(m < meta.size(), "decode_layers: linear_meta ends early");
+    return meta[m++];
+  };
+  auto take_tensor = [&]() -> const at::Tensor* {
+    TORCH_CHECK(t < tensors.size(), "decode_layers: linear_tensors ends early");
+    return &tensors[t++];
+  };
+  std::vector<Linear> linears;
+  while (m < meta.size()) {
+    Linear linear;
+    const int64_t parts = take_meta(), has_bias = take_meta();
+    TORCH_CHECK(parts >= 1, "decode_layers: a linear needs at least one part");
+    for (int64_t p = 0; p < parts; ++p) {
+      const int64_t bits = take_meta(), input_bits = take_meta(), scheme = take_meta();
+      const at::Tensor* packed = take_tensor();
+      linear.parts.push_back({bits, input_bits, scheme, packed, take_tensor()});
+    }
+    if (has_bias) linear.bias = take_tensor();
+    linears.push_back(std::move(linear));
+  }
+  TORCH_CHECK(t == tensors.size(), "decode_layers: linear_tensors holds ", tensors.size() - t, " tensors more than linear_meta names");
+  return linears;
+}
 
 }  // namespace
 
 void decode_layers(at::Tensor& x, const at::Tensor& h_first, at::TensorList input_norms, at::TensorList post_norms,
-                         at::TensorList qk_norms, at::TensorList linear_tensors, at::IntArrayRef linear_meta, const at::Tensor& kv,
-                         at::TensorList cos, at::TensorList signed_sin, at::IntArrayRef layer_rope, at::IntArrayRef windows,
-                         const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                         const at::Tensor& context_lens, int64_t heads, int64_t kv_heads, double scale, double softcap, double eps) {
+                         at::TensorList qk_norms, at::TensorList linear_tensors, at::IntArrayRef linear_meta, at::IntArrayRef moe_meta,
+                         at::TensorList routers, const at::Tensor& kv, at::TensorList cos, at::TensorList signed_sin,
+                         at::IntArrayRef layer_rope, at::IntArrayRef windows, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t heads, int64_t kv_heads, double scale,
+                         double softcap, double eps) {
   const int64_t layers = static_cast<int64_t>(post_norms.size());
   TORCH_CHECK(layers >= 1 && static_cast<int64_t>(input_norms.size()) == layers && kv.dim() == 5 && kv.size(0) == layers &&
                   static_cast<int64_t>(layer_rope.size()) == layers && static_cast<int64_t>(windows.size()) == layers &&
+                  static_cast<int64_t>(moe_meta.size()) == 3 * layers &&
                   (qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers) && cos.size() == signed_sin.size(),
               "decode_layers: per-layer lists of different lengths (", layers, " post norms)");
-  Linears linears(linear_tensors, linear_meta);
+  const std::vector<Linear> linears = read_linears(linear_tensors, linear_meta);
+  size_t next = 0, next_router = 0;
+  auto take = [&]() -> const Linear& {
+    TORCH_CHECK(next < linears.size(), "decode_layers: linear_meta holds fewer linears than the layers take");
+    return linears[next++];
+  };
   at::Tensor h = h_first;
   for (int64_t i = 0; i < layers; ++i) {
-    at::Tensor qkv = linears.next(h);  // [T, (H + 2K) * D]
+    at::Tensor qkv = take()(h);  // [T, (H + 2K) * D]
     if (!qk_norms.empty()) rms_norm_heads_(qkv, qk_norms[2 * i], qk_norms[2 * i + 1], heads, kv_heads, eps);
     at::Tensor pool = kv.select(0, i);  // [2K, blocks, block_size, D]
     const size_t rope = static_cast<size_t>(layer_rope[i]);
     TORCH_CHECK(rope < cos.size(), "decode_layers: layer ", i, " names RoPE table ", rope, " of ", cos.size());
     at::Tensor qk = rope_and_cache(qkv, cos[rope], signed_sin[rope], positions, pool, slot_mapping, heads);  // [T, H + K, D]
     at::Tensor attention = paged_decode_attention(qk.narrow(1, 0, heads), pool, block_tables, context_lens, scale, windows[i], softcap);
-    h = add_rms_norm(x, linears.next(attention), post_norms[i], eps);
-    at::Tensor mlp = linears.next(silu_and_mul(linears.next(h)));
+    h = add_rms_norm(x, take()(attention), post_norms[i], eps);
+    const int64_t experts = moe_meta[3 * i];
+    at::Tensor mlp;
+    if (experts == 0) {
+      const Linear& gate_up = take();
+      mlp = take()(silu_and_mul(gate_up(h)));
+    } else {
+      TORCH_CHECK(next_router < routers.size() && routers[next_router].size(0) == experts && next + 2 * experts <= linears.size(),
+                  "decode_layers: layer ", i, " has ", experts, " experts: its router or their linears are missing");
+      const Linear* first = &linears[next];
+      mlp = moe_mlp(h, routers[next_router++], moe_meta[3 * i + 1], moe_meta[3 * i + 2] != 0,
+                    [first](int64_t e, const at::Tensor& rows) { return first[2 * e + 1](silu_and_mul(first[2 * e](rows))); });
+      next += 2 * experts;
+    }
     if (i + 1 < layers) h = add_rms_norm(x, mlp, input_norms[i + 1], eps);
     else x.add_(mlp);
   }
-  TORCH_CHECK(linears.done(), "decode_layers: linear_tensors or linear_meta holds more than ", layers, " layers' linears");
+  TORCH_CHECK(next == linears.size() && next_router == routers.size(),
+              "decode_layers: linear_tensors, linear_meta or routers hold more than ", layers, " layers take");
 }
 
 }  // namespace stageserve

@@ -7,6 +7,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
+
 namespace stageserve {
 
 bool supported(c10::ScalarType dtype, int64_t head_dim, int64_t group);
@@ -49,6 +51,9 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, at::Int
 bool cpu_has_avx512_vnni();
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t bits, int64_t input_bits,
                         int64_t scheme);
+// Rows ids [T] int64 of an 8-bit weight packed as quant_linear takes it (scheme 0), dequantized (d * q in float32,
+// rounded once) -> [T, K] of dtype: a tied embedding table looked up in the LM head's int8 panels  (quant_linear.cpp)
+at::Tensor quant_rows(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& ids, c10::ScalarType dtype);
 
 // silu(gate) * up of [T, 2 * I] -> [T, I]  (activation.cpp)
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
@@ -58,12 +63,23 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin,
                           const at::Tensor& positions, at::Tensor& kv, const at::Tensor& slot_mapping, int64_t num_heads);
 
+// A mixture of experts' router: x [T, K] bfloat16 or float32 @ W^T, W float32 [E, K] -> float32 [T, E],
+// each dot summed in float32 in one fixed order  (moe.cpp)
+at::Tensor router_logits(const at::Tensor& x, const at::Tensor& weight);
+// The mixture of experts of x [T, hidden] (model/moe.py's softmax `route` and `grouped_experts`, the
+// same ops): `router` as router_logits takes it, each row's top_k experts (their weights normalized to
+// sum 1 with `normalize`), expert(e, rows [n, hidden]) -> [n, hidden]; -> [T, hidden] in x's dtype  (moe.cpp)
+at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool normalize,
+                   const std::function<at::Tensor(int64_t, const at::Tensor&)>& expert);
+
 // The decoder layers of a decode-only step ([T, hidden] residual x updated in place, h_first its first
-// normed input), each layer's linears on quant_linear, flattened as decode_layers.cpp describes  (decode_layers.cpp)
+// normed input), each layer's linears on quant_linear, its MLP dense or a mixture of experts, flattened
+// as decode_layers.cpp describes  (decode_layers.cpp)
 void decode_layers(at::Tensor& x, const at::Tensor& h_first, at::TensorList input_norms, at::TensorList post_norms,
-                   at::TensorList qk_norms, at::TensorList linear_tensors, at::IntArrayRef linear_meta, const at::Tensor& kv,
-                   at::TensorList cos, at::TensorList signed_sin, at::IntArrayRef layer_rope, at::IntArrayRef windows,
-                   const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                   const at::Tensor& context_lens, int64_t heads, int64_t kv_heads, double scale, double softcap, double eps);
+                   at::TensorList qk_norms, at::TensorList linear_tensors, at::IntArrayRef linear_meta, at::IntArrayRef moe_meta,
+                   at::TensorList routers, const at::Tensor& kv, at::TensorList cos, at::TensorList signed_sin,
+                   at::IntArrayRef layer_rope, at::IntArrayRef windows, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                   const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t heads, int64_t kv_heads, double scale,
+                   double softcap, double eps);
 
 }  // namespace stageserve

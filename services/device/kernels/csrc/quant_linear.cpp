@@ -324,4 +324,40 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   return y;
 }
 
+at::Tensor quant_rows(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& ids, c10::ScalarType dtype) {
+  TORCH_CHECK(is_kernel_dtype(dtype), "quant_rows: dtype must be bfloat16 or float32, got ", dtype);
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(2) == 8 * 64,
+              "quant_rows: packed must be an int8 weight's uint8 [N / 16, K / 32, 512], got ", packed.sizes());
+  const int64_t panels = packed.size(0), groups = packed.size(1), k = groups * kGroup;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 4 && scales.size(0) == panels &&
+                  scales.size(1) == groups && scales.size(2) == 2 && scales.size(3) == kLanes,
+              "quant_rows: scales must be float16 [N / 16, K / 32, 2, 16], got ", scales.sizes(), " ", scales.scalar_type());
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "quant_rows: ids must be int64 [T]");
+  const at::Tensor index = ids.contiguous();
+  const int64_t* id = index.const_data_ptr<int64_t>();
+  const int64_t rows = index.numel();
+  for (int64_t t = 0; t < rows; ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < panels * kLanes, "quant_rows: row ", id[t], " is outside the weight's ", panels * kLanes, " rows");
+  at::Tensor out = at::empty({rows, k}, packed.options().dtype(dtype));
+  const uint8_t* w = packed.const_data_ptr<uint8_t>();
+  const c10::Half* d = scales.const_data_ptr<c10::Half>();
+  dispatch_kernel_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    T* o = out.data_ptr<T>();
+    at::parallel_for(0, rows, rows_per_thread(k), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t panel = id[t] / kLanes, lane = id[t] % kLanes;
+        for (int64_t g = 0; g < groups; ++g) {
+          const uint8_t* group = w + (panel * groups + g) * 8 * 64 + 4 * lane;  // chunk c's 4 inputs of this row at c * 64
+          const float scale = static_cast<float>(d[((panel * groups + g) * 2) * kLanes + lane]);
+          for (int64_t c = 0; c < 8; ++c)
+            for (int64_t j = 0; j < 4; ++j)
+              o[t * k + g * kGroup + 4 * c + j] = static_cast<T>(static_cast<float>(static_cast<int8_t>(group[c * 64 + j] ^ 0x80)) * scale);
+        }
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace stageserve

@@ -39,11 +39,13 @@ TORCH_LIBRARY(stageserve, m) {
   m.def("has_amx() -> bool", &stageserve::cpu_has_amx);
   m.def("has_avx512_vnni() -> bool", &stageserve::cpu_has_avx512_vnni);
   m.def("quant_linear(Tensor x, Tensor packed, Tensor scales, int bits, int input_bits, int scheme=0) -> Tensor");
+  m.def("quant_rows(Tensor packed, Tensor scales, Tensor ids, ScalarType dtype) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("amx_swiglu(Tensor x, Tensor packed) -> Tensor");
   m.def("rope_and_cache(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor positions, Tensor(a!) kv, Tensor slot_mapping, int num_heads) -> Tensor");
+  m.def("router_logits(Tensor x, Tensor weight) -> Tensor");
   m.def("decode_layers(Tensor(a!) x, Tensor h_first, Tensor[] input_norms, Tensor[] post_norms, Tensor[] qk_norms, Tensor[] linear_tensors, "
-        "int[] linear_meta, Tensor(b!) kv, Tensor[] cos, Tensor[] signed_sin, int[] layer_rope, int[] windows, Tensor positions, "
+        "int[] linear_meta, int[] moe_meta, Tensor[] routers, Tensor(b!) kv, Tensor[] cos, Tensor[] signed_sin, int[] layer_rope, int[] windows, Tensor positions, "
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int heads, int kv_heads, float scale, float softcap, float eps) -> ()");
 }
 
@@ -57,8 +59,10 @@ TORCH_LIBRARY_IMPL(stageserve, CPU, m) {
   m.impl("apply_token_bitmask_", &stageserve::apply_token_bitmask_);
   m.impl("gumbel_argmax", &stageserve::gumbel_argmax);
   m.impl("quant_linear", &stageserve::quant_linear);
+  m.impl("quant_rows", &stageserve::quant_rows);
   m.impl("amx_linear", &stageserve::amx_linear);
   m.impl("amx_swiglu", &stageserve::amx_swiglu);
   m.impl("rope_and_cache", &stageserve::rope_and_cache);
+  m.impl("router_logits", &stageserve::router_logits);
   m.impl("decode_layers", &stageserve::decode_layers);
 }
