@@ -74,7 +74,9 @@ class FusedDecodeLayers:
         for layer in model.layers:
             if layer.mla is not None or layer.attn_out_norm is not None or layer.mlp_out_norm is not None:
                 return None
-            if (layer.moe is not None and not _softmax_routed(layer.moe)) or not all(map(_on_vnni, (layer.qkv, layer.o, *_mlp_linears(layer)))):
+            if layer.moe is not None and not _softmax_routed(layer.moe):
+                return None
+            if not all(map(_on_vnni, (layer.qkv, layer.o, *_mlp_linears(layer)))):
                 return None
         return cls(model)
 
@@ -90,9 +92,9 @@ class FusedDecodeLayers:
         model, c = self._model, self._model.config
         h = cpu_kernels.rms_norm(x, self._input_norms[0], c.rms_norm_eps)
         cpu_kernels.decode_layers(
-            x, h, self._input_norms, self._post_norms, self._qk_norms, self._tensors, self._meta, self._moe_meta, self._routers, kv_cache.kv, self._cos,
-            self._signed_sin, list(model.layer_rope), self._windows, batch.positions, batch.slot_mapping, batch.decode_blocks,
-            batch.positions + 1, c.num_heads, c.num_kv_heads, model.scale, self._softcap, c.rms_norm_eps)
+            x, h, self._input_norms, self._post_norms, self._qk_norms, self._tensors, self._meta, self._moe_meta, self._routers,
+            kv_cache.kv, self._cos, self._signed_sin, list(model.layer_rope), self._windows, batch.positions, batch.slot_mapping,
+            batch.decode_blocks, batch.positions + 1, c.num_heads, c.num_kv_heads, model.scale, self._softcap, c.rms_norm_eps)
         return x
 
 

@@ -44,11 +44,11 @@ class KernelRouter:
     """A router on the CPU kernels (`cpu_kernels.router_logits`): ``x`` [T, hidden] -> float32 logits [T, E]
     from a float32 copy of the weight [E, hidden] (E x hidden: a few hundred KiB at most).
 
-    Each row's logits are summed in one fixed order whatever the rows beside it (oneDNN's bfloat16
-    linear chooses its kernel by the row count, so a token's experts could change with its batch), and
-    the fused decode layers (`fused_decode`, ``csrc/moe.cpp``) call the same op: a step routes alike
-    on either path. The logits stay float32 (transformers rounds them to the activation dtype before
-    its float32 softmax; in float32 the two are the same computation)."""
+    Why an op of its own: the fused decode layers (`fused_decode`, ``csrc/moe.cpp``) call it too, so a
+    step routes alike on either path, and each row's logits are summed in one fixed order whatever the
+    rows beside it (by construction, not by which kernel a library picks for the row count). The
+    logits stay float32 (transformers rounds them to the activation dtype before its float32 softmax;
+    in float32 the two are the same computation)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight.float().contiguous()

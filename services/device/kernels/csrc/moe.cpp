@@ -3,9 +3,9 @@
 // calls too, so that both paths route alike.
 //
 // router_logits: x [T, K] @ W^T with W float32 [E, K], each dot summed in float32 in one fixed order
-// (16 lanes, then the lanes' sum), so a row's logits never depend on the other rows of its step
-// (oneDNN's bfloat16 linear picks its kernel by the row count) and are not rounded to bfloat16 before
-// the softmax (transformers rounds them to the activation dtype first; at float32 the two agree).
+// (16 lanes, then the lanes' sum), so a row's logits never depend on the other rows of its step by
+// construction, and not rounded to bfloat16 before the softmax (transformers rounds them to the
+// activation dtype first; at float32 the two agree).
 //
 // moe_mlp: the same ATen ops, in the same order, as model/moe.py's `route` (softmax, no groups, no
 // bias, scale 1) and `grouped_experts`, so its result is the Python path's bit for bit: one row runs
