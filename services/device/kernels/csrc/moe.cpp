@@ -55,8 +55,9 @@ at::Tensor router_logits(const at::Tensor& x, const at::Tensor& weight) {
   dispatch_kernel_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* xp = x.const_data_ptr<T>();
-    // A decode step's few rows stay on the calling thread: the whole product is ~E * K * T multiply-adds.
-    at::parallel_for(0, rows * experts, rows_per_thread(k), [&](int64_t begin, int64_t end) {
+    // ~256K multiply-adds per thread at least: a one-row decode step's router (E * K of them) stays on
+    // the calling thread rather than paying a thread hand-off; a prefill's splits.
+    at::parallel_for(0, rows * experts, std::max<int64_t>(1, (int64_t{1} << 18) / k), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) o[i] = dot_row(xp + (i / experts) * k, w + (i % experts) * k, k);
     });
   });
@@ -84,7 +85,7 @@ at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, int64_t top_k,
     return out.to(x.scalar_type());
   }
   const auto [sorted, order] = at::sort(experts.flatten(), /*stable=*/true, /*dim=*/0, /*descending=*/false);
-  const auto [ids, inverse, counts] = at::unique_consecutive(sorted, /*return_inverse=*/false, /*return_counts=*/true);
+  const auto [ids, unused_inverse, counts] = at::unique_consecutive(sorted, /*return_inverse=*/false, /*return_counts=*/true);
   const at::Tensor rows = at::floor_divide(order, top_k);
   const at::Tensor sizes = counts.contiguous();
   const std::vector<at::Tensor> parts = x.index_select(0, rows).split_with_sizes(at::IntArrayRef(sizes.const_data_ptr<int64_t>(), sizes.numel()));
