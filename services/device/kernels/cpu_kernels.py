@@ -197,26 +197,25 @@ def rms_norm_heads_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.T
 
 
 def decode_layers(
-    x: torch.Tensor, h_first: torch.Tensor, input_norms: list[torch.Tensor], post_norms: list[torch.Tensor], qk_norms: list[torch.Tensor],
+    x: torch.Tensor, input_norms: list[torch.Tensor], post_norms: list[torch.Tensor], qk_norms: list[torch.Tensor],
     linear_tensors: list[torch.Tensor], linear_meta: list[int], moe_meta: list[int], routers: list[torch.Tensor], kv: torch.Tensor,
     cos: list[torch.Tensor], signed_sin: list[torch.Tensor], layer_rope: list[int], windows: list[int], positions: torch.Tensor,
-    slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, heads: int, kv_heads: int, scale: float,
-    softcap: float, eps: float,
+    slot_mapping: torch.Tensor, block_tables: torch.Tensor, heads: int, kv_heads: int, scale: float, softcap: float, eps: float,
 ) -> None:
     """A decode-only step's decoder layers in one call (`model.fused_decode`, which flattens them):
-    per layer ``qkv`` (q/k head norms where ``qk_norms`` holds two a layer), `rope_and_cache` into
-    ``kv[layer]``, `paged_decode_attention` (``windows``: 0 for the whole context), ``o``,
+    `rms_norm` of ``x`` by ``input_norms[0]``, then per layer ``qkv`` (q/k head norms where ``qk_norms``
+    holds two a layer), `rope_and_cache` into ``kv[layer]`` at ``positions`` and ``slot_mapping``,
+    `paged_decode_attention` over ``block_tables`` up to each row's position (``windows``: 0 for the whole context), ``o``,
     `add_rms_norm` with ``post_norms``, the MLP (SwiGLU through ``gate_up`` and ``down``, or, where
     ``moe_meta`` gives the layer experts, a mixture of experts routed by the next of ``routers`` as
     `moe.KernelRouter` routes), `add_rms_norm` with the next layer's ``input_norms`` (the last adds
-    into ``x``). ``x`` ``[T, hidden]`` is the residual, updated in place; ``h_first`` its RMSNorm by
-    ``input_norms[0]``. Each linear, on `quant_linear`, and ``moe_meta`` (three ints a layer: experts,
+    into ``x``). ``x`` ``[T, hidden]``, the embeddings, is the residual, updated in place. Each linear, on `quant_linear`, and ``moe_meta`` (three ints a layer: experts,
     0 for a dense MLP; top k; normalized) are given as in ``csrc/decode_layers.cpp``. Raises
     ``RuntimeError`` for lists that do not fit, and as the ops it calls.
     """
-    torch.ops.stageserve.decode_layers(x, h_first, input_norms, post_norms, qk_norms, linear_tensors, linear_meta, moe_meta, routers, kv,
-                                       cos, signed_sin, layer_rope, windows, positions, slot_mapping, block_tables, context_lens, heads,
-                                       kv_heads, scale, softcap, eps)
+    torch.ops.stageserve.decode_layers(x, input_norms, post_norms, qk_norms, linear_tensors, linear_meta, moe_meta, routers, kv, cos,
+                                       signed_sin, layer_rope, windows, positions, slot_mapping, block_tables, heads, kv_heads, scale,
+                                       softcap, eps)
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

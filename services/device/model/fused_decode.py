@@ -59,6 +59,7 @@ class FusedDecodeLayers:
         self._cos = [cos for cos, _ in model.rope]
         self._signed_sin = [signed_sin for _, signed_sin in model.rope]
         self._windows = [window or 0 for window in model.layer_windows]
+        self._layer_rope = list(model.layer_rope)
         self._softcap = c.attn_softcap or 0.0
         # The rows every linear runs on its kernel: any number where none keeps a dense copy (`QuantizedLinear`);
         # fixed when built, as the kernels' input levels in `_meta` (the model builds this after choosing its copies).
@@ -90,11 +91,10 @@ class FusedDecodeLayers:
         """The layers over embeddings ``x`` [T, hidden] (updated in place and returned, before the
         final norm) of a batch `takes` accepts; K/V written into ``kv_cache`` as the Python path does."""
         model, c = self._model, self._model.config
-        h = cpu_kernels.rms_norm(x, self._input_norms[0], c.rms_norm_eps)
         cpu_kernels.decode_layers(
-            x, h, self._input_norms, self._post_norms, self._qk_norms, self._tensors, self._meta, self._moe_meta, self._routers,
-            kv_cache.kv, self._cos, self._signed_sin, list(model.layer_rope), self._windows, batch.positions, batch.slot_mapping,
-            batch.decode_blocks, batch.positions + 1, c.num_heads, c.num_kv_heads, model.scale, self._softcap, c.rms_norm_eps)
+            x, self._input_norms, self._post_norms, self._qk_norms, self._tensors, self._meta, self._moe_meta, self._routers, kv_cache.kv,
+            self._cos, self._signed_sin, self._layer_rope, self._windows, batch.positions, batch.slot_mapping, batch.decode_blocks,
+            c.num_heads, c.num_kv_heads, model.scale, self._softcap, c.rms_norm_eps)
         return x
 
 

@@ -92,6 +92,6 @@ def test_what_it_does_not_take_runs_the_python_path(tmp_path):
 def test_lists_that_do_not_fit_are_refused():
     x = torch.zeros(1, 64)
     with pytest.raises(RuntimeError, match="per-layer lists of different lengths"):
-        cpu_kernels.decode_layers(x, x, [], [torch.ones(64)], [], [], [], [0, 0, 0], [], torch.zeros(1, 2, 1, 16, 64), [], [], [0], [0],
+        cpu_kernels.decode_layers(x, [], [torch.ones(64)], [], [], [], [0, 0, 0], [], torch.zeros(1, 2, 1, 16, 64), [], [], [0], [0],
                                   torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
-                                  torch.ones(1, dtype=torch.int64), 1, 1, 1.0, 0.0, 1e-6)
+                                  1, 1, 1.0, 0.0, 1e-6)

@@ -15,6 +15,7 @@
 
 #include "ops.h"
 
+#include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
 #include <c10/util/Exception.h>
 
@@ -76,12 +77,11 @@ std::vector<Linear> read_linears(at::TensorList tensors, at::IntArrayRef meta) {
 
 }  // namespace
 
-void decode_layers(at::Tensor& x, const at::Tensor& h_first, at::TensorList input_norms, at::TensorList post_norms,
-                         at::TensorList qk_norms, at::TensorList linear_tensors, at::IntArrayRef linear_meta, at::IntArrayRef moe_meta,
-                         at::TensorList routers, const at::Tensor& kv, at::TensorList cos, at::TensorList signed_sin,
-                         at::IntArrayRef layer_rope, at::IntArrayRef windows, const at::Tensor& positions, const at::Tensor& slot_mapping,
-                         const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t heads, int64_t kv_heads, double scale,
-                         double softcap, double eps) {
+void decode_layers(at::Tensor& x, at::TensorList input_norms, at::TensorList post_norms, at::TensorList qk_norms,
+                   at::TensorList linear_tensors, at::IntArrayRef linear_meta, at::IntArrayRef moe_meta, at::TensorList routers,
+                   const at::Tensor& kv, at::TensorList cos, at::TensorList signed_sin, at::IntArrayRef layer_rope,
+                   at::IntArrayRef windows, const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                   int64_t heads, int64_t kv_heads, double scale, double softcap, double eps) {
   const int64_t layers = static_cast<int64_t>(post_norms.size());
   TORCH_CHECK(layers >= 1 && static_cast<int64_t>(input_norms.size()) == layers && kv.dim() == 5 && kv.size(0) == layers &&
                   static_cast<int64_t>(layer_rope.size()) == layers && static_cast<int64_t>(windows.size()) == layers &&
@@ -94,7 +94,8 @@ void decode_layers(at::Tensor& x, const at::Tensor& h_first, at::TensorList inpu
     TORCH_CHECK(next < linears.size(), "decode_layers: linear_meta holds fewer linears than the layers take");
     return linears[next++];
   };
-  at::Tensor h = h_first;
+  const at::Tensor context_lens = at::add(positions, 1);  // each row attends to its own position and all before it
+  at::Tensor h = rms_norm(x, input_norms[0], eps);
   for (int64_t i = 0; i < layers; ++i) {
     at::Tensor qkv = take()(h);  // [T, (H + 2K) * D]
     if (!qk_norms.empty()) rms_norm_heads_(qkv, qk_norms[2 * i], qk_norms[2 * i + 1], heads, kv_heads, eps);

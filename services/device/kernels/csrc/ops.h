@@ -72,14 +72,13 @@ at::Tensor router_logits(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool normalize,
                    const std::function<at::Tensor(int64_t, const at::Tensor&)>& expert);
 
-// The decoder layers of a decode-only step ([T, hidden] residual x updated in place, h_first its first
-// normed input), each layer's linears on quant_linear, its MLP dense or a mixture of experts, flattened
-// as decode_layers.cpp describes  (decode_layers.cpp)
-void decode_layers(at::Tensor& x, const at::Tensor& h_first, at::TensorList input_norms, at::TensorList post_norms,
-                   at::TensorList qk_norms, at::TensorList linear_tensors, at::IntArrayRef linear_meta, at::IntArrayRef moe_meta,
-                   at::TensorList routers, const at::Tensor& kv, at::TensorList cos, at::TensorList signed_sin,
-                   at::IntArrayRef layer_rope, at::IntArrayRef windows, const at::Tensor& positions, const at::Tensor& slot_mapping,
-                   const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t heads, int64_t kv_heads, double scale,
-                   double softcap, double eps);
+// The decoder layers of a decode-only step ([T, hidden] residual x, the embeddings, updated in place), each
+// layer's linears on quant_linear, its MLP dense or a mixture of experts, flattened as decode_layers.cpp
+// describes  (decode_layers.cpp)
+void decode_layers(at::Tensor& x, at::TensorList input_norms, at::TensorList post_norms, at::TensorList qk_norms,
+                   at::TensorList linear_tensors, at::IntArrayRef linear_meta, at::IntArrayRef moe_meta, at::TensorList routers,
+                   const at::Tensor& kv, at::TensorList cos, at::TensorList signed_sin, at::IntArrayRef layer_rope,
+                   at::IntArrayRef windows, const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                   int64_t heads, int64_t kv_heads, double scale, double softcap, double eps);
 
 }  // namespace stageserve

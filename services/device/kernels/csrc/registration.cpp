@@ -44,9 +44,10 @@ TORCH_LIBRARY(stageserve, m) {
   m.def("amx_swiglu(Tensor x, Tensor packed) -> Tensor");
   m.def("rope_and_cache(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor positions, Tensor(a!) kv, Tensor slot_mapping, int num_heads) -> Tensor");
   m.def("router_logits(Tensor x, Tensor weight) -> Tensor");
-  m.def("decode_layers(Tensor(a!) x, Tensor h_first, Tensor[] input_norms, Tensor[] post_norms, Tensor[] qk_norms, Tensor[] linear_tensors, "
-        "int[] linear_meta, int[] moe_meta, Tensor[] routers, Tensor(b!) kv, Tensor[] cos, Tensor[] signed_sin, int[] layer_rope, int[] windows, Tensor positions, "
-        "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int heads, int kv_heads, float scale, float softcap, float eps) -> ()");
+  m.def("decode_layers(Tensor(a!) x, Tensor[] input_norms, Tensor[] post_norms, Tensor[] qk_norms, Tensor[] linear_tensors, "
+        "int[] linear_meta, int[] moe_meta, Tensor[] routers, Tensor(b!) kv, Tensor[] cos, Tensor[] signed_sin, int[] layer_rope, "
+        "int[] windows, Tensor positions, Tensor slot_mapping, Tensor block_tables, int heads, int kv_heads, float scale, float softcap, "
+        "float eps) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(stageserve, CPU, m) {
