@@ -111,15 +111,16 @@ def test_model_step_runs_through_the_fused_ops(dtype):
 
 @pytest.mark.skipif(not HAS_VNNI, reason="quant_linear needs AVX512-VNNI")
 def test_quantized_decode_step_runs_every_linear_on_quant_linear():
-    """``--weights auto`` on a VNNI CPU: a one-row decode step of the embedded Q4_1 model runs its
-    layers in one ``decode_layers`` call (which takes only layers whose linears are all on the
-    kernel: test_fused_decode.py) and the int8 head on ``quant_linear``; without that call, its 120
-    layer linears and the head on ``quant_linear``, and none on AMX or oneDNN either way."""
+    """``--weights auto`` on a VNNI CPU: a one-row decode step of the embedded Q4_1 model looks its
+    token up in the tied int8 table (``quant_rows``), runs its layers in one ``decode_layers`` call
+    (which takes only layers whose linears are all on the kernel: test_fused_decode.py) and the int8
+    head on ``quant_linear``; without that call, its 120 layer linears and the head on
+    ``quant_linear``, and none on AMX or oneDNN either way."""
     model = DecoderModel.from_path(embedded_model_path(), torch.bfloat16, "cpu", weight_format="auto")
     cache = PagedKVCache(model.config, 4, 16, torch.bfloat16, "cpu")
     model.forward(build_forward_batch([([1, 2, 3], 0, [1], True)], 16, "cpu"), cache)
     calls = fused_op_calls(lambda: model.forward(build_forward_batch([([4], 3, [1], True)], 16, "cpu"), cache))
-    assert calls == {"rms_norm": 1, "decode_layers": 1, "quant_linear": 1}
+    assert calls == {"quant_rows": 1, "decode_layers": 1, "quant_linear": 1}
     model.fused_decode = None
     calls = fused_op_calls(lambda: model.forward(build_forward_batch([([5], 4, [1], True)], 16, "cpu"), cache))
     assert calls["quant_linear"] == 4 * model.config.num_layers + 1
