@@ -77,6 +77,11 @@ class QuantizedWeight:
         return torch.addcmul(_f16_column(blocks, 2), q, _f16_column(blocks, 0)).view(self.shape)
 
 
+def dequantized(t: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    """``t`` as a plain tensor: a `QuantizedWeight` dequantized (float32, its shape), a tensor as it is."""
+    return t.dequantize() if isinstance(t, QuantizedWeight) else t
+
+
 def from_gguf_bytes(raw: torch.Tensor, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]) -> QuantizedWeight:
     """Wrap a tensor's GGUF bytes (uint8 ``[nbytes]``) of a `KEPT_TYPES` type and 2-D ``shape`` (a copy)."""
     rows, k = shape
@@ -298,7 +303,7 @@ def _convert(part: torch.Tensor | QuantizedWeight, weight_format: str) -> Kernel
         fmt, convert = _FROM_GGUF[part.qtype]
         if weight_format in ("auto", fmt):
             return convert(part)
-    dense = part.dequantize() if isinstance(part, QuantizedWeight) else part
+    dense = dequantized(part)
     return int4_from_float(dense) if weight_format == "int4" else int8_from_float(dense)
 
 

@@ -151,7 +151,7 @@ class DecoderModel:
         if tied and isinstance(self.lm_head, QuantizedLinear) and self.lm_head.format == "int8":
             self.embed = self.lm_head  # the tied table is looked up in the head's int8 rows: one copy
         else:  # a tied head is packed separately from the embedding table on CPU (one more vocab x hidden copy)
-            self.embed = _dense(embed).to(self.device, self.dtype)  # [vocab, hidden]
+            self.embed = quant.dequantized(embed).to(self.device, self.dtype)  # [vocab, hidden]
         self.norm = w("model.norm.weight")
         self.layers = [self._layer(i, weights, w, linear) for i in range(config.num_layers)]
         if self.unkernelled_formats:
@@ -187,7 +187,7 @@ class DecoderModel:
             experts = [f"{mlp}experts.{j}." for j in range(c.num_experts)]
             shared = mlp + "shared_experts."
             moe = MoEMLP(
-                router=KernelRouter(_dense(weights[mlp + "gate.weight"]).to(self.dtype)) if self.cpu_kernels
+                router=KernelRouter(quant.dequantized(weights[mlp + "gate.weight"]).to(self.dtype)) if self.cpu_kernels
                 else linear((mlp + "gate.weight",), dense=True),  # routing stays in the activation dtype
                 gate_ups=[linear((e + "gate_proj.weight", e + "up_proj.weight"), gated=gated) for e in experts],
                 downs=[linear((e + "down_proj.weight",)) for e in experts], top_k=c.experts_per_token, normalize=c.norm_topk_prob,
@@ -197,7 +197,7 @@ class DecoderModel:
                 if c.shared_experts else None)
         if c.kv_lora_rank:
             kv_b = weights[attn + "kv_b_proj.weight"]
-            kv_b = _dense(kv_b).to(self.device, self.dtype)
+            kv_b = quant.dequantized(kv_b).to(self.device, self.dtype)
             kv_b = kv_b.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
             lora = c.q_lora_rank is not None
             mla = MLAWeights(
@@ -229,7 +229,7 @@ class DecoderModel:
             kernel = None
         if kernel is None:
             self.linear_formats[str(self.dtype).removeprefix("torch.")] += 1
-            dense = torch.cat([_dense(p) for p in parts]).to(self.device, self.dtype)
+            dense = torch.cat([quant.dequantized(p) for p in parts]).to(self.device, self.dtype)
             return Linear(dense, bias, amx=amx, gated=gated)
         self.linear_formats[quant.format_name(kernel)] += 1
 
@@ -439,11 +439,6 @@ class DecoderModel:
             return down(gate_up.swiglu(h))
         gate, up = gate_up(h).chunk(2, dim=-1)
         return down((F.silu(gate) if silu else F.gelu(gate, approximate="tanh")) * up)
-
-
-def _dense(t: torch.Tensor | QuantizedWeight) -> torch.Tensor:
-    """``t`` as a plain tensor: a quantized weight dequantized."""
-    return t.dequantize() if isinstance(t, QuantizedWeight) else t
 
 
 def _rows_reordered(t: torch.Tensor | QuantizedWeight, order: torch.Tensor) -> torch.Tensor | QuantizedWeight:
