@@ -54,6 +54,8 @@ class KernelRouter:
         self.weight = weight.float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, hidden] bfloat16 or float32 -> float32 logits [T, E]. Raises ``RuntimeError`` for another
+        hidden size or dtype (`cpu_kernels.router_logits`)."""
         return cpu_kernels.router_logits(x.contiguous(), self.weight)
 
     def tensors(self) -> list[torch.Tensor]:

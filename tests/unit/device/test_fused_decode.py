@@ -22,7 +22,7 @@ BLOCK = 16
 
 def assert_same_bits_as_python_path(model: DecoderModel, prompts: list[list[int]], steps: int = 6) -> None:
     fused = model.fused_decode
-    assert fused is not None
+    assert fused is not None and fused.takes(build_forward_batch([([1], 3, [r], True) for r in range(len(prompts))], BLOCK, "cpu"))
     ours = decode_run(model, prompts, steps)
     model.fused_decode = None
     try:
