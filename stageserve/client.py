@@ -2,7 +2,7 @@
 
 Prints text as it arrives on stdout, then usage and timing on stderr: time to first token (TTFT),
 mean inter-token latency (ITL) and tokens/s. An ``UNAVAILABLE`` call (a draining or lost prepare
-replica), even one broken mid-stream, is retried from the start after the status's RetryInfo delay,
+replica; or ``CANCELLED`` by a server stopping as it arrived), even one broken mid-stream, is retried from the start after the status's RetryInfo delay,
 printing only the text not printed yet (:mod:`stageserve.retrying`; a sampled request without
 ``--seed`` gets a random seed, so that the retry reproduces it). ``--target`` may name several
 replicas (``ipv4:HOST:PORT,HOST:PORT``), used round robin. On any other gRPC error it prints the
@@ -77,7 +77,7 @@ def build_request(args: argparse.Namespace) -> prepare_pb2.GenerateRequest:
 
 def stream(target: str, request: prepare_pb2.GenerateRequest, timeout_s: float | None = None, tls_ca: Path | None = None,
            api_key: str = "") -> int:
-    """Stream ``request`` to stdout, retrying ``UNAVAILABLE`` (module docstring); print usage and
+    """Stream ``request`` to stdout, retrying ``UNAVAILABLE`` and a stopping server's ``CANCELLED`` (module docstring); print usage and
     timing to stderr, and each retry. Returns the exit code."""
     start = time.perf_counter()
     arrivals: list[float] = []

@@ -2,10 +2,11 @@
 
 Several prepare replicas serve one deployment (docs/deploy.md, "Replicas"). A draining replica
 refuses new requests with ``UNAVAILABLE`` and a ``google.rpc.RetryInfo`` delay; a replica that dies
-breaks its streams with ``UNAVAILABLE``. gRPC's own retry policy retries a call only until response
-headers arrived, so it never retries a stream broken mid-way. :func:`stream_generation` retries the
-whole call on ``UNAVAILABLE`` (after the RetryInfo delay when the status carries one, else with
-exponential backoff) and hands on only what the earlier attempts did not deliver yet: the caller
+breaks its streams with ``UNAVAILABLE``; a call that reaches a replica in the instant its gRPC
+server stops, before a handler took it, ends ``CANCELLED`` (gRPC core's behaviour, grpc/grpc#41785).
+gRPC's own retry policy retries a call only until response headers arrived, so it never retries a
+stream broken mid-way. :func:`stream_generation` retries the whole call on either code (after the
+RetryInfo delay when the status carries one, else with exponential backoff) and hands on only what the earlier attempts did not deliver yet: the caller
 sees every character, token and tool call once, and one final chunk per choice.
 
 That is exact when the retried call reproduces the earlier output: greedy or seeded sampling on
@@ -31,6 +32,9 @@ from stageserve.v1 import prepare_pb2, prepare_pb2_grpc
 log = logging.getLogger(__name__)
 
 RETRY_ATTEMPTS = 5  # calls in all; a replica's loss costs one, a drain's refusal another
+# The services never end a call CANCELLED themselves and this module never cancels the calls it
+# makes: a CANCELLED it sees is a stopping server's (grpc/grpc#41785), retried like UNAVAILABLE.
+RETRIED_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 # The fields a stream delivers piece by piece, per choice (logprobs follow token_ids).
 STREAMED_FIELDS = ("text", "reasoning_text", "token_ids", "tool_calls")
 
@@ -120,7 +124,7 @@ def stream_generation(stub: prepare_pb2_grpc.GenerationStub, request: prepare_pb
                       attempts: int = RETRY_ATTEMPTS,
                       on_retry: Callable[[grpc.RpcError, float], None] | None = None,
                       sleep: Callable[[float], None] = time.sleep) -> Iterator[prepare_pb2.GenerateStreamResponse]:
-    """Yield the chunks of ``GenerateStream(request)``, retrying the call on ``UNAVAILABLE``.
+    """Yield the chunks of ``GenerateStream(request)``, retrying the call on ``UNAVAILABLE`` or ``CANCELLED``.
 
     Each retry waits the status's RetryInfo delay (else a jittered exponential backoff from 0.1 s)
     and is handed only what the earlier attempts had not yet delivered (module docstring). Pass a
@@ -134,8 +138,8 @@ def stream_generation(stub: prepare_pb2_grpc.GenerationStub, request: prepare_pb
         sleep: waits that many seconds (tests pass a fake).
 
     Raises:
-        grpc.RpcError: any status but UNAVAILABLE; UNAVAILABLE on the last attempt, or when the
-            wait would pass the deadline.
+        grpc.RpcError: any status but :data:`RETRIED_CODES`; one of those on the last attempt, or
+            when the wait would pass the deadline.
         RetryDiverged: a retry's output contradicts what was delivered.
         ValueError: ``attempts`` < 1.
     """
@@ -154,7 +158,7 @@ def stream_generation(stub: prepare_pb2_grpc.GenerationStub, request: prepare_pb
                     yield fresh
             return
         except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.UNAVAILABLE or attempt == attempts:
+            if error.code() not in RETRIED_CODES or attempt == attempts:
                 raise
             delay_s = retry_delay_s(error)
             delay_s = backoff.next_delay() if delay_s is None else delay_s

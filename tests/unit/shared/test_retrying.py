@@ -1,4 +1,4 @@
-"""stageserve.retrying: a stream retried on UNAVAILABLE hands on each character and token once,
+"""stageserve.retrying: a stream retried on UNAVAILABLE (or a stopping server's CANCELLED) hands on each character and token once,
 waits the RetryInfo delay, and refuses a retry that contradicts what was delivered."""
 
 from __future__ import annotations
@@ -92,6 +92,15 @@ def test_the_retry_info_delay_is_honoured():
     waits: list[float] = []
     out = list(stream_generation(FakeStub(refused, (FULL, None)), prepare_pb2.GenerateRequest(), sleep=waits.append))
     assert waits == [0.5] and "".join(c.text for c in out) == "Hello, world!"
+
+
+def test_a_call_a_stopping_server_cancelled_is_retried():
+    """gRPC core ends a call that a stopping server had not handed to a handler yet CANCELLED (grpc/grpc#41785)."""
+    cancelled = ([], FakeError(grpc.StatusCode.CANCELLED))
+    retries: list[grpc.StatusCode] = []
+    out = list(stream_generation(FakeStub(cancelled, (FULL, None)), prepare_pb2.GenerateRequest(),
+                                 on_retry=lambda error, delay: retries.append(error.code()), sleep=lambda s: None))
+    assert retries == [grpc.StatusCode.CANCELLED] and "".join(c.text for c in out) == "Hello, world!"
 
 
 def test_other_codes_and_the_last_attempt_raise():
