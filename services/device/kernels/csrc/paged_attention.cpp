@@ -16,7 +16,6 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
-#include <atomic>
 #include <memory>
 #include <type_traits>
 
@@ -214,16 +213,12 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables, co
   const int64_t* len = lens.const_data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const int64_t max_context = window > 0 ? std::min(window, *std::max_element(len, len + B)) : *std::max_element(len, len + B);
-  // Tasks are taken one at a time from a shared counter rather than split in equal halves up front:
-  // when another process takes a core for a while, the other thread does the remaining tasks
-  // instead of waiting for it at the end of the loop.
-  std::atomic<int64_t> next{0};
-  const int64_t tasks = B * K;
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks), 1, [&](int64_t, int64_t) {
+  // One task a chunk (parallel_chunks): a thread another process delays leaves its tasks to the others.
+  parallel_chunks(B * K, 1, [&](int64_t begin, int64_t end) {
     // Uninitialised: every score and offset is written before it is read.
     const std::unique_ptr<float[]> scores(new float[G * max_context]);
     const std::unique_ptr<int64_t[]> offsets(new int64_t[max_context]);
-    for (int64_t i = next.fetch_add(1); i < tasks; i = next.fetch_add(1)) {
+    for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / K, h = i % K;
       kernel(qp + b * q.stride(0) + h * G * q.stride(1), q.stride(1), kvp + h * N * block_size * D,
              kvp + (K + h) * N * block_size * D, tab + b * W, first_token(len[b], window), len[b], block_size, static_cast<float>(scale),

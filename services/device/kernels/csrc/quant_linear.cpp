@@ -310,9 +310,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
     const uint8_t* weights = packed.data_ptr<uint8_t>();
     const uint8_t* scale = static_cast<const uint8_t*>(scales.data_ptr());
     T* out = y.data_ptr<T>();
-    // ~64 KB of weights per thread at least: one panel of a small layer is a few KB.
+    // Chunks of ~64 KB of weights: one panel of a small layer is a few KB.
     const int64_t grain = std::max<int64_t>(1, 65536 / panel_bytes);
-    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    parallel_chunks(panels, grain, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const uint8_t* w = weights + p * panel_bytes;
         const uint8_t* s = scale + p * scale_bytes;

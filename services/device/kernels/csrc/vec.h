@@ -1,5 +1,5 @@
-// Helpers shared by the ops: the dtypes they take and the dispatch over them, how finely a row loop
-// splits over threads, and the AVX-512 vector helpers (16 elements, bfloat16 or float32, <-> one fp32
+// Helpers shared by the ops: the dtypes they take and the dispatch over them, how a loop splits over
+// threads, and the AVX-512 vector helpers (16 elements, bfloat16 or float32, <-> one fp32
 // vector; exp, silu). Every vector function carries the target attribute, so the library is built
 // with the compiler's default flags and loads on any x86-64 CPU; the ops check the CPU before
 // calling into these.
@@ -10,11 +10,13 @@
 #error "the stageserve CPU kernels are x86-64 only"
 #endif
 
+#include <ATen/Parallel.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #define SS_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
@@ -47,6 +49,24 @@ void dispatch_kernel_dtype(c10::ScalarType dtype, Fn&& fn) {
 // thread hand-off costs more than they take). Measured on a 2-core Xeon, 32 rows: rms_norm's 59 calls
 // 750 -> 540 us per step, rope_and_cache 790 -> 525 us, silu_and_mul of a 1536-wide MLP 22 -> 16 us.
 inline int64_t rows_per_thread(int64_t row_values) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_values, 1)); }
+
+// Calls fn(begin, end) over [0, total) in chunks of `grain` that the threads take one at a time from a
+// shared counter, rather than in equal parts fixed up front (at::parallel_for): when another process
+// or thread takes a core for a while, the other threads do its remaining chunks instead of waiting for
+// it at the end of the loop. Served on two cores, the pipeline's host threads preempt a compute thread
+// ~12 % of the time. fn may run on any thread, for any chunks; one chunk or one thread: the caller's.
+template <typename Fn>
+void parallel_chunks(int64_t total, int64_t grain, const Fn& fn) {
+  const int64_t chunks = (total + grain - 1) / grain, threads = std::min<int64_t>(at::get_num_threads(), chunks);
+  if (threads <= 1 || at::in_parallel_region()) {
+    if (total > 0) fn(0, total);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) fn(c * grain, std::min(total, (c + 1) * grain));
+  });
+}
 
 bool cpu_has_avx512();
 bool cpu_has_avx512_bf16();  // AVX512-BF16 (VDPBF16PS, VCVTNEPS2BF16): the bf16 paths that have a variant using it
