@@ -8,7 +8,8 @@ rows; without it (an AMD EPYC) the VNNI kernel, on the one input level it takes 
 (`QuantizedLinear.hold_dense`), is faster than oneDNN's bfloat16 at every row count (on two it was
 1.1-2x slower at 32 rows). So `choose` times, for one linear of each shape and format, both
 on an input of ``rows`` rows (one thread's CPU time, interleaved, the least of ``REPEATS``) and
-keeps copies in order of the time they save per byte, while their bytes fit ``budget_bytes`` (the
+keeps copies where the dense linear takes at most ``1 - MIN_SAVING`` of the kernel's time, in order
+of the time they save per byte, while their bytes fit ``budget_bytes`` (the
 model passes what keeps its weights within one dense copy of the model: quantized weights never
 hold more than the dequantized model). The choice changes which linear runs a many-row input and
 the kernel's input levels, never a row's values beyond the dense copy's own rounding (it holds the
@@ -40,6 +41,12 @@ log = logging.getLogger(__name__)
 
 ROWS = 32  # rows of the timed input: a decode step of 32 streams
 REPEATS = 7
+# A copy also costs more than its memory: beside it the kernel takes two input levels, and a model with
+# any copy runs decode steps of more rows than the kernel takes op by op, not as one call
+# (model/fused_decode.py). A shape whose copy saves less than this share of the kernel's time is a
+# tie, and a tie keeps none: Q4_K_M's Q6_K down projections on an AMD EPYC (0.269 ms dense, 0.274 on
+# the kernel) kept 14 copies, and their model's 32-row step took 1.09x the time it takes without.
+MIN_SAVING = 0.1
 
 
 @dataclass
@@ -144,8 +151,8 @@ def choose(linears: Sequence[QuantizedLinear], budget_bytes: int, rows: int = RO
 
     ``timer(linear, rows)`` -> ms on the kernel and on a dense copy (`time_on_kernel_and_dense`; a
     test passes its own). ``cache``: a file (`cache_path`) holding the timings of these shapes, read
-    when present, else written (``None``: time, and share nothing). A shape whose copy saves no
-    time gets none, whatever the budget.
+    when present, else written (``None``: time, and share nothing). A shape whose copy saves less
+    than ``MIN_SAVING`` of the kernel's time gets none, whatever the budget.
     """
     by_shape: dict[str, list[QuantizedLinear]] = {}
     for linear in linears:
@@ -160,7 +167,7 @@ def choose(linears: Sequence[QuantizedLinear], budget_bytes: int, rows: int = RO
     for timing in timings:
         kept = 0
         for linear in timing.linears:
-            if timing.kernel_ms > timing.dense_ms and used + linear.dense_copy_bytes() <= budget_bytes:
+            if timing.dense_ms <= (1 - MIN_SAVING) * timing.kernel_ms and used + linear.dense_copy_bytes() <= budget_bytes:
                 linear.keep_dense_copy()
                 used += linear.dense_copy_bytes()
                 kept += 1

@@ -23,12 +23,14 @@ def test_copies_go_where_they_save_most_per_byte_within_the_budget():
     small = [linear(64, 64, i) for i in range(4)]  # 8 KiB copies, each saving 1 ms: 1/8 ms per KiB
     large = [linear(256, 128, i) for i in range(2)]  # 64 KiB copies, each saving 4 ms: 1/16 ms per KiB
     slower = [linear(128, 64, i) for i in range(2)]  # a copy slower than the kernel: never kept
+    tie = [linear(16, 64, i) for i in range(2)]  # a copy that saves 5 %: a tie, never kept (2 KiB each)
     # A stand-in for the timer: real timings depend on the CPU, and the choice is what is under test here.
-    ms = {(64, 64): (2.0, 1.0), (256, 128): (6.0, 2.0), (128, 64): (1.0, 1.5)}
-    used = dense_copies.choose(small + large + slower, budget_bytes=100 * 1024, timer=lambda lin, rows: ms[lin.shape])
+    ms = {(64, 64): (2.0, 1.0), (256, 128): (6.0, 2.0), (128, 64): (1.0, 1.5), (16, 64): (1.0, 0.95)}
+    used = dense_copies.choose(small + large + slower + tie, budget_bytes=100 * 1024, timer=lambda lin, rows: ms[lin.shape])
     assert [lin.dense is not None for lin in small] == [True] * 4
     assert [lin.dense is not None for lin in large] == [True, False]  # 32 + 64 KiB fit in 100, 32 + 128 do not
-    assert [lin.dense is not None for lin in slower] == [False, False]
+    assert [lin.dense is not None for lin in tie] == [False] * 2  # 4 KiB were left
+    assert [lin.dense is not None for lin in slower] == [False] * 2
     assert used == 4 * 64 * 64 * 2 + 256 * 128 * 2
 
 
