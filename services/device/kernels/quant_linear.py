@@ -18,9 +18,9 @@ with its packed layout (the formats, from GGUF or rounded from float weights: `q
   suite's concurrent-against-solo and speculative comparisons failed), two do not. So
   `QuantizedLinear` runs bfloat16 activations on one level without a dense copy, and on two beside
   one and for float32 activations, whose precision was asked for (`input_bits_for`). The embedded
-  model's perplexity on the test passage (bfloat16, fed 4 tokens a step;
-  ``benchmarks/kquant_embedded.py``, 2026-12-07, AMD EPYC): 16.51 on one level, 16.59 on two, 16.51
-  dequantized; requantized to Q4_K_M 17.26 / 17.45 / 17.37, to Q6_K 16.85 / 16.72 / 16.63. One
+  model's perplexity on the test passage (317 tokens, bfloat16, fed 4 tokens a step;
+  ``benchmarks/kquant_embedded.py``, 2026-12-07, AMD EPYC): 20.98 on one level, 21.04 on two, 20.91
+  dequantized; requantized to Q4_K_M 22.03 / 22.14 / 22.09, to Q6_K 21.41 / 21.33 / 21.27. One
   level is llama.cpp's accuracy, not two's: its greedy tokens part from the dequantized run's more
   often (at near-ties, within 0.25 logit), its logits up to 1.9 apart against 1.3. The integer dots
   run on VPDPBUSD, the two levels' combined per group in int32 (so the float work is per input row); one
