@@ -20,7 +20,7 @@ with its packed layout (the formats, from GGUF or rounded from float weights: `q
   one and for float32 activations, whose precision was asked for (`input_bits_for`). The embedded
   model's perplexity on the test passage (317 tokens, bfloat16, fed 4 tokens a step;
   ``benchmarks/kquant_embedded.py``, 2026-12-07, AMD EPYC): 20.98 on one level, 21.04 on two, 20.91
-  dequantized; requantized to Q4_K_M 22.03 / 22.14 / 22.09, to Q6_K 21.41 / 21.33 / 21.27. One
+  dequantized; requantized to Q4_K_M 22.11 / 22.11 / 22.09, to Q6_K 21.39 / 21.35 / 21.27. One
   level is llama.cpp's accuracy, not two's: its greedy tokens part from the dequantized run's more
   often (at near-ties, within 0.25 logit), its logits up to 1.9 apart against 1.3. The integer dots
   run on VPDPBUSD, the two levels' combined per group in int32 (so the float work is per input row); one
@@ -62,8 +62,9 @@ from stageserve.device.kernels.quant import (GROUP, SUPER, Int4Weight, Int5Weigh
                                              format_name, round_symmetric_int8, weight_shape)
 
 LANES = 16  # output rows per panel of the VNNI layout (one per int32 lane)
-# the VNNI kernel's scale layouts (csrc/quant_linear.cpp `Scheme`): per group of 32, Q4_K/Q5_K's, Q6_K's
-GROUP_SCALES, K_MIN_SCALES, K_SYMMETRIC_SCALES = 0, 1, 2
+# the VNNI kernel's scale layouts (csrc/quant_linear.cpp `Scheme`): per group of 32 (d and m), Q4_K/Q5_K's,
+# Q6_K's, per group of 32 d alone (m = -2^(bits - 1) d: Q4_0, Q5_0, Q8_0)
+GROUP_SCALES, K_MIN_SCALES, K_SYMMETRIC_SCALES, GROUP_SYMMETRIC_SCALES = 0, 1, 2, 3
 VNNI_MAX_ROWS = 8  # either input level, measured (docs/benchmarks.md): about where the AMX copy starts to win
 INT4_ROW_BLOCK = 64  # torch's int4 CPU kernel packs rows in blocks of 64 or 32 (`torch_int4_row_block`): N a multiple of 64 fits both
 # torch's kernels (docs/benchmarks.md#quantized-weights: CPU time of a model's 120 linears on one thread,
@@ -136,14 +137,17 @@ class VnniKernel:
     ``8 c + 4 + j`` in the high one (operands ``2 c`` and ``2 c + 1``), then for 5 and 6 bits one and
     two 64-byte planes of bit 4 and bit 5, bit ``t`` of plane byte ``b`` for operand ``t``'s byte
     ``b``; int8: 8 chunks, byte ``4 i + j`` of chunk ``c`` = ``q + 128`` of row ``i``'s input ``4 c + j``.
-    ``scales`` (``GROUP_SCALES``, int4/int5/int8) float16 ``[N / 16, K / 32, 2, 16]``: per panel and group
-    the 16 rows' ``d``, then their ``m``, with ``w = d * q + m`` (int8: ``m = -128 d``); (``K_MIN_SCALES``,
+    ``scales`` (``GROUP_SCALES``, int4/int5) float16 ``[N / 16, K / 32, 2, 16]``: per panel and group
+    the 16 rows' ``d``, then their ``m``, with ``w = d * q + m``; (``GROUP_SYMMETRIC_SCALES``, int8 and
+    int4/int5 whose ``m`` is ``-2^(bits - 1) d``, as GGUF's Q4_0/Q5_0/Q8_0) float16 ``[N / 16, K / 32, 16]``: ``d``
+    alone, ``w = d * (q - 2^(bits - 1))`` (int8: ``q + 128`` as packed); (``K_MIN_SCALES``,
     Q4_K/Q5_K) uint8 ``[N / 16, K / 256, 320]``: per panel and super-block the 16 rows' float16
     ``d``, then ``dmin``, then per group their ``sc``, then ``m``; (``K_SYMMETRIC_SCALES``, Q6_K) uint8 ``[N / 16,
     K / 256, 288]``: the 16 rows' float16 ``d``, then per 16 inputs their int8 ``sc``.
 
-    Bytes per weight against the GGUF file's: Q4_K 4.625 / 4.5 bits, Q5_K 5.625 / 5.5, Q6_K 6.5625 / 6.5625,
-    Q5_0 6 / 5.5, Q5_1 6 / 6 (the one-byte sub-block scales against ggml's 6-bit packing; Q5_0 stores its ``m``).
+    Bits per weight against the GGUF file's: Q4_0 4.5 / 4.5, Q5_0 5.5 / 5.5, Q8_0 8.5 / 8.5, Q4_1 5 / 5,
+    Q5_1 6 / 6, Q4_K 4.625 / 4.5, Q5_K 5.625 / 5.5, Q6_K 6.5625 / 6.5625 (the one-byte sub-block scales
+    against ggml's 6-bit packing).
     """
 
     any_rows = True  # a bounded cost per further row (QuantizedLinear)
@@ -156,7 +160,12 @@ class VnniKernel:
         self.dtype, self.input_bits = dtype, input_bits
         self.bits = {Int4Weight: 4, Int5Weight: 5, Int8Weight: 8}.get(type(weight)) or weight.bits
         self.qtype = weight.qtype if isinstance(weight, KQuantWeight) else None
-        self.scheme = GROUP_SCALES if self.qtype is None else K_SYMMETRIC_SCALES if self.bits == 6 else K_MIN_SCALES
+        if self.qtype is not None:
+            self.scheme = K_SYMMETRIC_SCALES if self.bits == 6 else K_MIN_SCALES
+        elif self.bits == 8 or torch.equal(weight.offset, -(2 ** (self.bits - 1)) * weight.scale):
+            self.scheme = GROUP_SYMMETRIC_SCALES
+        else:
+            self.scheme = GROUP_SCALES
         n, k = weight.q.shape
         panels, groups = n // LANES, k // GROUP
         if self.bits == 8:
@@ -170,8 +179,9 @@ class VnniKernel:
                 parts.append((((operands >> bit) & 1) << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8))
             self.packed = torch.cat(parts, -1).contiguous()
         if self.scheme == GROUP_SCALES:
-            d, m = weight.scale, -128 * weight.scale if self.bits == 8 else weight.offset
-            self.scales = torch.stack((d, m), -1).view(panels, LANES, groups, 2).permute(0, 2, 3, 1).to(torch.float16).contiguous()
+            self.scales = torch.stack((weight.scale, weight.offset), -1).view(panels, LANES, groups, 2).permute(0, 2, 3, 1).to(torch.float16).contiguous()
+        elif self.scheme == GROUP_SYMMETRIC_SCALES:
+            self.scales = weight.scale.view(panels, LANES, groups).permute(0, 2, 1).to(torch.float16).contiguous()
         else:
             supers = k // SUPER
 
@@ -208,13 +218,16 @@ class VnniKernel:
         return q.permute(0, 4, 1, 2, 3, 5).reshape(panels * LANES, groups * GROUP)
 
     def _scales(self) -> tuple[torch.Tensor, ...]:
-        """``GROUP_SCALES``: ``d``, ``m`` float32 ``[N, K / 32]``; ``K_MIN_SCALES``: ``d``, ``dmin`` float16
+        """``GROUP_SCALES``, ``GROUP_SYMMETRIC_SCALES``: ``d``, ``m`` float32 ``[N, K / 32]``; ``K_MIN_SCALES``: ``d``, ``dmin`` float16
         ``[N, K / 256]``, ``sc``, ``m`` uint8 ``[N, K / 32]``; ``K_SYMMETRIC_SCALES``: ``d`` float16 ``[N, K / 256]``,
         ``sc`` int8 ``[N, K / 16]``."""
         panels, groups = self.packed.shape[:2]
         n = panels * LANES
         if self.scheme == GROUP_SCALES:
             return self.scales.float().permute(0, 3, 1, 2).reshape(n, groups, 2).unbind(-1)
+        if self.scheme == GROUP_SYMMETRIC_SCALES:
+            d = self.scales.float().permute(0, 2, 1).reshape(n, groups)
+            return d, -(2 ** (self.bits - 1)) * d
         supers = groups * GROUP // SUPER
 
         def rows_first(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # uint8 [panels, supers, j * 16 * itemsize] -> [N, supers * j]
@@ -230,7 +243,7 @@ class VnniKernel:
         """The weight as ``dtype`` ``[N, K]``: ``d * q + m`` (K-quants: `KQuantWeight.dequantize`) in float32, rounded once."""
         q = self._values()
         n, k = q.shape
-        if self.scheme == GROUP_SCALES:
+        if self.scheme in (GROUP_SCALES, GROUP_SYMMETRIC_SCALES):
             d, m = self._scales()
             return torch.addcmul(m[..., None], q.view(n, -1, GROUP).float(), d[..., None]).view(n, k).to(self.dtype)
         if self.scheme == K_MIN_SCALES:

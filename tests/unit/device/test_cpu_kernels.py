@@ -136,6 +136,8 @@ def test_quant_linear_refuses_what_it_cannot_run():
     with pytest.raises(RuntimeError, match="bits 4 do not go with scheme 2"):  # Q6_K's scheme is 6-bit
         cpu_kernels.quant_linear(torch.zeros(1, 64), packed, scales, 4, 16, 2)
     with pytest.raises(RuntimeError, match="scheme must be 0"):
+        cpu_kernels.quant_linear(torch.zeros(1, 64), packed, scales, 4, 16, 4)
+    with pytest.raises(RuntimeError, match="scales must be float16"):  # d and m where the symmetric scheme holds d alone
         cpu_kernels.quant_linear(torch.zeros(1, 64), packed, scales, 4, 16, 3)
     with pytest.raises(RuntimeError, match="K must be a multiple of 256"):  # K-quant super-blocks
         cpu_kernels.quant_linear(torch.zeros(1, 64), packed, torch.zeros(2, 1, 320, dtype=torch.uint8), 4, 16, 1)

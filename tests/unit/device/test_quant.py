@@ -28,7 +28,8 @@ from gguf.quants import quantize
 
 from stageserve.device.kernels import cpu_kernels, quant
 from stageserve.device.kernels.quant import QuantizedWeight
-from stageserve.device.kernels.quant_linear import QuantizedLinear, TorchInt4Kernel, TorchInt8Kernel, VnniKernel, fits
+from stageserve.device.kernels.quant_linear import (GROUP_SCALES, GROUP_SYMMETRIC_SCALES, QuantizedLinear, TorchInt4Kernel, TorchInt8Kernel,
+                                                     VnniKernel, fits)
 from stageserve.device.model.linear import Linear
 
 Q = gguf.GGMLQuantizationType
@@ -147,6 +148,17 @@ def test_dense_weight_is_the_gguf_dequantization(qtype):
     weight = _gguf_weight(qtype, seed=1)
     linear = QuantizedLinear(quant.kernel_weight([weight], "auto"), None, torch.float32)
     torch.testing.assert_close(linear.dense_weight(), weight.dequantize(), rtol=0, atol=1e-7)
+
+
+@pytest.mark.skipif(not VNNI, reason="the VNNI kernel needs AVX512-VNNI")
+@pytest.mark.parametrize("qtype, scheme, bits", [(Q.Q4_0, GROUP_SYMMETRIC_SCALES, 4.5), (Q.Q5_0, GROUP_SYMMETRIC_SCALES, 5.5),
+                                                 (Q.Q8_0, GROUP_SYMMETRIC_SCALES, 8.5), (Q.Q4_1, GROUP_SCALES, 5), (Q.Q5_1, GROUP_SCALES, 6)])
+def test_the_symmetric_formats_hold_their_scale_alone_the_files_bits(qtype, scheme, bits):
+    """GGUF's Q4_0/Q5_0/Q8_0 (``m = -2^(bits - 1) d``) keep ``d`` alone: as many bits a weight as the file."""
+    weight = _gguf_weight(qtype, seed=2)
+    kernel = QuantizedLinear(quant.kernel_weight([weight], "auto"), None, torch.bfloat16).kernel
+    assert isinstance(kernel, VnniKernel) and kernel.scheme == scheme
+    assert 8 * sum(t.nbytes for t in kernel.tensors()) == bits * N * K
 
 
 def test_int4_and_int8_from_float_round_to_nearest_within_half_a_step():

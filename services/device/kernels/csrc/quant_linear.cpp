@@ -25,7 +25,8 @@
 // nibbles, 8c+4..8c+7 in its high ones (operands 2c and 2c + 1), then 5 and 6 bits add one and two
 // 64-byte bit planes, bit t of plane byte b being bit 4 (5) of operand t's byte b. 8-bit: chunk c (of
 // 8) holds inputs 4c..4c+3 as q + 128 (unsigned; m = -128 d restores the sign). Scales: see `Scheme`
-// and ops.h. Every lane sums its own row, so there is no horizontal reduction; a thread takes whole panels.
+// and ops.h. Where m = -2^(bits - 1) d (Q4_0, Q5_0, Q8_0: ggml's symmetric formats), only d is held
+// (the file's bytes, not 0.5 bit a weight more) and the offset is taken in integers: sum (q - 2^(bits-1)) v. Every lane sums its own row, so there is no horizontal reduction; a thread takes whole panels.
 
 #include "ops.h"
 #include "vec.h"
@@ -51,8 +52,8 @@ namespace {
 
 // How a panel's scales are laid out (the op's `scheme`): per group of 32 (float16 d, m), or per
 // K-quant super-block of 256 (ggml's Q4_K/Q5_K: float16 d, dmin and 6-bit sub-block sc, m; Q6_K: float16 d
-// and int8 sc per 16 inputs).
-enum class Scheme : int64_t { kGroup = 0, kSuperMin = 1, kSuperSymmetric = 2 };
+// and int8 sc per 16 inputs), or per group of 32 float16 d alone, m being -2^(bits - 1) d (Q4_0, Q5_0, Q8_0).
+enum class Scheme : int64_t { kGroup = 0, kSuperMin = 1, kSuperSymmetric = 2, kGroupSymmetric = 3 };
 
 constexpr int64_t kGroup = 32;     // inputs per scale
 constexpr int64_t kLanes = 16;     // output rows per panel (one per int32 lane)
@@ -169,6 +170,8 @@ SS_VNNI void panel_rows(const uint8_t* panel, const uint8_t* scales, const Int8R
     if constexpr (kScheme == Scheme::kGroup) {
       d[0] = half16(scales + g * 4 * kLanes);
       m = half16(scales + g * 4 * kLanes + 2 * kLanes);
+    } else if constexpr (kScheme == Scheme::kGroupSymmetric) {
+      d[0] = half16(scales + g * 2 * kLanes);
     } else if constexpr (kScheme == Scheme::kSuperMin) {  // d * sc and dmin * m, each exact in float32 (11 x 6 bits)
       const uint8_t* super = scales + (g / kGroupsPerSuper) * kMinScaleBytes;
       const uint8_t* sub = super + 4 * kLanes + (g % kGroupsPerSuper) * 2 * kLanes;
@@ -228,6 +231,10 @@ SS_VNNI void panel_rows(const uint8_t* panel, const uint8_t* scales, const Int8R
         if constexpr (kScheme == Scheme::kSuperSymmetric) {  // sum (q - 32) v over the half: |.| <= 16 * 32 * 32639 < 2^24, exact
           dots = _mm512_sub_epi32(dots, _mm512_set1_epi32(32 * x.v_half[2 * i + sub]));
           acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(d[sub], _mm512_set1_ps(x.s[i])), acc[r]);
+        } else if constexpr (kScheme == Scheme::kGroupSymmetric) {  // sum (q - 2^(bits-1)) v: |.| <= 32 * 128 * 32639 < 2^31
+          constexpr int32_t kOffset = 1 << (kBits - 1);
+          dots = _mm512_sub_epi32(dots, _mm512_set1_epi32(kOffset * (x.v_half[2 * i] + x.v_half[2 * i + 1])));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(d[0], _mm512_set1_ps(x.s[i])), acc[r]);
         } else {
           acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(d[0], _mm512_set1_ps(x.s[i])), acc[r]);
           acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s_sum[i]), acc[r]);
@@ -265,6 +272,10 @@ SS_VNNI void panel_any_format(int64_t bits, Scheme scheme, const uint8_t* panel_
     if (bits == 4) panel<4, Scheme::kGroup, kLevels>(panel_bytes, scales, x, rows, k, y, n);
     else if (bits == 5) panel<5, Scheme::kGroup, kLevels>(panel_bytes, scales, x, rows, k, y, n);
     else panel<8, Scheme::kGroup, kLevels>(panel_bytes, scales, x, rows, k, y, n);
+  } else if (scheme == Scheme::kGroupSymmetric) {
+    if (bits == 4) panel<4, Scheme::kGroupSymmetric, kLevels>(panel_bytes, scales, x, rows, k, y, n);
+    else if (bits == 5) panel<5, Scheme::kGroupSymmetric, kLevels>(panel_bytes, scales, x, rows, k, y, n);
+    else panel<8, Scheme::kGroupSymmetric, kLevels>(panel_bytes, scales, x, rows, k, y, n);
   } else if (scheme == Scheme::kSuperMin) {
     if (bits == 4) panel<4, Scheme::kSuperMin, kLevels>(panel_bytes, scales, x, rows, k, y, n);
     else panel<5, Scheme::kSuperMin, kLevels>(panel_bytes, scales, x, rows, k, y, n);
@@ -278,27 +289,30 @@ SS_VNNI void panel_any_format(int64_t bits, Scheme scheme, const uint8_t* panel_
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t bits, int64_t input_bits,
                         int64_t scheme_code) {
   TORCH_CHECK(cpu_has_avx512_vnni(), "quant_linear needs AVX512-VNNI (check has_avx512_vnni first)");
-  TORCH_CHECK(scheme_code >= 0 && scheme_code <= 2, "quant_linear: scheme must be 0 (group), 1 (Q4_K/Q5_K) or 2 (Q6_K), got ", scheme_code);
+  TORCH_CHECK(scheme_code >= 0 && scheme_code <= 3, "quant_linear: scheme must be 0 (group), 1 (Q4_K/Q5_K), 2 (Q6_K) or 3 (symmetric group), got ",
+              scheme_code);
   const Scheme scheme = static_cast<Scheme>(scheme_code);
-  const bool bits_ok = scheme == Scheme::kGroup ? (bits == 4 || bits == 5 || bits == 8)
-                       : scheme == Scheme::kSuperMin ? (bits == 4 || bits == 5) : bits == 6;
-  TORCH_CHECK(bits_ok, "quant_linear: bits ", bits, " do not go with scheme ", scheme_code, " (group: 4, 5, 8; Q4_K/Q5_K: 4, 5; Q6_K: 6)");
+  const bool per_group = scheme == Scheme::kGroup || scheme == Scheme::kGroupSymmetric;
+  const bool bits_ok = per_group ? (bits == 4 || bits == 5 || bits == 8) : scheme == Scheme::kSuperMin ? (bits == 4 || bits == 5) : bits == 6;
+  TORCH_CHECK(bits_ok, "quant_linear: bits ", bits, " do not go with scheme ", scheme_code, " (group, symmetric group: 4, 5, 8; Q4_K/Q5_K: 4, 5; Q6_K: 6)");
   TORCH_CHECK(input_bits == 8 || input_bits == 16, "quant_linear: input_bits must be 8 or 16, got ", input_bits);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && is_kernel_dtype(x.scalar_type()), "quant_linear: x must be [M, K] contiguous bfloat16 or float32");
   const int64_t rows = x.size(0), k = x.size(1), groups = k / kGroup;
   const int64_t group_bytes = kGroup * kLanes * bits / 8, panel_bytes = groups * group_bytes;
-  TORCH_CHECK(k % (scheme == Scheme::kGroup ? kGroup : kSuper) == 0, "quant_linear: K must be a multiple of ",
-              scheme == Scheme::kGroup ? kGroup : kSuper, " for scheme ", scheme_code, ", got ", k);
+  TORCH_CHECK(k % (per_group ? kGroup : kSuper) == 0, "quant_linear: K must be a multiple of ", per_group ? kGroup : kSuper,
+              " for scheme ", scheme_code, ", got ", k);
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(1) == groups &&
                   packed.size(2) == group_bytes,
               "quant_linear: packed must be uint8 [N / 16, K / 32, ", group_bytes, "] for K = ", k, ", got ", packed.sizes());
   const int64_t panels = packed.size(0), n = panels * kLanes;
   const int64_t scale_bytes = scheme == Scheme::kGroup ? groups * 4 * kLanes
+                              : scheme == Scheme::kGroupSymmetric ? groups * 2 * kLanes
                               : (k / kSuper) * (scheme == Scheme::kSuperMin ? kMinScaleBytes : kSymScaleBytes);
   TORCH_CHECK(scales.is_contiguous() && scales.size(0) == panels && scales.nbytes() == panels * scale_bytes &&
-                  (scheme == Scheme::kGroup ? scales.scalar_type() == at::kHalf : scales.scalar_type() == at::kByte),
-              "quant_linear: scales must be float16 [N / 16, K / 32, 2, 16] (group) or uint8 [N / 16, K / 256, ",
-              scheme == Scheme::kSuperSymmetric ? kSymScaleBytes : kMinScaleBytes, "] (K-quants), got ", scales.sizes(), " ", scales.scalar_type());
+                  (per_group ? scales.scalar_type() == at::kHalf : scales.scalar_type() == at::kByte),
+              "quant_linear: scales must be float16 [N / 16, K / 32, 2, 16] (group), float16 [N / 16, K / 32, 16] (symmetric group) "
+              "or uint8 [N / 16, K / 256, ", scheme == Scheme::kSuperSymmetric ? kSymScaleBytes : kMinScaleBytes, "] (K-quants), got ",
+              scales.sizes(), " ", scales.scalar_type());
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
   Int8Rows quantized;
@@ -329,9 +343,11 @@ at::Tensor quant_rows(const at::Tensor& packed, const at::Tensor& scales, const 
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(2) == 8 * 64,
               "quant_rows: packed must be an int8 weight's uint8 [N / 16, K / 32, 512], got ", packed.sizes());
   const int64_t panels = packed.size(0), groups = packed.size(1), k = groups * kGroup;
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 4 && scales.size(0) == panels &&
-                  scales.size(1) == groups && scales.size(2) == 2 && scales.size(3) == kLanes,
-              "quant_rows: scales must be float16 [N / 16, K / 32, 2, 16], got ", scales.sizes(), " ", scales.scalar_type());
+  // d and m (scheme 0) or d alone (scheme 3): only d is read, the values being signed.
+  const int64_t per_group = scales.dim() == 4 ? 2 : 1;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.size(0) == panels && scales.size(1) == groups &&
+                  ((scales.dim() == 4 && scales.size(2) == 2 && scales.size(3) == kLanes) || (scales.dim() == 3 && scales.size(2) == kLanes)),
+              "quant_rows: scales must be float16 [N / 16, K / 32, 2, 16] or [N / 16, K / 32, 16], got ", scales.sizes(), " ", scales.scalar_type());
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "quant_rows: ids must be int64 [T]");
   const at::Tensor index = ids.contiguous();
   const int64_t* id = index.const_data_ptr<int64_t>();
@@ -349,7 +365,7 @@ at::Tensor quant_rows(const at::Tensor& packed, const at::Tensor& scales, const 
         const int64_t panel = id[t] / kLanes, lane = id[t] % kLanes;
         for (int64_t g = 0; g < groups; ++g) {
           const uint8_t* group = w + (panel * groups + g) * 8 * 64 + 4 * lane;  // chunk c's 4 inputs of this row at c * 64
-          const float scale = static_cast<float>(d[((panel * groups + g) * 2) * kLanes + lane]);
+          const float scale = static_cast<float>(d[((panel * groups + g) * per_group) * kLanes + lane]);
           for (int64_t c = 0; c < 8; ++c)
             for (int64_t j = 0; j < 4; ++j)
               o[t * k + g * kGroup + 4 * c + j] = static_cast<T>(static_cast<float>(static_cast<int8_t>(group[c * 64 + j] ^ 0x80)) * scale);
