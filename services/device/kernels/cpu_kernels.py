@@ -286,15 +286,16 @@ def has_avx512_vnni() -> bool:
 
 def quant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bits: int, input_bits: int = 8, scheme: int = 0) -> torch.Tensor:
     """``x @ W.T`` for a 4-, 5-, 6- or 8-bit weight in groups of 32 along K (``w = d * q + m`` per
-    group, or llama.cpp's K-quant super-blocks of 256), ``x`` quantized per row to int8 groups of 32
+    group, or ``d * (q - 2^(bits - 1))``, or llama.cpp's K-quant super-blocks of 256), ``x`` quantized per row to int8 groups of 32
     inside (``input_bits=16``: plus a second int8 level for the first's rounding error,
     ``x ~ s (256 p + p')``, at twice the integer work), the dots on AVX512-VNNI. A row's result does
     not depend on the other rows of ``x``.
 
     ``x`` ``[M, K]`` bfloat16 or float32 contiguous; ``packed`` uint8 ``[N / 16, K / 32, 64 * bits]``
     and ``scales`` as ``quant_linear.VnniKernel`` lays them out for ``scheme`` (0: float16 ``[N / 16,
-    K / 32, 2, 16]`` for bits 4, 5, 8; 1, Q4_K/Q5_K: uint8 ``[N / 16, K / 256, 320]`` for bits 4, 5; 2,
-    Q6_K: uint8 ``[N / 16, K / 256, 288]`` for bits 6) -> ``[M, N]`` in ``x``'s dtype (fp32 sums,
+    K / 32, 2, 16]`` (d, m) for bits 4, 5, 8; 1, Q4_K/Q5_K: uint8 ``[N / 16, K / 256, 320]`` for bits 4, 5; 2,
+    Q6_K: uint8 ``[N / 16, K / 256, 288]`` for bits 6; 3, symmetric: float16 ``[N / 16, K / 32, 16]`` (d)
+    for bits 4, 5, 8) -> ``[M, N]`` in ``x``'s dtype (fp32 sums,
     rounded once). Raises ``RuntimeError`` for other shapes or dtypes, or without AVX512-VNNI.
     """
     return torch.ops.stageserve.quant_linear(x, packed, scales, bits, input_bits, scheme)
@@ -302,7 +303,7 @@ def quant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bi
 
 def quant_rows(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``ids`` [T] int64 of an 8-bit weight in `quant_linear`'s layout (uint8 ``packed`` [N / 16, K / 32, 512],
-    float16 ``scales`` [N / 16, K / 32, 2, 16]), dequantized (``d * q`` in float32, rounded once): [T, K] of
+    float16 ``scales`` [N / 16, K / 32, 2, 16] or [N / 16, K / 32, 16]), dequantized (``d * q`` in float32, rounded once): [T, K] of
     ``dtype`` (bfloat16 or float32). One op for a tied embedding table's lookup, where indexing the panels
     from Python takes ~14. Raises ``RuntimeError`` for an id outside the weight's rows, or other shapes."""
     return torch.ops.stageserve.quant_rows(packed, scales, ids, dtype)
