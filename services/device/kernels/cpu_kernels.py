@@ -286,8 +286,8 @@ def has_avx512_vnni() -> bool:
 
 def quant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bits: int, input_bits: int = 8, scheme: int = 0) -> torch.Tensor:
     """``x @ W.T`` for a 4-, 5-, 6- or 8-bit weight in groups of 32 along K (``w = d * q + m`` per
-    group, or ``d * (q - 2^(bits - 1))``, or llama.cpp's K-quant super-blocks of 256), ``x`` quantized per row to int8 groups of 32
-    inside (``input_bits=16``: plus a second int8 level for the first's rounding error,
+    group, or ``d * (q - 2^(bits - 1))``, or llama.cpp's K-quant super-blocks of 256), ``x`` quantized
+    per row to int8 groups of 32 inside (``input_bits=16``: plus a second int8 level for the first's rounding error,
     ``x ~ s (256 p + p')``, at twice the integer work), the dots on AVX512-VNNI. A row's result does
     not depend on the other rows of ``x``.
 
@@ -303,8 +303,8 @@ def quant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bi
 
 def quant_rows(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``ids`` [T] int64 of an 8-bit weight in `quant_linear`'s layout (uint8 ``packed`` [N / 16, K / 32, 512],
-    float16 ``scales`` [N / 16, K / 32, 2, 16] or [N / 16, K / 32, 16]), dequantized (``d * q`` in float32, rounded once): [T, K] of
-    ``dtype`` (bfloat16 or float32). One op for a tied embedding table's lookup, where indexing the panels
+    float16 ``scales`` [N / 16, K / 32, 2, 16] or [N / 16, K / 32, 16]), dequantized (``d * q`` in float32,
+    rounded once): [T, K] of ``dtype`` (bfloat16 or float32). One op for a tied embedding table's lookup, where indexing the panels
     from Python takes ~14. Raises ``RuntimeError`` for an id outside the weight's rows, or other shapes."""
     return torch.ops.stageserve.quant_rows(packed, scales, ids, dtype)
 

@@ -139,8 +139,8 @@ class VnniKernel:
     ``b``; int8: 8 chunks, byte ``4 i + j`` of chunk ``c`` = ``q + 128`` of row ``i``'s input ``4 c + j``.
     ``scales`` (``GROUP_SCALES``, int4/int5) float16 ``[N / 16, K / 32, 2, 16]``: per panel and group
     the 16 rows' ``d``, then their ``m``, with ``w = d * q + m``; (``GROUP_SYMMETRIC_SCALES``, int8 and
-    int4/int5 whose ``m`` is ``-2^(bits - 1) d``, as GGUF's Q4_0/Q5_0/Q8_0) float16 ``[N / 16, K / 32, 16]``: ``d``
-    alone, ``w = d * (q - 2^(bits - 1))`` (int8: ``q + 128`` as packed); (``K_MIN_SCALES``,
+    int4/int5 whose ``m`` is ``-2^(bits - 1) d``, as GGUF's Q4_0/Q5_0/Q8_0) float16 ``[N / 16, K / 32,
+    16]``: ``d`` alone, ``w = d * (q - 2^(bits - 1))`` (int8: ``q + 128`` as packed); (``K_MIN_SCALES``,
     Q4_K/Q5_K) uint8 ``[N / 16, K / 256, 320]``: per panel and super-block the 16 rows' float16
     ``d``, then ``dmin``, then per group their ``sc``, then ``m``; (``K_SYMMETRIC_SCALES``, Q6_K) uint8 ``[N / 16,
     K / 256, 288]``: the 16 rows' float16 ``d``, then per 16 inputs their int8 ``sc``.
@@ -179,7 +179,8 @@ class VnniKernel:
                 parts.append((((operands >> bit) & 1) << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8))
             self.packed = torch.cat(parts, -1).contiguous()
         if self.scheme == GROUP_SCALES:
-            self.scales = torch.stack((weight.scale, weight.offset), -1).view(panels, LANES, groups, 2).permute(0, 2, 3, 1).to(torch.float16).contiguous()
+            d_m = torch.stack((weight.scale, weight.offset), -1).view(panels, LANES, groups, 2)
+            self.scales = d_m.permute(0, 2, 3, 1).to(torch.float16).contiguous()
         elif self.scheme == GROUP_SYMMETRIC_SCALES:
             self.scales = weight.scale.view(panels, LANES, groups).permute(0, 2, 1).to(torch.float16).contiguous()
         else:
@@ -218,9 +219,9 @@ class VnniKernel:
         return q.permute(0, 4, 1, 2, 3, 5).reshape(panels * LANES, groups * GROUP)
 
     def _scales(self) -> tuple[torch.Tensor, ...]:
-        """``GROUP_SCALES``, ``GROUP_SYMMETRIC_SCALES``: ``d``, ``m`` float32 ``[N, K / 32]``; ``K_MIN_SCALES``: ``d``, ``dmin`` float16
-        ``[N, K / 256]``, ``sc``, ``m`` uint8 ``[N, K / 32]``; ``K_SYMMETRIC_SCALES``: ``d`` float16 ``[N, K / 256]``,
-        ``sc`` int8 ``[N, K / 16]``."""
+        """``GROUP_SCALES``, ``GROUP_SYMMETRIC_SCALES``: ``d``, ``m`` float32 ``[N, K / 32]``; ``K_MIN_SCALES``:
+        ``d``, ``dmin`` float16 ``[N, K / 256]``, ``sc``, ``m`` uint8 ``[N, K / 32]``; ``K_SYMMETRIC_SCALES``: ``d``
+        float16 ``[N, K / 256]``, ``sc`` int8 ``[N, K / 16]``."""
         panels, groups = self.packed.shape[:2]
         n = panels * LANES
         if self.scheme == GROUP_SCALES:

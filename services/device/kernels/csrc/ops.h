@@ -46,8 +46,9 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, at::Int
 // x [M, K] @ W^T -> [M, N] for 4-, 5-, 6- or 8-bit weights packed in 16-row panels of 32-input groups
 // ([N / 16, K / 32, 64 * bits] uint8) with per-group float16 scales (scheme 0: d and m [N / 16, K / 32, 2, 16];
 // scheme 3: d [N / 16, K / 32, 16], m = -2^(bits - 1) d) or K-quant super-block scales (scheme 1, Q4_K/Q5_K:
-// uint8 [N / 16, K / 256, 320]; scheme 2, Q6_K: uint8 [N / 16, K / 256, 288]), x quantized per row to int8 groups of 32 (input_bits 8) or two int8
-// levels, a 257th of the first's step (16); needs AVX512-VNNI (`cpu_has_avx512_vnni`)  (quant_linear.cpp)
+// uint8 [N / 16, K / 256, 320]; scheme 2, Q6_K: uint8 [N / 16, K / 256, 288]), x quantized per row to
+// int8 groups of 32 (input_bits 8) or two int8 levels, a 257th of the first's step (16); needs
+// AVX512-VNNI (`cpu_has_avx512_vnni`)  (quant_linear.cpp)
 bool cpu_has_avx512_vnni();
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t bits, int64_t input_bits,
                         int64_t scheme);

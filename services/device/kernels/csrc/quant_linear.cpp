@@ -26,7 +26,8 @@
 // 64-byte bit planes, bit t of plane byte b being bit 4 (5) of operand t's byte b. 8-bit: chunk c (of
 // 8) holds inputs 4c..4c+3 as q + 128 (unsigned; m = -128 d restores the sign). Scales: see `Scheme`
 // and ops.h. Where m = -2^(bits - 1) d (Q4_0, Q5_0, Q8_0: ggml's symmetric formats), only d is held
-// (the file's bytes, not 0.5 bit a weight more) and the offset is taken in integers: sum (q - 2^(bits-1)) v. Every lane sums its own row, so there is no horizontal reduction; a thread takes whole panels.
+// (the file's bytes, not 0.5 bit a weight more) and the offset is taken in integers: sum (q - 2^(bits-1)) v.
+// Every lane sums its own row, so there is no horizontal reduction; a thread takes whole panels.
 
 #include "ops.h"
 #include "vec.h"
