@@ -20,12 +20,13 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test suite's passage, prompts and greedy loop
+from tests.kquant_writer import MIXES, embedded_weights, relative_errors  # noqa: E402
 from tests.unit.device.test_model_reference import greedy  # noqa: E402
-from tests.kquant_writer import MIXES, embedded_weights  # noqa: E402
 from tests.unit.device.test_quantized_model import PASSAGE, PROMPTS, _perplexity  # noqa: E402
 
 from stageserve.device.flags import DENSE_COPY_MODES  # noqa: E402
 from stageserve.device.model.decoder import DecoderModel  # noqa: E402
+from stageserve.device.model.weights import load_weights  # noqa: E402
 from stageserve.model_files import embedded_model_path  # noqa: E402
 from stageserve.tokenizer import load_tokenizer  # noqa: E402
 
@@ -37,8 +38,10 @@ def main() -> None:
     parser.add_argument("--dense-copy", default="none", choices=DENSE_COPY_MODES, help="as the device's flag (default %(default)s)")
     args = parser.parse_args()
     tokenizer = load_tokenizer(embedded_model_path())
+    dense = load_weights(embedded_model_path(), torch.float32)[1]
     for mix in args.mixes:
-        config, weights, errors = embedded_weights(mix)
+        config, weights = embedded_weights(mix)
+        errors = {} if mix == "stored" else relative_errors(weights, dense)
         models = {fmt: DecoderModel(config, weights, "cpu", weight_format=fmt, dense_copy=args.dense_copy) for fmt in ("dequantize", "auto")}
         served, held = models["auto"], models["auto"].weight_bytes()
         one_copy = served.dense_weight_bytes(torch.bfloat16)

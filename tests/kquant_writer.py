@@ -14,7 +14,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import torch
-from gguf.quants import dequantize, quantize
+from gguf.quants import quantize
 
 from stageserve.device.kernels.quant import QuantizedWeight
 from stageserve.device.model.config import ModelConfig
@@ -68,15 +68,24 @@ def q4_k_blocks(w: np.ndarray) -> np.ndarray:
     return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)], 1)
 
 
-def quantized(w: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> tuple[QuantizedWeight, float]:
-    """``w`` [rows, K] as ``qtype`` blocks, and the mean relative error of gguf's dequantization of them."""
+def quantized(w: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> QuantizedWeight:
+    """``w`` float ``[rows, K]`` as ``qtype`` blocks (Q4_K / Q6_K: this module's writers; other types: gguf-py's quantizer)."""
     x = w.float().numpy()
     rows, k = x.shape
     blocks = {Q.Q6_K: q6_k_blocks, Q.Q4_K: q4_k_blocks}.get(qtype, lambda a: quantize(a, qtype))(x)
-    back = dequantize(blocks.reshape(rows, -1), qtype).reshape(rows, k)
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-    weight = QuantizedWeight(qtype, torch.from_numpy(np.ascontiguousarray(blocks).reshape(rows, k // block, nbytes)))
-    return weight, float(np.abs(back - x).mean() / np.abs(x).mean())
+    return QuantizedWeight(qtype, torch.from_numpy(np.ascontiguousarray(blocks).reshape(rows, k // block, nbytes)))
+
+
+def relative_errors(weights: dict, dense: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+    """Per block type, the mean relative error of each of ``weights``' quantized tensors against its
+    float values in ``dense`` (``mean |dequantized - w| / mean |w|``)."""
+    errors: dict[str, list[float]] = {}
+    for name, weight in weights.items():
+        if isinstance(weight, QuantizedWeight):
+            w = dense[name].float()
+            errors.setdefault(weight.qtype.name, []).append(float((weight.dequantize() - w).abs().mean() / w.abs().mean()))
+    return errors
 
 
 def block_type(mix: str, name: str, num_layers: int) -> gguf.GGMLQuantizationType:
@@ -92,25 +101,15 @@ def block_type(mix: str, name: str, num_layers: int) -> gguf.GGMLQuantizationTyp
     return Q.Q5_0
 
 
-def requantized(dense: dict[str, torch.Tensor], mix: str, num_layers: int) -> tuple[dict, dict[str, list[float]]]:
-    """The float32 weights ``dense`` with every matrix in ``mix``'s block type (`block_type`), the
-    rest in bfloat16, and each type's relative errors."""
-    weights, errors = {}, {}
-    for name, tensor in dense.items():
-        if tensor.dim() != 2:
-            weights[name] = tensor.bfloat16()
-            continue
-        qtype = block_type(mix, name, num_layers)
-        weights[name], error = quantized(tensor, qtype)
-        errors.setdefault(qtype.name, []).append(error)
-    return weights, errors
+def requantized(dense: dict[str, torch.Tensor], mix: str, num_layers: int) -> dict:
+    """The float32 weights ``dense`` with every matrix in ``mix``'s block type (`block_type`), the rest in bfloat16."""
+    return {name: quantized(t, block_type(mix, name, num_layers)) if t.dim() == 2 else t.bfloat16() for name, t in dense.items()}
 
 
-def embedded_weights(mix: str) -> tuple[ModelConfig, dict, dict[str, list[float]]]:
+def embedded_weights(mix: str) -> tuple[ModelConfig, dict]:
     """The embedded model's config and weights in ``mix`` (one of `MIXES`: ``stored`` keeps the file's
-    blocks and bfloat16 norms), and each requantized type's mean relative errors (none for ``stored``)."""
+    blocks and bfloat16 norms)."""
     if mix == "stored":
-        config, weights = load_weights(embedded_model_path(), torch.bfloat16, keep_quantized=True)
-        return config, weights, {}
+        return load_weights(embedded_model_path(), torch.bfloat16, keep_quantized=True)
     config, dense = load_weights(embedded_model_path(), torch.float32)
-    return config, *requantized(dense, mix, config.num_layers)
+    return config, requantized(dense, mix, config.num_layers)

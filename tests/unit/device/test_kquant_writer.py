@@ -14,7 +14,7 @@ import pytest
 import torch
 from gguf.quants import dequantize
 
-from tests.kquant_writer import q4_k_blocks, q6_k_blocks, quantized
+from tests.kquant_writer import q4_k_blocks, q6_k_blocks, quantized, relative_errors
 
 Q = gguf.GGMLQuantizationType
 ROWS, K = 8, 512  # two super-blocks of 256 a row
@@ -38,6 +38,8 @@ def test_gguf_reads_the_blocks_back_within_their_rounding(weights, qtype, write,
 
 
 def test_quantized_weights_keep_the_blocks_and_report_their_error(weights):
-    weight, error = quantized(torch.from_numpy(weights), Q.Q6_K)
+    dense = {"w": torch.from_numpy(weights), "norm": torch.ones(K)}
+    weight = quantized(dense["w"], Q.Q6_K)
     assert weight.qtype == Q.Q6_K and tuple(weight.blocks.shape) == (ROWS, K // 256, 210)
-    assert 0 < error < 0.02
+    errors = relative_errors({"w": weight, "norm": dense["norm"]}, dense)
+    assert list(errors) == ["Q6_K"] and 0 < errors["Q6_K"][0] < 0.02

@@ -67,7 +67,7 @@ def mix(request) -> str:
 
 @pytest.fixture(scope="module")
 def models(mix) -> dict[str, DecoderModel]:
-    config, weights, _ = embedded_weights(mix)
+    config, weights = embedded_weights(mix)
     # auto without its dense copy: every linear's values come from the quantized weight (kernel or per-call dequantization)
     return {fmt: DecoderModel(config, weights, "cpu", weight_format=fmt, dense_copy="none") for fmt in ("dequantize", "auto")}
 

@@ -345,7 +345,7 @@ at::Tensor quant_rows(const at::Tensor& packed, const at::Tensor& scales, const 
               "quant_rows: packed must be an int8 weight's uint8 [N / 16, K / 32, 512], got ", packed.sizes());
   const int64_t panels = packed.size(0), groups = packed.size(1), k = groups * kGroup;
   // d and m (scheme 0) or d alone (scheme 3): only d is read, the values being signed.
-  const int64_t per_group = scales.dim() == 4 ? 2 : 1;
+  const int64_t scales_per_group = scales.dim() == 4 ? 2 : 1;
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.size(0) == panels && scales.size(1) == groups &&
                   ((scales.dim() == 4 && scales.size(2) == 2 && scales.size(3) == kLanes) || (scales.dim() == 3 && scales.size(2) == kLanes)),
               "quant_rows: scales must be float16 [N / 16, K / 32, 2, 16] or [N / 16, K / 32, 16], got ", scales.sizes(), " ", scales.scalar_type());
@@ -366,7 +366,7 @@ at::Tensor quant_rows(const at::Tensor& packed, const at::Tensor& scales, const 
         const int64_t panel = id[t] / kLanes, lane = id[t] % kLanes;
         for (int64_t g = 0; g < groups; ++g) {
           const uint8_t* group = w + (panel * groups + g) * 8 * 64 + 4 * lane;  // chunk c's 4 inputs of this row at c * 64
-          const float scale = static_cast<float>(d[((panel * groups + g) * per_group) * kLanes + lane]);
+          const float scale = static_cast<float>(d[((panel * groups + g) * scales_per_group) * kLanes + lane]);
           for (int64_t c = 0; c < 8; ++c)
             for (int64_t j = 0; j < 4; ++j)
               o[t * k + g * kGroup + 4 * c + j] = static_cast<T>(static_cast<float>(static_cast<int8_t>(group[c * 64 + j] ^ 0x80)) * scale);
