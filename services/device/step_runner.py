@@ -180,7 +180,7 @@ class ModelStepRunner:
             logits = self.model.forward(batch, self.kv_cache)  # [S, vocab], the activation dtype
         else:
             hidden = self.model.hidden_states(batch, self.kv_cache)  # [T, hidden]
-            logits = self.model.logits(hidden[batch.sample_indices])
+            logits = self.model.logits(batch.sampled_rows(hidden))
             self._pool(staged.pooling, hidden, out)
         if staged.sampled is None:
             return
@@ -215,7 +215,7 @@ class ModelStepRunner:
         drafts, valid = speculation.fill_inputs(spec, batch, table.last_token)
         forward, kept = speculation.without_unproposed(spec, batch, valid)
         hidden = self.model.hidden_states(forward, self.kv_cache)  # [T', hidden]: the entries run
-        logits = self.model.logits(hidden[forward.sample_indices])  # [S', vocab]
+        logits = self.model.logits(forward.sampled_rows(hidden))  # [S', vocab]
         entries, rows = spec.sample_seq, spec.row_seq
         proposal = ProposalStep(forward, spec.proposer_inputs)
         if entries.numel() == 0:

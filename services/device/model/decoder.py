@@ -298,7 +298,7 @@ class DecoderModel:
         ``batch`` must already be on this model's device. Rows read only the cache slots their
         block tables name.
         """
-        return self.logits(self.hidden_states(batch, kv_cache)[batch.sample_indices])
+        return self.logits(batch.sampled_rows(self.hidden_states(batch, kv_cache)))
 
     @torch.inference_mode()
     def hidden_states(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:

@@ -61,6 +61,14 @@ class ForwardBatch:
     prefills: list[PrefillSegment]
     sample_indices: torch.Tensor  # [S] int64 index into T of each sampling row's last token
 
+    def sampled_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The sampling rows of ``hidden`` ``[T, hidden]`` in ``sample_indices`` order: ``[S, hidden]``.
+
+        ``index_select`` gathers them on the calling thread; ``hidden[sample_indices]`` (a TensorIterator)
+        forks an OpenMP region for a 32-row decode step's [32, 576] bfloat16 (36 KiB: less work than the
+        fork and join)."""
+        return hidden.index_select(0, self.sample_indices)
+
     def to(self, device: torch.device | str) -> ForwardBatch:
         """A copy with every tensor on ``device`` (non-blocking where the source is pinned)."""
 
