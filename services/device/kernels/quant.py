@@ -316,7 +316,7 @@ def _concat(parts: list[KernelWeight]) -> KernelWeight:
     if len(kinds) > 1:
         if kinds <= {"int4", "int5"}:
             parts = [Int5Weight(p.q, p.scale, p.offset) for p in parts]
-        elif kinds <= {"int4", "int5", "int8"} and all(isinstance(p, Int8Weight) or _symmetric(p) for p in parts):
+        elif kinds <= {"int4", "int5", "int8"} and all(is_symmetric(p) for p in parts):
             parts = [p if isinstance(p, Int8Weight) else Int8Weight(p.q.to(torch.int8) - (8 if isinstance(p, Int4Weight) else 16), p.scale)
                      for p in parts]
         elif kinds == {"q4_k", "q5_k"}:
@@ -330,7 +330,12 @@ def _concat(parts: list[KernelWeight]) -> KernelWeight:
     return dataclasses.replace(first, **stacked)
 
 
-def _symmetric(weight: Int4Weight | Int5Weight) -> bool:
+def is_symmetric(weight: Int4Weight | Int5Weight | Int8Weight) -> bool:
+    """Whether every group's offset is ``-2^(bits - 1) scale`` (GGUF's Q4_0 / Q5_0; int8 always is:
+    ``w = q scale`` with ``q`` signed), so that ``scale`` alone holds the weight: ``w = scale (q - 2^(bits - 1))``
+    for int4 / int5's unsigned ``q``. Compares all ``[N, K / 32]`` offsets exactly (a load-time check)."""
+    if isinstance(weight, Int8Weight):
+        return True
     return torch.equal(weight.offset, weight.scale * (-8 if isinstance(weight, Int4Weight) else -16))
 
 

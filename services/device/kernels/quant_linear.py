@@ -60,7 +60,7 @@ import torch.nn.functional as F
 
 from stageserve.device.kernels import cpu_kernels, huge_pages
 from stageserve.device.kernels.quant import (GROUP, SUPER, Int4Weight, Int5Weight, Int8Weight, KernelWeight, KQuantWeight, StackedWeight,
-                                             format_name, round_symmetric_int8, weight_shape)
+                                             format_name, is_symmetric, round_symmetric_int8, weight_shape)
 
 LANES = 16  # output rows per panel of the VNNI layout (one per int32 lane)
 # the VNNI kernel's scale layouts (csrc/quant_linear.cpp `Scheme`): per group of 32 (d and m), Q4_K/Q5_K's,
@@ -163,7 +163,7 @@ class VnniKernel:
         self.qtype = weight.qtype if isinstance(weight, KQuantWeight) else None
         if self.qtype is not None:
             self.scheme = K_SYMMETRIC_SCALES if self.bits == 6 else K_MIN_SCALES
-        elif self.bits == 8 or torch.equal(weight.offset, -(2 ** (self.bits - 1)) * weight.scale):
+        elif is_symmetric(weight):
             self.scheme = GROUP_SYMMETRIC_SCALES
         else:
             self.scheme = GROUP_SCALES
