@@ -78,8 +78,10 @@ def quantized(w: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> QuantizedWei
 
 
 def relative_errors(weights: dict, dense: dict[str, torch.Tensor]) -> dict[str, list[float]]:
-    """Per block type, the mean relative error of each of ``weights``' quantized tensors against its
-    float values in ``dense`` (``mean |dequantized - w| / mean |w|``)."""
+    """Per block type name (``"Q4_K"``, ...), the mean relative error ``mean |dequantized - w| / mean |w|``
+    of each `QuantizedWeight` in ``weights`` (name -> weight, as `requantized` returns; other values are
+    skipped) against the float tensor of the same name and shape in ``dense``. Raises ``KeyError`` for a
+    quantized name ``dense`` lacks."""
     errors: dict[str, list[float]] = {}
     for name, weight in weights.items():
         if isinstance(weight, QuantizedWeight):
