@@ -39,7 +39,7 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
     from stageserve.device.step_runner import ModelStepRunner
 
     # The sim sizes its KV pool (host bookkeeping only) as the cpu backend would, from the model's config.
-    dtype_name = resolve_dtype(args.dtype, "cpu" if args.backend == "sim" else args.backend)
+    dtype_name = resolve_dtype(args.dtype, "cpu" if args.backend == "sim" else args.backend, _linears_on_vnni_kernel(args, model_path))
     dtype = getattr(torch, dtype_name)
     backend, model, config = _load_model(args, model_path, dtype, backend)
     saved_bytes = _log_weight_memory(model, dtype) if model is not None else 0
@@ -246,6 +246,17 @@ def _vocabulary(path: Path) -> dict[str, int]:
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
 
+
+def _linears_on_vnni_kernel(args: argparse.Namespace, model_path: Path) -> bool:
+    """Whether the model's linears run quantized on the VNNI kernel, which ``--dtype auto`` weighs
+    (`resolve_dtype`): the cpu backend (or the sim, sized as it) with the CPU kernels on a CPU with
+    AVX512-VNNI, and ``--weights int8``/``int4``, or ``auto`` on a GGUF file holding quantized linears."""
+    if args.backend not in ("cpu", "sim") or args.no_cpu_kernels or args.weights == "dequantize":
+        return False
+    from stageserve.device.kernels import cpu_kernels
+    from stageserve.device.model.weights import holds_quantized_linears
+
+    return cpu_kernels.has_avx512_vnni() and (args.weights != "auto" or holds_quantized_linears(model_path))
 
 def _load_model(args: argparse.Namespace, model_path: Path, dtype, backend):
     """(backend, model, model config) for ``--backend``: the sim has no model, only the config."""

@@ -115,11 +115,21 @@ def load_config(path: Path) -> ModelConfig:
         generation = _read_json(path / "generation_config.json") if (path / "generation_config.json").is_file() else {}
         eos = generation.get("eos_token_id")
         return config_from_hf(_read_json(path / "config.json"), [] if eos is None else [eos] if isinstance(eos, int) else list(eos), path / "config.json")
-    if not path.is_file() or path.stat().st_size == 0:
-        raise ModelLoadError(f"{path}: no such file, or empty")
-    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
-        return _gguf_config(buffer, path)[0]
+    return _read_gguf_config(path)[0]
 
+
+def holds_quantized_linears(path: Path) -> bool:
+    """Whether ``path`` is a GGUF file with a tensor of a type the quantized kernels take as stored
+    (`quant.KEPT_TYPES`), which ``--weights auto`` keeps quantized; an HF directory holds none. Only
+    the header is read.
+
+    Raises:
+        ModelLoadError: an unreadable or corrupt file; the message names it.
+    """
+    path = Path(path)
+    if path.is_dir():
+        return False
+    return any(t.qtype in KEPT_TYPES for t in _read_gguf_config(path)[1])
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape ``[out_features, in_features]`` (or ``[n]``) that a model needs."""
@@ -224,6 +234,14 @@ def _split_fused(name: str, tensor: torch.Tensor | QuantizedWeight, config: Mode
 
 
 # ---- GGUF -------------------------------------------------------------------------------------
+def _read_gguf_config(path: Path) -> tuple[ModelConfig, list[GGUFTensor]]:
+    """The config and tensor infos of the GGUF file at ``path``, from its header alone. Raises ModelLoadError naming ``path``."""
+    if not path.is_file() or path.stat().st_size == 0:
+        raise ModelLoadError(f"{path}: no such file, or empty")
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
+        return _gguf_config(buffer, path)
+
+
 def _gguf_config(buffer: mmap.mmap, path: Path) -> tuple[ModelConfig, list[GGUFTensor]]:
     """The config and tensor infos of the GGUF file in ``buffer``. Raises ModelLoadError naming ``path``."""
     try:

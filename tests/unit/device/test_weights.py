@@ -13,7 +13,7 @@ import pytest
 import torch
 from gguf.quants import dequantize, quantize
 
-from stageserve.device.model.weights import ModelLoadError, load_weights
+from stageserve.device.model.weights import ModelLoadError, holds_quantized_linears, load_weights
 from stageserve.model_files import embedded_model_path
 
 Q = gguf.GGMLQuantizationType
@@ -120,6 +120,20 @@ def test_embedded_gguf_loads_with_expected_config():
     assert weights["model.layers.29.mlp.down_proj.weight"].shape == (576, 1536)
     assert all(t.dtype == torch.bfloat16 for t in weights.values())
 
+
+def test_a_gguf_holds_quantized_linears_when_a_tensor_is_of_a_kept_type(tmp_path):
+    """``--weights auto`` keeps what `quant.KEPT_TYPES` names: a file with Q4_0/Q4_1/Q8_0 tensors holds
+    quantized linears, one of float tensors and Q2_K/Q3_K (dequantized at load) does not, nor does an HF directory."""
+    assert holds_quantized_linears(embedded_model_path())
+    mixed, plain = tmp_path / "mixed.gguf", tmp_path / "plain.gguf"
+    _write_tiny_gguf(mixed)
+    _write_tiny_gguf(plain, types={"token_embd.weight": Q.F16, "blk.0.attn_q.weight": Q.F16, "blk.0.attn_k.weight": Q.F32,
+                                   "blk.0.ffn_gate.weight": Q.BF16, "blk.0.ffn_up.weight": Q.Q2_K, "blk.0.ffn_down.weight": Q.Q3_K},
+                     ffn=256, hidden=256)
+    assert holds_quantized_linears(mixed) and not holds_quantized_linears(plain)
+    assert not holds_quantized_linears(tmp_path)
+    with pytest.raises(ModelLoadError, match="missing.gguf"):
+        holds_quantized_linears(tmp_path / "missing.gguf")
 
 def test_a_block_tensor_whose_rows_are_not_whole_blocks_is_refused(tmp_path):
     """A Q6_K tensor's dims rewritten from 256 x 64 to 128 x 128 (the same bytes): rows of 128 values
