@@ -131,6 +131,7 @@ def holds_quantized_linears(path: Path) -> bool:
         return False
     return any(t.qtype in KEPT_TYPES for t in _read_gguf_config(path)[1])
 
+
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape ``[out_features, in_features]`` (or ``[n]``) that a model needs."""
     c = config
