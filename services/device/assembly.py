@@ -258,6 +258,7 @@ def _linears_on_vnni_kernel(args: argparse.Namespace, model_path: Path) -> bool:
 
     return cpu_kernels.has_avx512_vnni() and (args.weights != "auto" or holds_quantized_linears(model_path))
 
+
 def _load_model(args: argparse.Namespace, model_path: Path, dtype, backend):
     """(backend, model, model config) for ``--backend``: the sim has no model, only the config."""
     from stageserve.device.backends import create_backend
