@@ -221,14 +221,15 @@ def test_killing_a_device_resumes_its_requests_on_the_other(cluster, references)
     runner = threading.Thread(target=lambda: batch.update(run_concurrently(cluster.stub, requests)))
     constrained_streams = [cluster.stub.GenerateStream(constrained(i), timeout=120) for i in range(4)]
     runner.start()
-    # Wait until the batch is admitted (none waiting) and generating, then kill the victim mid-run. The
-    # 16 plain streams, at least, run together; the 4 constrained ones wait for their grammars first,
-    # and on a loaded machine the plain ones may end before the last grammar is compiled.
+    # Wait until the 16 plain streams, at least, run together, some on the victim, then kill it mid-run.
+    # Others may still wait (the 4 constrained ones for their grammars or for KV blocks: 20 requests
+    # need more than the two pools' ~90): those must end OK too. Waiting for none waiting as well
+    # missed the window on a loaded machine (the plain streams ended first).
     deadline = time.monotonic() + 60
     while True:
         status = cluster.devices_status()
         held = {address: s.running_requests for address, s in status.items()}
-        if sum(held.values()) >= 16 and held[victim.address] and not any(s.waiting_requests for s in status.values()):
+        if sum(held.values()) >= 16 and held[victim.address]:
             break
         assert time.monotonic() < deadline, f"the batch was never fully admitted: {status}"
         time.sleep(0.02)
