@@ -38,9 +38,7 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
     from stageserve.device.sim import SimStepRunner
     from stageserve.device.step_runner import ModelStepRunner
 
-    # The sim sizes its KV pool (host bookkeeping only) as the cpu backend would, from the model's config.
-    dtype_name = resolve_dtype(args.dtype, "cpu" if args.backend == "sim" else args.backend, _linears_on_vnni_kernel(args, model_path))
-    dtype = getattr(torch, dtype_name)
+    dtype = getattr(torch, device_dtype(args, model_path))
     backend, model, config = _load_model(args, model_path, dtype, backend)
     saved_bytes = _log_weight_memory(model, dtype) if model is not None else 0
     # The draft model or the checkpoint's MTP layer: a second model with a KV pool of its own.
@@ -247,16 +245,27 @@ def _vocabulary(path: Path) -> dict[str, int]:
         raise ModelLoadError(str(exc)) from exc
 
 
+def device_dtype(args: argparse.Namespace, model_path: Path) -> str:
+    """``--dtype`` as this device runs the model at ``model_path`` (`resolve_dtype`; ``auto`` weighs
+    whether the linears run on the VNNI kernel). The sim sizes its KV pool (host bookkeeping only) as
+    the cpu backend would, so it resolves as the cpu does.
+
+    Raises:
+        ModelLoadError: ``--weights auto`` on an unreadable or corrupt GGUF file.
+    """
+    backend = "cpu" if args.backend == "sim" else args.backend
+    return resolve_dtype(args.dtype, backend, backend == "cpu" and _linears_on_vnni_kernel(args, model_path))
+
+
 def _linears_on_vnni_kernel(args: argparse.Namespace, model_path: Path) -> bool:
-    """Whether the model's linears run quantized on the VNNI kernel, which ``--dtype auto`` weighs
-    (`resolve_dtype`): the cpu backend (or the sim, sized as it) with the CPU kernels on a CPU with
-    AVX512-VNNI, and ``--weights int8``/``int4``, or ``auto`` on a GGUF file holding quantized linears."""
-    if args.backend not in ("cpu", "sim") or args.no_cpu_kernels or args.weights == "dequantize":
+    """Whether the model's linears run quantized on the VNNI kernel (on the cpu backend): the CPU kernels
+    allowed and running here, and ``--weights int8``/``int4``, or ``auto`` on a GGUF file holding quantized linears."""
+    if args.weights == "dequantize":
         return False
-    from stageserve.device.kernels import cpu_kernels
+    from stageserve.device.kernels.quant_linear import vnni_kernel_runs
     from stageserve.device.model.weights import holds_quantized_linears
 
-    return cpu_kernels.has_avx512_vnni() and (args.weights != "auto" or holds_quantized_linears(model_path))
+    return vnni_kernel_runs(not args.no_cpu_kernels) and (args.weights != "auto" or holds_quantized_linears(model_path))
 
 
 def _load_model(args: argparse.Namespace, model_path: Path, dtype, backend):
@@ -281,11 +290,11 @@ def _load_decoder(args: argparse.Namespace, path: Path, dtype, device):
 
     log.info("loading %s as %s on %s", path, str(dtype).removeprefix("torch."), device)
     weight_format = args.weights
-    from stageserve.device.kernels import cpu_kernels
+    from stageserve.device.kernels.quant_linear import vnni_kernel_runs
 
     # The VNNI kernel takes bfloat16 and float32; torch's int4/int8 CPU kernels are fast with bfloat16
     # input only (float32: ~9 ms per 576x576 int4 row, measured).
-    vnni = torch.device(device).type == "cpu" and cpu_kernels.has_avx512_vnni()
+    vnni = torch.device(device).type == "cpu" and vnni_kernel_runs()
     if weight_format == "auto" and not (dtype == torch.bfloat16 or (dtype == torch.float32 and vnni)):
         log.info("--weights auto: %s activations keep every weight dense (the quantized kernels here need %s)",
                  str(dtype).removeprefix("torch."), "bfloat16 or float32" if vnni else "bfloat16")

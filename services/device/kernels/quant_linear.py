@@ -91,7 +91,7 @@ def kernel_for(weight: KernelWeight, dtype: torch.dtype, input_bits: int,
     """
     if isinstance(weight, StackedWeight):
         return StackedKernel([kernel_for(p, dtype, input_bits, own_kernels) for p in weight.parts])
-    if _vnni(own_kernels) and weight.q.shape[0] % LANES == 0:
+    if vnni_kernel_runs(own_kernels) and weight.q.shape[0] % LANES == 0:
         return VnniKernel(weight, dtype, input_bits)
     if isinstance(weight, Int8Weight):
         return TorchInt8Kernel(weight, dtype)
@@ -109,7 +109,7 @@ def fits(weight: KernelWeight, own_kernels: bool = True) -> bool:
     if isinstance(weight, StackedWeight):
         return all(fits(p, own_kernels) for p in weight.parts)
     n = weight.q.shape[0]
-    if _vnni(own_kernels):
+    if vnni_kernel_runs(own_kernels):
         return n % LANES == 0
     return isinstance(weight, Int8Weight) or (as_int4(weight) is not None and n % INT4_ROW_BLOCK == 0)
 
@@ -126,7 +126,9 @@ def as_int4(weight: KernelWeight) -> Int4Weight | None:
     return None
 
 
-def _vnni(own_kernels: bool) -> bool:
+def vnni_kernel_runs(own_kernels: bool = True) -> bool:
+    """Whether `kernel_for` picks `VnniKernel` here: stageserve's CPU kernels allowed (``own_kernels``)
+    and loaded on a CPU with AVX512-VNNI."""
     return own_kernels and cpu_kernels.has_avx512_vnni()
 
 

@@ -1,17 +1,17 @@
 """``--dtype auto``: bfloat16 wherever the step runs bfloat16 well, float32 only for dense weights on a
-CPU without native bfloat16 matmuls (`flags.resolve_dtype`, `assembly._linears_on_vnni_kernel`)."""
+CPU without native bfloat16 matmuls (`flags.resolve_dtype`, `assembly.device_dtype`)."""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import pytest
 
-from stageserve.device.assembly import _linears_on_vnni_kernel
+from stageserve.device.assembly import device_dtype
 from stageserve.device.flags import add_arguments, resolve_dtype
-from stageserve.device.kernels import cpu_kernels
+from stageserve.device.kernels.quant_linear import vnni_kernel_runs
 from stageserve.model_files import embedded_model_path
+from tests.unit.device.test_cpu_kernels import CPU_FLAGS
 
 
 def device_args(argv: list[str]) -> argparse.Namespace:
@@ -20,9 +20,7 @@ def device_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def native_bf16() -> bool:
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "").split()
-    return bool({"avx512_bf16", "amx_bf16"} & set(flags))
+NATIVE_BF16 = bool({"avx512_bf16", "amx_bf16"} & CPU_FLAGS)
 
 
 def test_an_explicit_dtype_is_kept_and_accelerators_take_bfloat16():
@@ -33,7 +31,7 @@ def test_an_explicit_dtype_is_kept_and_accelerators_take_bfloat16():
 
 def test_auto_on_the_cpu_is_bfloat16_for_the_vnni_kernel_and_native_bf16_else_float32():
     assert resolve_dtype("auto", "cpu", quantized_kernels=True) == "bfloat16"
-    assert resolve_dtype("auto", "cpu") == ("bfloat16" if native_bf16() else "float32")
+    assert resolve_dtype("auto", "cpu") == ("bfloat16" if NATIVE_BF16 else "float32")
 
 
 @pytest.mark.parametrize("argv, quantized", [
@@ -41,12 +39,17 @@ def test_auto_on_the_cpu_is_bfloat16_for_the_vnni_kernel_and_native_bf16_else_fl
     (["--weights", "int8"], True),
     (["--weights", "dequantize"], False),
     (["--no-cpu-kernels"], False),             # torch's int4/int8 kernels, not the VNNI one
-    (["--backend", "cuda"], False),
+    (["--backend", "sim"], True),              # sized as the cpu backend
 ])
-def test_the_vnni_kernel_runs_the_linears_of_a_quantized_gguf_on_the_cpu(argv, quantized):
-    expected = quantized and cpu_kernels.has_avx512_vnni()
-    assert _linears_on_vnni_kernel(device_args(argv), embedded_model_path()) == expected
+def test_the_device_runs_a_quantized_gguf_in_bfloat16_where_the_vnni_kernel_takes_its_linears(argv, quantized):
+    expected = "bfloat16" if (quantized and vnni_kernel_runs()) or NATIVE_BF16 else "float32"
+    assert device_dtype(device_args(argv), embedded_model_path()) == expected
 
 
-def test_an_hf_directorys_dense_linears_are_not_on_the_vnni_kernel(tmp_path):
-    assert not _linears_on_vnni_kernel(device_args([]), tmp_path)
+def test_the_device_keeps_an_explicit_dtype_and_gives_an_accelerator_bfloat16():
+    assert device_dtype(device_args(["--backend", "cuda"]), embedded_model_path()) == "bfloat16"
+    assert device_dtype(device_args(["--dtype", "float32"]), embedded_model_path()) == "float32"
+
+
+def test_an_hf_directorys_dense_linears_stay_float32_without_native_bf16(tmp_path):
+    assert device_dtype(device_args([]), tmp_path) == ("bfloat16" if NATIVE_BF16 else "float32")
