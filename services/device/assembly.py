@@ -38,7 +38,8 @@ def build_core(args: argparse.Namespace, model_path: Path, tracer=None, metrics=
     from stageserve.device.sim import SimStepRunner
     from stageserve.device.step_runner import ModelStepRunner
 
-    dtype = getattr(torch, device_dtype(args, model_path))
+    dtype_name = device_dtype(args, model_path)
+    dtype = getattr(torch, dtype_name)
     backend, model, config = _load_model(args, model_path, dtype, backend)
     saved_bytes = _log_weight_memory(model, dtype) if model is not None else 0
     # The draft model or the checkpoint's MTP layer: a second model with a KV pool of its own.
