@@ -26,12 +26,18 @@ __all__ = ["add_arguments", "run"]  # stageserve.cli reads both here
 
 log = logging.getLogger("stageserve.prepare")
 
+PREPARE_MALLOC_ARENAS = 2
+"""glibc heaps for prepare's threads (`cap_malloc_arenas`): its validation workers' large transient
+encodings would otherwise leave fragments in a heap per worker."""
+
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT/SIGHUP; return the exit code (0 after a clean drain, 2 when it cannot start)."""
     from stageserve.prepare.assembly import build_prepare
+    from stageserve.process_memory import cap_malloc_arenas
     from stageserve.server import configure_logging
 
+    cap_malloc_arenas(PREPARE_MALLOC_ARENAS)
     configure_logging(args.log_level, args.log_format, "prepare")
     try:
         prepare = build_prepare(args)
