@@ -195,11 +195,17 @@ SS_VNNI void panel_rows(const uint8_t* panel, const uint8_t* scales, const Int8R
         plane[b] = _mm512_loadu_si512(w + (4 + b) * 64);
       }
     }
+#pragma GCC unroll 2
     for (int sub = 0; sub < kSubs; ++sub) {
       __m512i sums[R][kLevels][kSplit];
       for (int r = 0; r < R; ++r)
         for (int l = 0; l < kLevels; ++l)
           for (int h = 0; h < kSplit; ++h) sums[r][l][h] = _mm512_setzero_si512();
+      // Unrolled (with the loop over subs above), the rows' inputs at fixed offsets from one pointer:
+      // each sum stays in its register and each bit-plane mask is a constant (rolled, every sum was
+      // copied through another register per chunk, and Q6_K built its masks at run time).
+      const int8_t* inputs = x.p.data() + (g * x.rows + first) * kLevels * kGroup;
+#pragma GCC unroll 8
       for (int64_t c = sub * kChunks / kSubs; c < (sub + 1) * kChunks / kSubs; ++c) {
         _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + c * 64), _MM_HINT_T0);
         const __m512i chunk = _mm512_loadu_si512(w + c * 64);
@@ -213,7 +219,7 @@ SS_VNNI void panel_rows(const uint8_t* panel, const uint8_t* scales, const Int8R
         }
         for (int r = 0; r < R; ++r) {
           for (int l = 0; l < kLevels; ++l) {
-            const int8_t* p = x.p.data() + ((g * x.rows + first + r) * kLevels + l) * kGroup;
+            const int8_t* p = inputs + (r * kLevels + l) * kGroup;
             if constexpr (kBits == 8) {
               sums[r][l][c % kSplit] = dot4(sums[r][l][c % kSplit], low, p + c * 4);
             } else {
