@@ -55,6 +55,6 @@ def cap_malloc_arenas(arenas: int) -> None:
     a freed block goes back to its own heap: after large transient allocations in many threads
     (prepare's validation workers encoding huge prompts) each heap keeps its fragments, which
     ``malloc_trim`` cannot hand back. Measured (256 KiB prompts encoded 16 at a time by 8 threads,
-    trimmed after each): resident memory settled ~80 MiB above the start with the default, ~20 with 2."""
+    trimmed after each): resident memory settled 83–91 MiB above the start with the default, 17–26 with 2."""
     if _LIBC is not None:
         _LIBC.mallopt(_M_ARENA_MAX, arenas)
