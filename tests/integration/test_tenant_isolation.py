@@ -241,7 +241,12 @@ def test_a_key_at_its_limits_gets_429_and_does_not_hold_up_another_keys_first_to
                 senders = [threading.Thread(target=send) for _ in range(8)]
                 for sender in senders:
                     sender.start()
-                time.sleep(1.0)  # team-a's requests are in: two running, two waiting
+                # team-a's requests are in (two running, two waiting) once the other four are refused:
+                # a fixed sleep here let a fast CPU finish the first two 200-token streams before
+                # team-b asked (2 of 200 tokens at ~5 ms a token is ~1 s).
+                deadline = time.monotonic() + 60
+                while sum(code == 429 for code, _ in statuses) < 4 and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 busy = first_token_seconds(stub, KEY_B, "Say hello.")
                 team_a_done = sum(code == 200 for code, _ in statuses)  # of its accepted ones, when team-b's token came
                 for sender in senders:
