@@ -295,7 +295,7 @@ def _load_decoder(args: argparse.Namespace, path: Path, dtype, device):
 
     # The VNNI kernel takes bfloat16 and float32; torch's int4/int8 CPU kernels are fast with bfloat16
     # input only (float32: ~9 ms per 576x576 int4 row, measured).
-    vnni = torch.device(device).type == "cpu" and vnni_kernel_runs()
+    vnni = torch.device(device).type == "cpu" and vnni_kernel_runs(not args.no_cpu_kernels)
     if weight_format == "auto" and not (dtype == torch.bfloat16 or (dtype == torch.float32 and vnni)):
         log.info("--weights auto: %s activations keep every weight dense (the quantized kernels here need %s)",
                  str(dtype).removeprefix("torch."), "bfloat16 or float32" if vnni else "bfloat16")

@@ -53,3 +53,14 @@ def test_the_device_keeps_an_explicit_dtype_and_gives_an_accelerator_bfloat16():
 
 def test_an_hf_directorys_dense_linears_stay_float32_without_native_bf16(tmp_path):
     assert device_dtype(device_args([]), tmp_path) == ("bfloat16" if NATIVE_BF16 else "float32")
+
+
+def test_float32_without_the_cpu_kernels_keeps_a_quantized_gguf_dense():
+    """torch's int4/int8 kernels are slow with float32 input: with ``--no-cpu-kernels`` the VNNI
+    kernel does not run, so ``--weights auto`` dequantizes (it kept int4 on torch's kernels before)."""
+    import torch
+
+    from stageserve.device.assembly import _load_decoder
+
+    model = _load_decoder(device_args(["--no-cpu-kernels"]), embedded_model_path(), torch.float32, "cpu")
+    assert dict(model.linear_formats) == {"float32": 121}
