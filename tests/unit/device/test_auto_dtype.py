@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from stageserve.device.assembly import device_dtype
+from stageserve.device.assembly import _linears_on_vnni_kernel, device_dtype
 from stageserve.device.flags import add_arguments, resolve_dtype
 from stageserve.device.kernels.quant_linear import vnni_kernel_runs
 from stageserve.model_files import embedded_model_path
@@ -42,8 +42,11 @@ def test_auto_on_the_cpu_is_bfloat16_for_the_vnni_kernel_and_native_bf16_else_fl
     (["--backend", "sim"], True),              # sized as the cpu backend
 ])
 def test_the_device_runs_a_quantized_gguf_in_bfloat16_where_the_vnni_kernel_takes_its_linears(argv, quantized):
+    args = device_args(argv)
+    # what auto weighs, asserted apart: on a CPU with native bfloat16 the dtype is bfloat16 either way
+    assert _linears_on_vnni_kernel(args, embedded_model_path()) == (quantized and vnni_kernel_runs())
     expected = "bfloat16" if (quantized and vnni_kernel_runs()) or NATIVE_BF16 else "float32"
-    assert device_dtype(device_args(argv), embedded_model_path()) == expected
+    assert device_dtype(args, embedded_model_path()) == expected
 
 
 def test_the_device_keeps_an_explicit_dtype_and_gives_an_accelerator_bfloat16():
