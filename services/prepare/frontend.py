@@ -202,7 +202,6 @@ class GenerationFrontend:
         if len(ids) > context:
             count = len(ids)
             del ids  # not kept alive by the refusal's traceback until the cyclic GC runs (~20 MB per 1 MiB prompt)
-            release_freed_memory(count)  # again, now that the ids are freed too
             raise invalid_argument(f"{'prompt' if request.prompt else 'messages'}: {count} tokens is more than the model's context"
                                    f" of {context} tokens; shorten it")
         return ids

@@ -160,7 +160,7 @@ def test_sixteen_large_tokenize_calls_are_bounded_by_the_context_and_give_their_
     """16 concurrent 256 KiB Tokenize calls of team-a (~140k tokens each): each refused with
     INVALID_ARGUMENT naming the model's context; team-b is served meanwhile. Each key tokenizes two at
     a time, so prepare's resident memory rises by about two encodings (~50 MiB each), not sixteen; and
-    it gives at least half of that rise back once the calls end (measured: 14–29 % kept; 64–81 % without
+    it gives at least half of that rise back once the calls end (measured: 9–29 % kept; 64–81 % without
     `malloc_trim`, glibc's heaps keeping the rest as fragments, see `cap_malloc_arenas`)."""
     from stageserve.prepare.limits import MAX_PROMPT_CHARS
 
