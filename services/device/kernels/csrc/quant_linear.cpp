@@ -149,13 +149,41 @@ SS_VNNI SS_INLINE __m512i add_plane_bit(__m512i operand, __m512i plane, int t, i
   return _mm512_mask_add_epi8(operand, set, operand, _mm512_set1_epi8(static_cast<char>(value)));
 }
 
+// Chunk c of a 4- to 6-bit group `w` (its bit planes loaded into `plane`) as its two VPDPBUSD operands:
+// inputs 8c..8c+3 (`low`) and 8c+4..8c+7 (`high`), unsigned 0..2^bits - 1.
+template <int kBits>
+SS_VNNI SS_INLINE void unpack_chunk(const uint8_t* w, const __m512i* plane, int c, __m512i& low, __m512i& high) {
+  const __m512i chunk = _mm512_loadu_si512(w + c * 64);
+  low = _mm512_and_si512(chunk, _mm512_set1_epi8(0x0F));
+  high = _mm512_and_si512(_mm512_srli_epi16(chunk, 4), _mm512_set1_epi8(0x0F));
+  if constexpr (kBits == 5 || kBits == 6) {
+    for (int b = 0; b < kBits - 4; ++b) {
+      low = add_plane_bit(low, plane[b], 2 * c, 16 << b);
+      high = add_plane_bit(high, plane[b], 2 * c + 1, 16 << b);
+    }
+  }
+}
+
+// Where a pass takes a 5- or 6-bit panel's operands from: the packed panel; the packed panel, storing
+// the operands it makes into a buffer [K / 32, 8, 64] (operand 2c + h of group g at (8 g + 2c + h) * 64);
+// or such a buffer. A panel that several passes of input rows take is unpacked once, by the first pass,
+// and the later passes load the operands rather than making them again (for Q6_K, 11 vector operations
+// a chunk beside the 16 VPDPBUSD of an 8-row pass). Unpacking before the first pass instead, with no
+// arithmetic to hide the weight stream behind, took longer than it saved; for a 4-bit panel (three
+// operations a chunk) the buffer's stores and loads cost more than they save (docs/benchmarks.md).
+enum class Source { kPacked, kPackedStoring, kUnpacked };
+constexpr int64_t kUnpackedGroupBytes = 8 * 64;
+
 // One panel (16 output rows) times R input rows (from row `first`), all groups. The integer sums are
 // exact, so how they are split does not change a row's result; per row and group the float work is
 // the same whatever R: v's dot in one int32 (256 * level 1 + level 2), one conversion, two FMAs (Q6_K:
 // per half-group, one conversion and one FMA, its -32 offset subtracted in integers).
-template <int kBits, Scheme kScheme, int kLevels, int R, typename T>
+// kSource: where the operands come from (`Source`); `unpacked` is the buffer stored into with
+// kPackedStoring.
+template <int kBits, Scheme kScheme, int kLevels, int R, Source kSource, typename T>
 SS_VNNI void panel_rows(const uint8_t* panel, const uint8_t* scales, const Int8Rows& x, int64_t first, int64_t k,
-                        T* y, int64_t n) {
+                        T* y, int64_t n, uint8_t* unpacked = nullptr) {
+  constexpr bool kUnpacked = kSource == Source::kUnpacked;
   constexpr int64_t kChunks = kBits == 8 ? 8 : 4;  // 64-byte VPDPBUSD operands (4-6 bits: nibble pairs) per group
   constexpr int kSubs = kScheme == Scheme::kSuperSymmetric ? 2 : 1;  // weight scales per group
   // Independent VPDPBUSD chains per level: with fewer than 4 in all, their latency, not their
@@ -165,7 +193,7 @@ SS_VNNI void panel_rows(const uint8_t* panel, const uint8_t* scales, const Int8R
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* w = panel + g * 64 * kBits;
+    const uint8_t* w = panel + g * (kUnpacked ? kUnpackedGroupBytes : 64 * kBits);
     // per lane: w = d * q + m (group scales, Q4_K/Q5_K), or d_half * (q - 32) (Q6_K)
     __m512 d[kSubs], m = _mm512_setzero_ps();
     if constexpr (kScheme == Scheme::kGroup) {
@@ -189,7 +217,7 @@ SS_VNNI void panel_rows(const uint8_t* panel, const uint8_t* scales, const Int8R
       }
     }
     __m512i plane[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-    if constexpr (kBits == 5 || kBits == 6) {
+    if constexpr ((kBits == 5 || kBits == 6) && !kUnpacked) {
       for (int b = 0; b < kBits - 4; ++b) {
         _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + (4 + b) * 64), _MM_HINT_T0);
         plane[b] = _mm512_loadu_si512(w + (4 + b) * 64);
@@ -207,14 +235,20 @@ SS_VNNI void panel_rows(const uint8_t* panel, const uint8_t* scales, const Int8R
       const int8_t* inputs = x.p.data() + (g * x.rows + first) * kLevels * kGroup;
 #pragma GCC unroll 8
       for (int64_t c = sub * kChunks / kSubs; c < (sub + 1) * kChunks / kSubs; ++c) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + c * 64), _MM_HINT_T0);
-        const __m512i chunk = _mm512_loadu_si512(w + c * 64);
-        __m512i low = kBits == 8 ? chunk : _mm512_and_si512(chunk, _mm512_set1_epi8(0x0F));
-        __m512i high = _mm512_and_si512(_mm512_srli_epi16(chunk, 4), _mm512_set1_epi8(0x0F));
-        if constexpr (kBits == 5 || kBits == 6) {
-          for (int b = 0; b < kBits - 4; ++b) {
-            low = add_plane_bit(low, plane[b], 2 * c, 16 << b);
-            high = add_plane_bit(high, plane[b], 2 * c + 1, 16 << b);
+        __m512i low, high;
+        if constexpr (kUnpacked) {
+          low = _mm512_loadu_si512(w + 2 * c * 64);
+          high = _mm512_loadu_si512(w + (2 * c + 1) * 64);
+        } else {
+          _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + c * 64), _MM_HINT_T0);
+          if constexpr (kBits == 8) {
+            low = _mm512_loadu_si512(w + c * 64);
+          } else {
+            unpack_chunk<kBits>(w, plane, static_cast<int>(c), low, high);
+            if constexpr (kSource == Source::kPackedStoring) {
+              _mm512_storeu_si512(unpacked + g * kUnpackedGroupBytes + 2 * c * 64, low);
+              _mm512_storeu_si512(unpacked + g * kUnpackedGroupBytes + (2 * c + 1) * 64, high);
+            }
           }
         }
         for (int r = 0; r < R; ++r) {
@@ -253,22 +287,40 @@ SS_VNNI void panel_rows(const uint8_t* panel, const uint8_t* scales, const Int8R
 }
 
 // The last `rows` (< kPassRows) input rows through one panel, in one pass of that many.
-template <int kBits, Scheme kScheme, int kLevels, int R, typename T>
+template <int kBits, Scheme kScheme, int kLevels, Source kSource, int R, typename T>
 SS_VNNI void panel_tail(const uint8_t* panel_bytes, const uint8_t* scales, const Int8Rows& x, int64_t first, int64_t rows,
                         int64_t k, T* y, int64_t n) {
   if constexpr (R > 0) {
-    if (rows == R) panel_rows<kBits, kScheme, kLevels, R>(panel_bytes, scales, x, first, k, y, n);
-    else panel_tail<kBits, kScheme, kLevels, R - 1>(panel_bytes, scales, x, first, rows, k, y, n);
+    if (rows == R) panel_rows<kBits, kScheme, kLevels, R, kSource>(panel_bytes, scales, x, first, k, y, n);
+    else panel_tail<kBits, kScheme, kLevels, kSource, R - 1>(panel_bytes, scales, x, first, rows, k, y, n);
   }
 }
 
-// All `rows` input rows through one panel, kPassRows at a time.
+// Input rows [first, rows) through one panel, kPassRows at a time.
+template <int kBits, Scheme kScheme, int kLevels, Source kSource, typename T>
+SS_VNNI void panel_passes(const uint8_t* panel_bytes, const uint8_t* scales, const Int8Rows& x, int64_t first, int64_t rows, int64_t k,
+                          T* y, int64_t n) {
+  int64_t r = first;
+  for (; r + kPassRows <= rows; r += kPassRows) panel_rows<kBits, kScheme, kLevels, kPassRows, kSource>(panel_bytes, scales, x, r, k, y, n);
+  // the weight panel (or its operands) is in L1 by now: the tail re-reads it from there
+  panel_tail<kBits, kScheme, kLevels, kSource, kPassRows - 1>(panel_bytes, scales, x, r, rows - r, k, y, n);
+}
+
+// All `rows` input rows through one panel; a 5- or 6-bit panel that more than one pass takes is unpacked by
+// the first into this thread's buffer (`Source`). The operands are the same bytes either way, so the
+// outputs are the same bits.
 template <int kBits, Scheme kScheme, int kLevels, typename T>
 SS_VNNI void panel(const uint8_t* panel_bytes, const uint8_t* scales, const Int8Rows& x, int64_t rows, int64_t k, T* y, int64_t n) {
-  int64_t r = 0;
-  for (; r + kPassRows <= rows; r += kPassRows) panel_rows<kBits, kScheme, kLevels, kPassRows>(panel_bytes, scales, x, r, k, y, n);
-  // the weight panel is in L1 by now: the tail re-reads it from there
-  panel_tail<kBits, kScheme, kLevels, kPassRows - 1>(panel_bytes, scales, x, r, rows - r, k, y, n);
+  if constexpr (kBits == 5 || kBits == 6) {
+    if (rows > kPassRows) {
+      thread_local std::vector<uint8_t> unpacked;
+      unpacked.resize(k / kGroup * kUnpackedGroupBytes);
+      panel_rows<kBits, kScheme, kLevels, kPassRows, Source::kPackedStoring>(panel_bytes, scales, x, 0, k, y, n, unpacked.data());
+      panel_passes<kBits, kScheme, kLevels, Source::kUnpacked>(unpacked.data(), scales, x, kPassRows, rows, k, y, n);
+      return;
+    }
+  }
+  panel_passes<kBits, kScheme, kLevels, Source::kPacked>(panel_bytes, scales, x, 0, rows, k, y, n);
 }
 
 // The formats the op takes, as (bits, scheme) pairs.
