@@ -301,6 +301,18 @@ def quant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bi
     return torch.ops.stageserve.quant_linear(x, packed, scales, bits, input_bits, scheme)
 
 
+def quant_linear_segments(x: torch.Tensor, packed: list[torch.Tensor], scales: list[torch.Tensor], counts: list[int], bits: int,
+                          input_bits: int = 8, scheme: int = 0) -> torch.Tensor:
+    """`quant_linear` of consecutive row segments of ``x`` ``[M, K]``, each through its own weight (a
+    mixture's experts over the rows routed to them, sorted by expert): the ``counts[i]`` rows after the
+    previous segments' through ``packed[i]``, ``scales[i]``, every weight of the same format and shape
+    -> ``[M, N]`` in ``x``'s dtype, each row bit for bit `quant_linear`'s of it alone. ``x`` is quantized
+    once and every segment's panels run in one parallel region. Raises ``RuntimeError`` where the
+    counts do not add up to M, or as `quant_linear` does.
+    """
+    return torch.ops.stageserve.quant_linear_segments(x, packed, scales, counts, bits, input_bits, scheme)
+
+
 def quant_rows(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``ids`` [T] int64 of an 8-bit weight in `quant_linear`'s layout (uint8 ``packed`` [N / 16, K / 32, 512],
     float16 ``scales`` [N / 16, K / 32, 2, 16] or [N / 16, K / 32, 16]), dequantized (``d * q`` in float32,

@@ -38,7 +38,7 @@ K_SUPER = 512  # two K-quant super-blocks of 256
 VNNI = cpu_kernels.has_avx512_vnni()
 NEW_TYPES = [Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]  # gguf-py quantizes Q5_0/Q5_1, not the K-quants
 # where each type's float16 factors sit in its block (d, and m or dmin)
-F16_BYTES = {Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q2_K: (80, 82), Q.Q3_K: (108,)}
+F16_BYTES = {Q.Q4_0: (0,), Q.Q8_0: (0,), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q2_K: (80, 82), Q.Q3_K: (108,)}
 
 
 def _gguf_weight(qtype: gguf.GGMLQuantizationType, seed: int = 0) -> QuantizedWeight:
@@ -266,6 +266,26 @@ def test_a_q5_or_k_quant_row_gives_the_same_bits_alone_and_among_other_rows(qtyp
     alone = torch.cat([linear.kernel(x[r:r + 1]) for r in range(len(x))])
     for rows in range(2, len(x) + 1):
         assert torch.equal(linear.kernel(x[:rows]), alone[:rows]), rows
+
+
+@pytest.mark.skipif(not VNNI, reason="the VNNI kernel needs AVX512-VNNI")
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, *NEW_TYPES])
+@pytest.mark.parametrize("input_bits", [8, 16])
+def test_row_segments_through_their_own_weights_give_each_row_the_bits_it_gets_alone(qtype, input_bits):
+    """`quant_linear_segments` (a mixture's chosen experts over the rows routed to them) equals each
+    segment's rows through its weight alone, bit for bit: an empty segment included, and one of 9 rows
+    (two passes of a panel, which take a 5- or 6-bit panel's operands unpacked once)."""
+    kernels = [QuantizedLinear(quant.kernel_weight([_random_weight(qtype, seed=seed)], "auto"), None, torch.bfloat16, input_bits=input_bits).kernel
+               for seed in range(4)]
+    counts = [3, 0, 9, 1]
+    x = torch.randn(sum(counts), K_SUPER).bfloat16()
+    got = cpu_kernels.quant_linear_segments(x, [k.packed for k in kernels], [k.scales for k in kernels], counts, kernels[0].bits,
+                                            input_bits, kernels[0].scheme)
+    firsts = np.cumsum([0, *counts[:-1]])
+    assert torch.equal(got, torch.cat([kernel(x[first:first + count]) for kernel, first, count in zip(kernels, firsts, counts)]))
+    with pytest.raises(RuntimeError, match="add up to 12, x has 13 rows"):
+        cpu_kernels.quant_linear_segments(x, [k.packed for k in kernels], [k.scales for k in kernels], [3, 0, 8, 1], kernels[0].bits,
+                                          input_bits, kernels[0].scheme)
 
 
 def test_without_vnni_q4_k_runs_on_torchs_int4_kernel_and_the_other_new_types_fit_no_kernel(monkeypatch):

@@ -10,7 +10,9 @@
 // moe_mlp: the same ATen ops, in the same order, as model/moe.py's `route` (softmax, no groups, no
 // bias, scale 1) and `grouped_experts`, so its result is the Python path's bit for bit: one row runs
 // its experts in ascending order and adds them into a float32 sum; more rows are sorted by expert
-// (stable), each chosen expert runs once over its rows, and the weighted outputs are index-added.
+// (stable), each chosen expert runs once over its rows, and the weighted outputs are index-added. The chosen
+// experts run in one call (`run_experts`: in decode_layers.cpp, their gate_ups in one quant_linear_segments,
+// then their downs in another), each row's output the same bits as its expert's alone.
 
 #include "ops.h"
 #include "vec.h"
@@ -64,8 +66,7 @@ at::Tensor router_logits(const at::Tensor& x, const at::Tensor& weight) {
   return out;
 }
 
-at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool normalize,
-                   const std::function<at::Tensor(int64_t, const at::Tensor&)>& expert) {
+at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool normalize, const ExpertsFn& run_experts) {
   TORCH_CHECK(top_k >= 1 && top_k <= router.size(0), "moe_mlp: top_k ", top_k, " of ", router.size(0), " experts");
   // route(): softmax over all experts in float32, the top k, divided by their sum with normalize
   const at::Tensor scores = at::softmax(router_logits(x, router), -1, at::kFloat);
@@ -80,21 +81,21 @@ at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, int64_t top_k,
     const float* w = w_row.const_data_ptr<float>();
     for (int64_t j = 0; j < top_k; ++j) chosen.emplace_back(e[j], static_cast<double>(w[j]));
     std::sort(chosen.begin(), chosen.end());
+    std::vector<int64_t> ids;
+    for (const auto& choice : chosen) ids.push_back(choice.first);
+    const at::Tensor outputs = run_experts(ids, x.expand({top_k, x.size(1)}).contiguous(), std::vector<int64_t>(top_k, 1));
     at::Tensor out = at::zeros(x.sizes(), x.options().dtype(at::kFloat));
-    for (const auto& [index, weight] : chosen) out.add_(expert(index, x).to(at::kFloat) * weight);
+    for (int64_t j = 0; j < top_k; ++j) out.add_(outputs.narrow(0, j, 1).to(at::kFloat) * chosen[j].second);
     return out.to(x.scalar_type());
   }
   const auto [sorted, order] = at::sort(experts.flatten(), /*stable=*/true, /*dim=*/0, /*descending=*/false);
   const auto [ids, unused_inverse, counts] = at::unique_consecutive(sorted, /*return_inverse=*/false, /*return_counts=*/true);
   const at::Tensor rows = at::floor_divide(order, top_k);
-  const at::Tensor sizes = counts.contiguous();
-  const std::vector<at::Tensor> parts = x.index_select(0, rows).split_with_sizes(at::IntArrayRef(sizes.const_data_ptr<int64_t>(), sizes.numel()));
-  std::vector<at::Tensor> outputs;
-  outputs.reserve(parts.size());
-  const at::Tensor expert_ids = ids.contiguous();
-  const int64_t* id = expert_ids.const_data_ptr<int64_t>();
-  for (size_t i = 0; i < parts.size(); ++i) outputs.push_back(expert(id[i], parts[i]));
-  const at::Tensor weighted = at::cat(outputs).to(at::kFloat) * weights.flatten().index_select(0, order).unsqueeze(1);
+  const at::Tensor sizes = counts.contiguous(), expert_ids = ids.contiguous();
+  const int64_t *size = sizes.const_data_ptr<int64_t>(), *id = expert_ids.const_data_ptr<int64_t>();
+  const at::Tensor outputs = run_experts(std::vector<int64_t>(id, id + expert_ids.numel()), x.index_select(0, rows),
+                                         std::vector<int64_t>(size, size + sizes.numel()));
+  const at::Tensor weighted = outputs.to(at::kFloat) * weights.flatten().index_select(0, order).unsqueeze(1);
   return at::zeros(x.sizes(), x.options().dtype(at::kFloat)).index_add_(0, rows, weighted).to(x.scalar_type());
 }
 

@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <functional>
+#include <vector>
 
 namespace stageserve {
 
@@ -52,6 +53,12 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, at::Int
 bool cpu_has_avx512_vnni();
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t bits, int64_t input_bits,
                         int64_t scheme);
+// quant_linear of consecutive row segments of x [M, K], each through its own weight (a mixture's experts over
+// the rows routed to them, sorted by expert): rows [c_0 + ... + c_{i-1}, + c_i) through packed[i], scales[i],
+// every weight of the same format and N -> [M, N]; x quantized once and every segment's panels in one
+// parallel region, each row's result bit for bit quant_linear's of it alone  (quant_linear.cpp)
+at::Tensor quant_linear_segments(const at::Tensor& x, at::TensorList packed, at::TensorList scales, at::IntArrayRef counts, int64_t bits,
+                                 int64_t input_bits, int64_t scheme);
 // Rows ids [T] int64 of an 8-bit weight packed as quant_linear takes it (scheme 0 or 3), dequantized (d * q in float32,
 // rounded once) -> [T, K] of dtype: a tied embedding table looked up in the LM head's int8 panels  (quant_linear.cpp)
 at::Tensor quant_rows(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& ids, c10::ScalarType dtype);
@@ -69,9 +76,10 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
 at::Tensor router_logits(const at::Tensor& x, const at::Tensor& weight);
 // The mixture of experts of x [T, hidden] (model/moe.py's softmax `route` and `grouped_experts`, the
 // same ops): `router` as router_logits takes it, each row's top_k experts (their weights normalized to
-// sum 1 with `normalize`), expert(e, rows [n, hidden]) -> [n, hidden]; -> [T, hidden] in x's dtype  (moe.cpp)
-at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool normalize,
-                   const std::function<at::Tensor(int64_t, const at::Tensor&)>& expert);
+// sum 1 with `normalize`), run_experts(ids, rows [A, hidden], counts) -> [A, hidden]: expert ids[i] over the next
+// counts[i] rows (the rows sorted by expert); -> [T, hidden] in x's dtype  (moe.cpp)
+using ExpertsFn = std::function<at::Tensor(const std::vector<int64_t>&, const at::Tensor&, const std::vector<int64_t>&)>;
+at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool normalize, const ExpertsFn& run_experts);
 
 // The decoder layers of a decode-only step ([T, hidden] residual x, the embeddings, updated in place), each
 // layer's linears on quant_linear, its MLP dense or a mixture of experts, flattened as decode_layers.cpp

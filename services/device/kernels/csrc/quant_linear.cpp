@@ -37,6 +37,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -306,47 +307,53 @@ SS_VNNI void panel_passes(const uint8_t* panel_bytes, const uint8_t* scales, con
   panel_tail<kBits, kScheme, kLevels, kSource, kPassRows - 1>(panel_bytes, scales, x, r, rows - r, k, y, n);
 }
 
-// All `rows` input rows through one panel; a 5- or 6-bit panel that more than one pass takes is unpacked by
-// the first into this thread's buffer (`Source`). The operands are the same bytes either way, so the
+// Input rows [first, end) through one panel; a 5- or 6-bit panel that more than one pass takes is unpacked
+// by the first into this thread's buffer (`Source`). The operands are the same bytes either way, so the
 // outputs are the same bits.
 template <int kBits, Scheme kScheme, int kLevels, typename T>
-SS_VNNI void panel(const uint8_t* panel_bytes, const uint8_t* scales, const Int8Rows& x, int64_t rows, int64_t k, T* y, int64_t n) {
+SS_VNNI void panel(const uint8_t* panel_bytes, const uint8_t* scales, const Int8Rows& x, int64_t first, int64_t end, int64_t k, T* y,
+                   int64_t n) {
   if constexpr (kBits == 5 || kBits == 6) {
-    if (rows > kPassRows) {
+    if (end - first > kPassRows) {
       thread_local std::vector<uint8_t> unpacked;
       unpacked.resize(k / kGroup * kUnpackedGroupBytes);
-      panel_rows<kBits, kScheme, kLevels, kPassRows, Source::kPackedStoring>(panel_bytes, scales, x, 0, k, y, n, unpacked.data());
-      panel_passes<kBits, kScheme, kLevels, Source::kUnpacked>(unpacked.data(), scales, x, kPassRows, rows, k, y, n);
+      panel_rows<kBits, kScheme, kLevels, kPassRows, Source::kPackedStoring>(panel_bytes, scales, x, first, k, y, n, unpacked.data());
+      panel_passes<kBits, kScheme, kLevels, Source::kUnpacked>(unpacked.data(), scales, x, first + kPassRows, end, k, y, n);
       return;
     }
   }
-  panel_passes<kBits, kScheme, kLevels, Source::kPacked>(panel_bytes, scales, x, 0, rows, k, y, n);
+  panel_passes<kBits, kScheme, kLevels, Source::kPacked>(panel_bytes, scales, x, first, end, k, y, n);
 }
 
 // The formats the op takes, as (bits, scheme) pairs.
 template <int kLevels, typename T>
 SS_VNNI void panel_any_format(int64_t bits, Scheme scheme, const uint8_t* panel_bytes, const uint8_t* scales, const Int8Rows& x,
-                              int64_t rows, int64_t k, T* y, int64_t n) {
+                              int64_t first, int64_t end, int64_t k, T* y, int64_t n) {
   if (scheme == Scheme::kGroup) {
-    if (bits == 4) panel<4, Scheme::kGroup, kLevels>(panel_bytes, scales, x, rows, k, y, n);
-    else if (bits == 5) panel<5, Scheme::kGroup, kLevels>(panel_bytes, scales, x, rows, k, y, n);
-    else panel<8, Scheme::kGroup, kLevels>(panel_bytes, scales, x, rows, k, y, n);
+    if (bits == 4) panel<4, Scheme::kGroup, kLevels>(panel_bytes, scales, x, first, end, k, y, n);
+    else if (bits == 5) panel<5, Scheme::kGroup, kLevels>(panel_bytes, scales, x, first, end, k, y, n);
+    else panel<8, Scheme::kGroup, kLevels>(panel_bytes, scales, x, first, end, k, y, n);
   } else if (scheme == Scheme::kGroupSymmetric) {
-    if (bits == 4) panel<4, Scheme::kGroupSymmetric, kLevels>(panel_bytes, scales, x, rows, k, y, n);
-    else if (bits == 5) panel<5, Scheme::kGroupSymmetric, kLevels>(panel_bytes, scales, x, rows, k, y, n);
-    else panel<8, Scheme::kGroupSymmetric, kLevels>(panel_bytes, scales, x, rows, k, y, n);
+    if (bits == 4) panel<4, Scheme::kGroupSymmetric, kLevels>(panel_bytes, scales, x, first, end, k, y, n);
+    else if (bits == 5) panel<5, Scheme::kGroupSymmetric, kLevels>(panel_bytes, scales, x, first, end, k, y, n);
+    else panel<8, Scheme::kGroupSymmetric, kLevels>(panel_bytes, scales, x, first, end, k, y, n);
   } else if (scheme == Scheme::kSuperMin) {
-    if (bits == 4) panel<4, Scheme::kSuperMin, kLevels>(panel_bytes, scales, x, rows, k, y, n);
-    else panel<5, Scheme::kSuperMin, kLevels>(panel_bytes, scales, x, rows, k, y, n);
+    if (bits == 4) panel<4, Scheme::kSuperMin, kLevels>(panel_bytes, scales, x, first, end, k, y, n);
+    else panel<5, Scheme::kSuperMin, kLevels>(panel_bytes, scales, x, first, end, k, y, n);
   } else {
-    panel<6, Scheme::kSuperSymmetric, kLevels>(panel_bytes, scales, x, rows, k, y, n);
+    panel<6, Scheme::kSuperSymmetric, kLevels>(panel_bytes, scales, x, first, end, k, y, n);
   }
 }
 
-}  // namespace
+// A weight as quant_linear takes it, checked against the inputs' K.
+struct Format {
+  int64_t bits;
+  Scheme scheme;
+  int levels;  // int8 input levels
+  int64_t k, n, panels, panel_bytes, scale_bytes;
+};
 
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t bits, int64_t input_bits,
-                        int64_t scheme_code) {
+Format check_format(int64_t k, const at::Tensor& packed, const at::Tensor& scales, int64_t bits, int64_t input_bits, int64_t scheme_code) {
   TORCH_CHECK(cpu_has_avx512_vnni(), "quant_linear needs AVX512-VNNI (check has_avx512_vnni first)");
   TORCH_CHECK(scheme_code >= 0 && scheme_code <= 3, "quant_linear: scheme must be 0 (group), 1 (Q4_K/Q5_K), 2 (Q6_K) or 3 (symmetric group), got ",
               scheme_code);
@@ -355,15 +362,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   const bool bits_ok = per_group ? (bits == 4 || bits == 5 || bits == 8) : scheme == Scheme::kSuperMin ? (bits == 4 || bits == 5) : bits == 6;
   TORCH_CHECK(bits_ok, "quant_linear: bits ", bits, " do not go with scheme ", scheme_code, " (group, symmetric group: 4, 5, 8; Q4_K/Q5_K: 4, 5; Q6_K: 6)");
   TORCH_CHECK(input_bits == 8 || input_bits == 16, "quant_linear: input_bits must be 8 or 16, got ", input_bits);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && is_kernel_dtype(x.scalar_type()), "quant_linear: x must be [M, K] contiguous bfloat16 or float32");
-  const int64_t rows = x.size(0), k = x.size(1), groups = k / kGroup;
+  const int64_t groups = k / kGroup;
   const int64_t group_bytes = kGroup * kLanes * bits / 8, panel_bytes = groups * group_bytes;
   TORCH_CHECK(k % (per_group ? kGroup : kSuper) == 0, "quant_linear: K must be a multiple of ", per_group ? kGroup : kSuper,
               " for scheme ", scheme_code, ", got ", k);
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(1) == groups &&
                   packed.size(2) == group_bytes,
               "quant_linear: packed must be uint8 [N / 16, K / 32, ", group_bytes, "] for K = ", k, ", got ", packed.sizes());
-  const int64_t panels = packed.size(0), n = panels * kLanes;
+  const int64_t panels = packed.size(0);
   const int64_t scale_bytes = scheme == Scheme::kGroup ? groups * 4 * kLanes
                               : scheme == Scheme::kGroupSymmetric ? groups * 2 * kLanes
                               : (k / kSuper) * (scheme == Scheme::kSuperMin ? kMinScaleBytes : kSymScaleBytes);
@@ -372,28 +378,106 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
               "quant_linear: scales must be float16 [N / 16, K / 32, 2, 16] (group), float16 [N / 16, K / 32, 16] (symmetric group) "
               "or uint8 [N / 16, K / 256, ", scheme == Scheme::kSuperSymmetric ? kSymScaleBytes : kMinScaleBytes, "] (K-quants), got ",
               scales.sizes(), " ", scales.scalar_type());
-  at::Tensor y = at::empty({rows, n}, x.options());
-  if (rows == 0) return y;
+  return {bits, scheme, static_cast<int>(input_bits / 8), k, panels * kLanes, panels, panel_bytes, scale_bytes};
+}
+
+void check_input(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && is_kernel_dtype(x.scalar_type()), "quant_linear: x must be [M, K] contiguous bfloat16 or float32");
+}
+
+Int8Rows quantize(const at::Tensor& x, int levels) {
   Int8Rows quantized;
-  const int levels = input_bits / 8;
   dispatch_kernel_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    if (levels == 1) quantize_rows<1>(x.data_ptr<T>(), rows, k, quantized);
-    else quantize_rows<2>(x.data_ptr<T>(), rows, k, quantized);
-    const uint8_t* weights = packed.data_ptr<uint8_t>();
-    const uint8_t* scale = static_cast<const uint8_t*>(scales.data_ptr());
-    T* out = y.data_ptr<T>();
-    // Chunks of ~64 KB of weights: one panel of a small layer is a few KB.
-    const int64_t grain = std::max<int64_t>(1, 65536 / panel_bytes);
-    parallel_chunks(panels, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const uint8_t* w = weights + p * panel_bytes;
-        const uint8_t* s = scale + p * scale_bytes;
-        if (levels == 1) panel_any_format<1>(bits, scheme, w, s, quantized, rows, k, out + p * kLanes, n);
-        else panel_any_format<2>(bits, scheme, w, s, quantized, rows, k, out + p * kLanes, n);
+    if (levels == 1) quantize_rows<1>(x.const_data_ptr<T>(), x.size(0), x.size(1), quantized);
+    else quantize_rows<2>(x.const_data_ptr<T>(), x.size(0), x.size(1), quantized);
+  });
+  return quantized;
+}
+
+// One weight over the quantized input rows [first, end), into the same rows of y [M, N].
+struct PanelWork {
+  const Format* format;
+  const uint8_t* weights;
+  const uint8_t* scales;
+  const Int8Rows* x;
+  int64_t first, end;
+  at::Tensor* y;
+
+  // Panels [begin, stop) of the weight.
+  void run(int64_t begin, int64_t stop) const {
+    const Format& f = *format;
+    dispatch_kernel_dtype(y->scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      T* out = static_cast<T*>(y->data_ptr());
+      for (int64_t p = begin; p < stop; ++p) {
+        const uint8_t* w = weights + p * f.panel_bytes;
+        const uint8_t* s = scales + p * f.scale_bytes;
+        if (f.levels == 1) panel_any_format<1>(f.bits, f.scheme, w, s, *x, first, end, f.k, out + p * kLanes, f.n);
+        else panel_any_format<2>(f.bits, f.scheme, w, s, *x, first, end, f.k, out + p * kLanes, f.n);
       }
     });
+  }
+};
+
+// Every work's panels in one parallel region, in chunks of ~64 KB of weights (one panel of a small layer
+// is a few KB) that the threads take in turn: a mixture's experts share one fork and join.
+void run_works(const std::vector<PanelWork>& works) {
+  struct Chunk {
+    const PanelWork* work;
+    int64_t begin, end;
+  };
+  std::vector<Chunk> chunks;
+  for (const PanelWork& work : works) {
+    const int64_t panels = work.format->panels, grain = std::max<int64_t>(1, 65536 / work.format->panel_bytes);
+    for (int64_t p = 0; p < panels; p += grain) chunks.push_back({&work, p, std::min(panels, p + grain)});
+  }
+  parallel_chunks(static_cast<int64_t>(chunks.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) chunks[c].work->run(chunks[c].begin, chunks[c].end);
   });
+}
+
+}  // namespace
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t bits, int64_t input_bits,
+                        int64_t scheme) {
+  check_input(x);
+  const Format format = check_format(x.size(1), packed, scales, bits, input_bits, scheme);
+  at::Tensor y = at::empty({x.size(0), format.n}, x.options());
+  if (x.size(0) == 0) return y;
+  const Int8Rows quantized = quantize(x, format.levels);
+  run_works({{&format, packed.const_data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.const_data_ptr()), &quantized, 0, x.size(0), &y}});
+  return y;
+}
+
+at::Tensor quant_linear_segments(const at::Tensor& x, at::TensorList packed, at::TensorList scales, at::IntArrayRef counts, int64_t bits,
+                                 int64_t input_bits, int64_t scheme) {
+  check_input(x);
+  TORCH_CHECK(!packed.empty() && packed.size() == scales.size() && packed.size() == counts.size(),
+              "quant_linear_segments: one packed weight, one scales tensor and one row count per segment, got ", packed.size(), ", ",
+              scales.size(), " and ", counts.size());
+  std::vector<Format> formats;
+  formats.reserve(packed.size());
+  int64_t rows = 0;
+  for (size_t i = 0; i < packed.size(); ++i) {
+    formats.push_back(check_format(x.size(1), packed[i], scales[i], bits, input_bits, scheme));
+    TORCH_CHECK(formats[i].n == formats[0].n, "quant_linear_segments: segment ", i, " has ", formats[i].n, " outputs, segment 0 ", formats[0].n);
+    TORCH_CHECK(counts[i] >= 0, "quant_linear_segments: segment ", i, " has a negative row count");
+    rows += counts[i];
+  }
+  TORCH_CHECK(rows == x.size(0), "quant_linear_segments: the segments' row counts add up to ", rows, ", x has ", x.size(0), " rows");
+  at::Tensor y = at::empty({rows, formats[0].n}, x.options());
+  if (rows == 0) return y;
+  const Int8Rows quantized = quantize(x, formats[0].levels);  // a row's quantization does not depend on the others
+  std::vector<PanelWork> works;
+  int64_t first = 0;
+  for (size_t i = 0; i < packed.size(); ++i) {
+    if (counts[i] > 0)
+      works.push_back({&formats[i], packed[i].const_data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales[i].const_data_ptr()), &quantized,
+                       first, first + counts[i], &y});
+    first += counts[i];
+  }
+  run_works(works);
   return y;
 }
 

@@ -39,6 +39,7 @@ TORCH_LIBRARY(stageserve, m) {
   m.def("has_amx() -> bool", &stageserve::cpu_has_amx);
   m.def("has_avx512_vnni() -> bool", &stageserve::cpu_has_avx512_vnni);
   m.def("quant_linear(Tensor x, Tensor packed, Tensor scales, int bits, int input_bits, int scheme=0) -> Tensor");
+  m.def("quant_linear_segments(Tensor x, Tensor[] packed, Tensor[] scales, int[] counts, int bits, int input_bits, int scheme=0) -> Tensor");
   m.def("quant_rows(Tensor packed, Tensor scales, Tensor ids, ScalarType dtype) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("amx_swiglu(Tensor x, Tensor packed) -> Tensor");
@@ -60,6 +61,7 @@ TORCH_LIBRARY_IMPL(stageserve, CPU, m) {
   m.impl("apply_token_bitmask_", &stageserve::apply_token_bitmask_);
   m.impl("gumbel_argmax", &stageserve::gumbel_argmax);
   m.impl("quant_linear", &stageserve::quant_linear);
+  m.impl("quant_linear_segments", &stageserve::quant_linear_segments);
   m.impl("quant_rows", &stageserve::quant_rows);
   m.impl("amx_linear", &stageserve::amx_linear);
   m.impl("amx_swiglu", &stageserve::amx_swiglu);
