@@ -297,14 +297,14 @@ SS_VNNI void panel_tail(const uint8_t* panel_bytes, const uint8_t* scales, const
   }
 }
 
-// Input rows [first, rows) through one panel, kPassRows at a time.
+// Input rows [first, end) through one panel, kPassRows at a time.
 template <int kBits, Scheme kScheme, int kLevels, Source kSource, typename T>
-SS_VNNI void panel_passes(const uint8_t* panel_bytes, const uint8_t* scales, const Int8Rows& x, int64_t first, int64_t rows, int64_t k,
+SS_VNNI void panel_passes(const uint8_t* panel_bytes, const uint8_t* scales, const Int8Rows& x, int64_t first, int64_t end, int64_t k,
                           T* y, int64_t n) {
   int64_t r = first;
-  for (; r + kPassRows <= rows; r += kPassRows) panel_rows<kBits, kScheme, kLevels, kPassRows, kSource>(panel_bytes, scales, x, r, k, y, n);
+  for (; r + kPassRows <= end; r += kPassRows) panel_rows<kBits, kScheme, kLevels, kPassRows, kSource>(panel_bytes, scales, x, r, k, y, n);
   // the weight panel (or its operands) is in L1 by now: the tail re-reads it from there
-  panel_tail<kBits, kScheme, kLevels, kSource, kPassRows - 1>(panel_bytes, scales, x, r, rows - r, k, y, n);
+  panel_tail<kBits, kScheme, kLevels, kSource, kPassRows - 1>(panel_bytes, scales, x, r, end - r, k, y, n);
 }
 
 // Input rows [first, end) through one panel; a 5- or 6-bit panel that more than one pass takes is unpacked
