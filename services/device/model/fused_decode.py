@@ -10,8 +10,8 @@ per-op work is gone.
 
 It takes what the decode path of most served models is: layers with grouped-query attention (q/k
 norms, sliding windows and RoPE tables per layer included), a SwiGLU MLP or a mixture of SwiGLU
-experts with softmax routing (Qwen3-MoE, Mixtral: `moe.KernelRouter`, no shared experts), and every
-linear on the VNNI kernel at the step's row count (any row count where no linear keeps a dense copy:
+experts with softmax routing (Qwen3-MoE, Mixtral: `moe.KernelRouter`, no shared experts, the experts'
+linears of one format), and every linear on the VNNI kernel at the step's row count (any row count where no linear keeps a dense copy:
 there the kernel takes them all, `QuantizedLinear`). Anything else (a prefill row, DeepSeek's latent
 attention and routing, Gemma's sandwich norms or GeGLU, a linear on a dense copy or on torch's
 kernels) keeps the Python path.
@@ -79,6 +79,8 @@ class FusedDecodeLayers:
                 return None
             if not all(map(_on_vnni, (layer.qkv, layer.o, *_mlp_linears(layer)))):
                 return None
+            if layer.moe is not None and not _experts_alike(layer.moe):
+                return None
         return cls(model)
 
     def takes(self, batch: ForwardBatch) -> bool:
@@ -108,6 +110,17 @@ def _mlp_linears(layer) -> list:
     if layer.moe is None:
         return [layer.gate_up, layer.down]
     return [lin for pair in zip(layer.moe.gate_ups, layer.moe.downs) for lin in pair]
+
+
+def _experts_alike(moe: MoEMLP) -> bool:
+    """Whether every expert's linears have the first's kernel formats (parts, bits, input levels, scales)
+    and biases, as ``decode_layers`` runs a step's chosen experts in one call each for their gate_ups and
+    downs (a GGUF file stores a layer's experts as one tensor a projection, of one type)."""
+    def formats(linear) -> tuple:
+        return linear.bias is not None, [(k.bits, k.input_bits, k.scheme) for k in linear.kernel_parts()]
+
+    return all(formats(gate_up) == formats(moe.gate_ups[0]) and formats(down) == formats(moe.downs[0])
+               for gate_up, down in zip(moe.gate_ups, moe.downs))
 
 
 def _softmax_routed(moe: MoEMLP) -> bool:

@@ -10,6 +10,7 @@ import torch
 from stageserve.device.kernels import cpu_kernels
 from stageserve.device.model.decoder import DecoderModel
 from stageserve.device.model.forward_batch import build_forward_batch
+from stageserve.device.model.fused_decode import FusedDecodeLayers
 from stageserve.model_files import embedded_model_path
 from tests.tiny_checkpoint import write_tiny_checkpoint
 from tests.unit.device.test_model_reference import decode_run
@@ -62,6 +63,17 @@ def test_mixtures_of_experts_give_the_python_paths_bits(tmp_path, family, rows):
     model = DecoderModel.from_path(path, torch.float32, "cpu", weight_format="int8")
     assert sum(layer.moe is not None for layer in model.layers) == (1 if family == "qwen3_moe" else 2)
     assert_same_bits_as_python_path(model, [[(3 * i + 7 * r) % 250 + 1 for i in range(17 + 5 * r)] for r in range(rows)], steps=8)
+
+
+def test_a_mixture_whose_experts_differ_in_format_runs_the_python_path(tmp_path):
+    """decode_layers runs a step's chosen experts in one call for their gate_ups and one for their downs,
+    which takes one format: a layer whose experts' kernels differ (here one down on the other input level) is
+    not flattened."""
+    model = DecoderModel.from_path(write_tiny_checkpoint(tmp_path, family="mixtral"), torch.float32, "cpu", weight_format="int8")
+    assert FusedDecodeLayers.for_model(model) is not None
+    kernel = model.layers[1].moe.downs[3].kernel
+    kernel.input_bits = 8 if kernel.input_bits == 16 else 16
+    assert FusedDecodeLayers.for_model(model) is None
 
 
 def test_a_routers_logits_do_not_depend_on_the_other_rows():
