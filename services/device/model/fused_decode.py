@@ -11,10 +11,10 @@ per-op work is gone.
 It takes what the decode path of most served models is: layers with grouped-query attention (q/k
 norms, sliding windows and RoPE tables per layer included), a SwiGLU MLP or a mixture of SwiGLU
 experts with softmax routing (Qwen3-MoE, Mixtral: `moe.KernelRouter`, no shared experts, the experts'
-linears of one format), and every linear on the VNNI kernel at the step's row count (any row count where no linear keeps a dense copy:
-there the kernel takes them all, `QuantizedLinear`). Anything else (a prefill row, DeepSeek's latent
-attention and routing, Gemma's sandwich norms or GeGLU, a linear on a dense copy or on torch's
-kernels) keeps the Python path.
+linears of one format), and every linear on the VNNI kernel at the step's row count (any row count
+where no linear keeps a dense copy: there the kernel takes them all, `QuantizedLinear`). Anything
+else (a prefill row, DeepSeek's latent attention and routing, Gemma's sandwich norms or GeGLU, a
+linear on a dense copy or on torch's kernels) keeps the Python path.
 """
 
 from __future__ import annotations

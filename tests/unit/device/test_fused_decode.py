@@ -66,9 +66,9 @@ def test_mixtures_of_experts_give_the_python_paths_bits(tmp_path, family, rows):
 
 
 def test_a_mixture_whose_experts_differ_in_format_runs_the_python_path(tmp_path):
-    """decode_layers runs a step's chosen experts in one call for their gate_ups and one for their downs,
-    which takes one format: a layer whose experts' kernels differ (here one down on the other input level) is
-    not flattened."""
+    """decode_layers runs a step's chosen experts in one call for their gate_ups and one for their
+    downs, which takes one format: a layer whose experts' kernels differ (here one down on the other
+    input level) is not flattened."""
     model = DecoderModel.from_path(write_tiny_checkpoint(tmp_path, family="mixtral"), torch.float32, "cpu", weight_format="int8")
     assert FusedDecodeLayers.for_model(model) is not None
     kernel = model.layers[1].moe.downs[3].kernel
