@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
-from stageserve.device.assembly import _linears_on_vnni_kernel, device_dtype
+from stageserve.device.assembly import _linears_on_vnni_kernel, _load_decoder, device_dtype
 from stageserve.device.flags import add_arguments, resolve_dtype
 from stageserve.device.kernels.quant_linear import vnni_kernel_runs
 from stageserve.model_files import embedded_model_path
@@ -61,9 +62,5 @@ def test_an_hf_directorys_dense_linears_stay_float32_without_native_bf16(tmp_pat
 def test_float32_without_the_cpu_kernels_keeps_a_quantized_gguf_dense():
     """torch's int4/int8 kernels are slow with float32 input: with ``--no-cpu-kernels`` the VNNI
     kernel does not run, so ``--weights auto`` dequantizes (it kept int4 on torch's kernels before)."""
-    import torch
-
-    from stageserve.device.assembly import _load_decoder
-
     model = _load_decoder(device_args(["--no-cpu-kernels"]), embedded_model_path(), torch.float32, "cpu")
     assert dict(model.linear_formats) == {"float32": 121}

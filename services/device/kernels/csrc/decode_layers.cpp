@@ -36,14 +36,7 @@ class Linear {
   };
 
   // x [T, K] -> [T, N].
-  at::Tensor operator()(const at::Tensor& x) const {
-    std::vector<at::Tensor> outputs;
-    outputs.reserve(parts.size());
-    for (const Part& p : parts) outputs.push_back(quant_linear(x, *p.packed, *p.scales, p.bits, p.input_bits, p.scheme));
-    at::Tensor y = parts.size() == 1 ? outputs[0] : at::cat(outputs, -1);
-    if (bias != nullptr) y.add_(*bias);
-    return y;
-  }
+  at::Tensor operator()(const at::Tensor& x) const { return segments({this}, x, {x.size(0)}); }
 
   // linears[i] over the next counts[i] rows of x [M, K] -> [M, N] (quant_linear_segments), the linears
   // alike: as many parts, of the same formats, each with a bias or none.

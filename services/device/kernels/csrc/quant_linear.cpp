@@ -439,17 +439,6 @@ void run_works(const std::vector<PanelWork>& works) {
 
 }  // namespace
 
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t bits, int64_t input_bits,
-                        int64_t scheme) {
-  check_input(x);
-  const Format format = check_format(x.size(1), packed, scales, bits, input_bits, scheme);
-  at::Tensor y = at::empty({x.size(0), format.n}, x.options());
-  if (x.size(0) == 0) return y;
-  const Int8Rows quantized = quantize(x, format.levels);
-  run_works({{&format, packed.const_data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.const_data_ptr()), &quantized, 0, x.size(0), &y}});
-  return y;
-}
-
 at::Tensor quant_linear_segments(const at::Tensor& x, at::TensorList packed, at::TensorList scales, at::IntArrayRef counts, int64_t bits,
                                  int64_t input_bits, int64_t scheme) {
   check_input(x);
@@ -479,6 +468,12 @@ at::Tensor quant_linear_segments(const at::Tensor& x, at::TensorList packed, at:
   }
   run_works(works);
   return y;
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t bits, int64_t input_bits,
+                        int64_t scheme) {
+  check_input(x);
+  return quant_linear_segments(x, {packed}, {scales}, {x.size(0)}, bits, input_bits, scheme);  // one segment: every row
 }
 
 at::Tensor quant_rows(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& ids, c10::ScalarType dtype) {
